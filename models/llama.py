@@ -1,0 +1,465 @@
+"""Llama-family decoder (Llama, SmolLM2, Qwen2) in Flax, with a KV cache and GSM sites.
+
+One file for the family: the config, the modules, and the three entry points the
+generation code calls:
+
+- `forward`: teacher-forced logits over right-padded rows (no cache);
+- `prefill`: a prompt batch into a fresh cache, logits of each row's last token;
+- `decode_step`: one new token per row against the cache (the cache is donated
+  by the jitted callers, so XLA updates it in place).
+
+Positions are per sequence and equal the cache slot, so ragged batches and rows
+at different stages (continuous batching) share one cache layout. Layers run
+under `lax.scan` over stacked weights: one compiled layer body keeps cold start
+short. The GSM sites are the two `smooth_site_*` calls in `DecoderLayer`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from gsm_jax.errors import UnsupportedModelError
+from gsm_jax.models.gsm_sites import (
+    ATTN_OUT,
+    FFN_MID,
+    GSMInputs,
+    smooth_site_decode,
+    smooth_site_prefill,
+)
+
+_MASK_VALUE = -1e30  # finite, so a row with no valid key (a dummy batch row) gives no NaN
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    """Static model configuration (hashable: it is a static argument under jit)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2 has biases on q, k and v
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    model_type: str = "llama"
+
+    family = "llama"
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def site_sizes(self) -> tuple[int, int]:
+        """Channel count of the `attn_out` and `ffn_mid` sites."""
+        return (self.q_size, self.intermediate_size)
+
+    @classmethod
+    def from_hf_config(cls, hf: dict[str, Any]) -> LlamaConfig:
+        """Build from a Hugging Face `config.json` dict; refuse what is not implemented."""
+        model_type = hf.get("model_type")
+        if model_type not in ("llama", "qwen2", "mistral"):
+            raise UnsupportedModelError(
+                f"model_type {model_type!r} is not a supported Llama-family type "
+                "(supported: llama, qwen2, mistral)"
+            )
+        rope_scaling = hf.get("rope_scaling") or hf.get("rope_parameters")
+        if rope_scaling:
+            rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+            if rope_type != "default":
+                raise UnsupportedModelError(f"rope_scaling type {rope_type!r} is not supported")
+            hf = {**hf, "rope_theta": rope_scaling.get("rope_theta", hf.get("rope_theta"))}
+        if hf.get("sliding_window") and hf.get("use_sliding_window", model_type == "mistral"):
+            raise UnsupportedModelError("sliding-window attention is not supported for Llama models")
+        if hf.get("hidden_act", "silu") != "silu":
+            raise UnsupportedModelError(f"hidden_act {hf['hidden_act']!r} is not supported")
+        if hf.get("mlp_bias"):
+            raise UnsupportedModelError("mlp_bias=True is not supported")
+        heads = int(hf["num_attention_heads"])
+        eos = hf.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list | tuple) else (() if eos is None else (eos,))
+        return cls(
+            vocab_size=int(hf["vocab_size"]),
+            hidden_size=int(hf["hidden_size"]),
+            intermediate_size=int(hf["intermediate_size"]),
+            num_layers=int(hf["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(hf.get("num_key_value_heads") or heads),
+            head_dim=int(hf.get("head_dim") or hf["hidden_size"] // heads),
+            rope_theta=float(hf.get("rope_theta") or 10000.0),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            attention_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=tuple(int(e) for e in eos_ids),
+            model_type=model_type,
+        )
+
+
+@struct.dataclass
+class KVCache:
+    """Per-row KV cache plus the GSM ring buffers (present only when GSM is compiled in).
+
+    k, v: [layers, B, S, kv_heads, head_dim]; slot s holds the token at position s.
+    lengths: [B] tokens already in the cache (= the position of the next token).
+    rings: per site [layers, B, max_window, C] of raw site inputs (see gsm_sites).
+    """
+
+    k: jax.Array
+    v: jax.Array
+    lengths: jax.Array
+    rings: tuple[jax.Array, jax.Array] | None = None
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[2]
+
+
+def init_cache(
+    cfg: LlamaConfig, batch_size: int, max_len: int, *, dtype: Any = jnp.float32,
+    gsm_max_window: int | None = None,
+) -> KVCache:
+    shape = (cfg.num_layers, batch_size, max_len, cfg.num_kv_heads, cfg.head_dim)
+    rings = None
+    if gsm_max_window is not None:
+        rings = tuple(
+            jnp.zeros((cfg.num_layers, batch_size, gsm_max_window, c), dtype)
+            for c in cfg.site_sizes
+        )
+    return KVCache(
+        k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
+        lengths=jnp.zeros((batch_size,), jnp.int32), rings=rings,
+    )
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (x32 * weight.astype(jnp.float32)).astype(x.dtype)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """Rotate-half RoPE (the Hugging Face convention). x [B, T, N, hd], positions [B, T]."""
+    half = x.shape[-1] // 2
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, half, dtype=jnp.float32) * 2.0 / x.shape[-1]))
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, half]
+    cos = jnp.cos(angles)[:, :, None, :]
+    sin = jnp.sin(angles)[:, :, None, :]
+    x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+def attention_decode(q, k_cache, v_cache, k_new, v_new, mask) -> jax.Array:
+    """One query per row against its cached keys (mask [B,S]) plus its own new key.
+
+    q [B,H,hd]; k_cache, v_cache [B,S,K,hd]; k_new, v_new [B,K,hd] -> [B, H*hd].
+    Scoring the new key apart avoids writing it into a copy of the layer's cache.
+    """
+    b, h, hd = q.shape
+    kv_heads = k_cache.shape[2]
+    q = q.reshape(b, kv_heads, h // kv_heads, hd)
+    scale = hd**-0.5
+    s_cache = jnp.einsum("bkgd,bskd->bkgs", q, k_cache, preferred_element_type=jnp.float32)
+    s_new = jnp.einsum("bkgd,bkd->bkg", q, k_new, preferred_element_type=jnp.float32)
+    s_cache = jnp.where(mask[:, None, None], s_cache * scale, _MASK_VALUE)
+    scores = jnp.concatenate([s_cache, (s_new * scale)[..., None]], axis=-1)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v_cache.dtype)
+    out = jnp.einsum("bkgs,bskd->bkgd", probs[..., :-1], v_cache)
+    out = out + probs[..., -1:] * v_new[:, :, None, :]
+    return out.reshape(b, h * hd)
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """Grouped-query attention. q [B,T,H,hd]; k, v [B,S,K,hd]; mask [B,T,S] -> [B,T,H*hd]."""
+    b, t, h, hd = q.shape
+    kv_heads = k.shape[2]
+    q = q.reshape(b, t, kv_heads, h // kv_heads, hd)
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
+    scores = scores * (hd**-0.5)
+    scores = jnp.where(mask[:, None, None], scores, _MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
+    return out.reshape(b, t, h * hd)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention + SwiGLU MLP with fused QKV and gate/up projections.
+
+    Weights are stored [in, out] (x @ W), the layout XLA:CPU multiplies fastest at
+    batch 16; q/k/v and gate/up are concatenated so each is one matmul.
+    """
+
+    cfg: LlamaConfig
+
+    def setup(self) -> None:
+        cfg, init = self.cfg, nn.initializers.normal(0.02)
+        d = cfg.hidden_size
+        self.attn_norm = self.param("attn_norm", nn.initializers.ones, (d,))
+        self.qkv = self.param("qkv", init, (d, cfg.q_size + 2 * cfg.kv_size))
+        if cfg.attention_bias:
+            self.qkv_bias = self.param("qkv_bias", nn.initializers.zeros,
+                                       (cfg.q_size + 2 * cfg.kv_size,))
+        self.o = self.param("o", init, (cfg.q_size, d))
+        self.ffn_norm = self.param("ffn_norm", nn.initializers.ones, (d,))
+        self.gate_up = self.param("gate_up", init, (d, 2 * cfg.intermediate_size))
+        self.down = self.param("down", init, (cfg.intermediate_size, d))
+
+    def _qkv(self, x: jax.Array, positions: jax.Array):
+        cfg = self.cfg
+        h = rms_norm(x, self.attn_norm, cfg.rms_norm_eps)
+        qkv = h @ self.qkv.astype(x.dtype)
+        if cfg.attention_bias:
+            qkv = qkv + self.qkv_bias.astype(x.dtype)
+        b, t = x.shape[:2]
+        q, k, v = jnp.split(qkv, [cfg.q_size, cfg.q_size + cfg.kv_size], axis=-1)
+        q = apply_rope(q.reshape(b, t, cfg.num_heads, cfg.head_dim), positions, cfg.rope_theta)
+        k = apply_rope(k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim), positions, cfg.rope_theta)
+        return q, k, v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+
+    def _mlp_in(self, x: jax.Array) -> jax.Array:
+        h = rms_norm(x, self.ffn_norm, self.cfg.rms_norm_eps)
+        gate, up = jnp.split(h @ self.gate_up.astype(x.dtype), 2, axis=-1)
+        return jax.nn.silu(gate) * up
+
+    def prefill(self, x, positions, mask, layer, gsm: GSMInputs | None):
+        """x [B,T,D]; returns (x, k, v, rings) with the GSM rings for decode to continue."""
+        q, k, v = self._qkv(x, positions)
+        with jax.named_scope("attention"):
+            attn = attention(q, k, v, mask)
+        attn, ring_attn = smooth_site_prefill(gsm, layer, ATTN_OUT, attn, positions)  # GSM site
+        x = x + attn @ self.o.astype(x.dtype)
+        mid, ring_ffn = smooth_site_prefill(gsm, layer, FFN_MID, self._mlp_in(x), positions)
+        x = x + mid @ self.down.astype(x.dtype)
+        return x, k, v, (ring_attn, ring_ffn)
+
+    def decode(self, x, positions, gsm_position, k_cache, v_cache, mask, layer, gsm, rings):
+        """x [B,1,D] at `positions` [B,1]; k_cache/v_cache [B,S,K,hd] hold earlier tokens.
+
+        Returns the new hidden state, this token's k and v ([B,K,hd]) for the caller
+        to write into the cache, and the updated GSM rings.
+        """
+        q, k, v = self._qkv(x, positions)
+        with jax.named_scope("attention"):
+            attn = attention_decode(q[:, 0], k_cache, v_cache, k[:, 0], v[:, 0], mask)
+        ring_attn, ring_ffn = rings if rings is not None else (None, None)
+        # GSM site attn_out: the input of the output projection
+        attn, ring_attn = smooth_site_decode(gsm, layer, ATTN_OUT, attn, ring_attn, gsm_position)
+        x = x + (attn @ self.o.astype(x.dtype))[:, None]
+        # GSM site ffn_mid: the input of the down projection
+        mid, ring_ffn = smooth_site_decode(
+            gsm, layer, FFN_MID, self._mlp_in(x)[:, 0], ring_ffn, gsm_position
+        )
+        x = x + (mid @ self.down.astype(x.dtype))[:, None]
+        return x, k[:, 0], v[:, 0], (ring_attn, ring_ffn)
+
+
+class Llama(nn.Module):
+    """Embedding + stacked decoder layers + final norm + LM head (for `init` only).
+
+    The entry points below apply `DecoderLayer` under `lax.scan`; this module
+    exists so `Llama(cfg).init` gives the parameter tree (abstract-first with
+    `jax.eval_shape`) and random models for tests.
+    """
+
+    cfg: LlamaConfig
+
+    @nn.compact
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        cfg = self.cfg
+        embed = self.param("embed", nn.initializers.normal(0.02), (cfg.vocab_size, cfg.hidden_size))
+        layers = nn.vmap(
+            DecoderLayer, variable_axes={"params": 0}, split_rngs={"params": True},
+            in_axes=None, out_axes=0, axis_size=cfg.num_layers, methods=["prefill"],
+        )(cfg, name="layers")
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+        x = embed[tokens]
+        mask = jnp.ones(tokens.shape + (tokens.shape[1],), bool)
+        layers.prefill(x, positions, mask, 0, None)
+        self.param("final_norm", nn.initializers.ones, (cfg.hidden_size,))
+        if not cfg.tie_word_embeddings:
+            self.param("lm_head", nn.initializers.normal(0.02), (cfg.hidden_size, cfg.vocab_size))
+        return x
+
+
+def init_weights(cfg: LlamaConfig, rng: jax.Array, dtype: Any = jnp.float32) -> dict:
+    """Random weights (tests, benchmarks): the same tree the loaders produce."""
+    tokens = jnp.zeros((1, 2), jnp.int32)
+    params = Llama(cfg).init(rng, tokens)["params"]
+    params = jax.tree.map(lambda a: a.astype(dtype), params)
+    return jax.tree.map(lambda a: a, dict(params))
+
+
+def weight_shapes(cfg: LlamaConfig, dtype: Any = jnp.float32) -> dict:
+    """The weight tree as ShapeDtypeStructs, without allocating (abstract-first init)."""
+    return jax.eval_shape(lambda: init_weights(cfg, jax.random.key(0), dtype))
+
+
+def _layer_apply(cfg: LlamaConfig, layer_weights: dict, method: str, *args):
+    return DecoderLayer(cfg).apply({"params": layer_weights}, *args, method=method)
+
+
+def _embed(weights: dict, tokens: jax.Array) -> jax.Array:
+    return jnp.take(weights["embed"], tokens, axis=0)
+
+
+def _logits(weights: dict, cfg: LlamaConfig, x: jax.Array) -> jax.Array:
+    x = rms_norm(x, weights["final_norm"], cfg.rms_norm_eps)
+    with jax.named_scope("lm_head"):
+        if cfg.tie_word_embeddings:
+            embed = weights["embed"].astype(x.dtype)
+            return jnp.einsum("...d,vd->...v", x, embed, preferred_element_type=jnp.float32)
+        return jnp.einsum("...d,dv->...v", x, weights["lm_head"].astype(x.dtype),
+                          preferred_element_type=jnp.float32)
+
+
+def _prefill_layers(weights, cfg, tokens, lengths, gsm):
+    """Run all layers over right-padded prompts. Returns hidden states and per-layer k, v, rings."""
+    b, t = tokens.shape
+    steps = jnp.arange(t)
+    valid = steps[None, :] < lengths[:, None]
+    positions = jnp.where(valid, steps[None, :], -1)
+    # causal, and keys must be real tokens of the same row
+    mask = (steps[None, :, None] >= steps[None, None, :]) & valid[:, None, :]
+    x = _embed(weights, tokens)
+
+    def body(x, layer_in):
+        layer_weights, layer = layer_in
+        with jax.named_scope("layer"):
+            x, k, v, rings = _layer_apply(
+                cfg, layer_weights, "prefill", x, jnp.maximum(positions, 0), mask, layer, gsm
+            )
+        return x, (k, v, rings)
+
+    layers = (weights["layers"], jnp.arange(cfg.num_layers))
+    x, (k, v, rings) = jax.lax.scan(body, x, layers)
+    return x, k, v, rings, positions
+
+
+def forward(weights: dict, cfg: LlamaConfig, tokens: jax.Array, lengths: jax.Array,
+            gsm: GSMInputs | None = None) -> jax.Array:
+    """Teacher-forced logits [B, T, V] (f32) over right-padded rows of `lengths` tokens."""
+    x, *_ = _prefill_layers(weights, cfg, tokens, lengths, gsm)
+    return _logits(weights, cfg, x)
+
+
+def prefill(weights: dict, cfg: LlamaConfig, tokens: jax.Array, lengths: jax.Array,
+            cache: KVCache, gsm: GSMInputs | None = None) -> tuple[jax.Array, KVCache]:
+    """Fill a fresh cache with right-padded prompts; return each row's last-token logits [B, V]."""
+    x, k, v, rings, _ = _prefill_layers(weights, cfg, tokens, lengths, gsm)
+    new_k = jax.lax.dynamic_update_slice(cache.k, k.astype(cache.k.dtype), (0, 0, 0, 0, 0))
+    new_v = jax.lax.dynamic_update_slice(cache.v, v.astype(cache.v.dtype), (0, 0, 0, 0, 0))
+    new_rings = cache.rings
+    if gsm is not None and cache.rings is not None:
+        new_rings = tuple(r.astype(c.dtype) for r, c in zip(rings, cache.rings, strict=True))
+    last = jnp.take_along_axis(x, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)[:, 0]
+    logits = _logits(weights, cfg, last)
+    return logits, KVCache(k=new_k, v=new_v, lengths=lengths.astype(jnp.int32), rings=new_rings)
+
+
+def decode_step(weights: dict, cfg: LlamaConfig, tokens: jax.Array, cache: KVCache,
+                gsm: GSMInputs | None = None,
+                active: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
+    """One token per row at position `cache.lengths`; returns logits [B, V] and the new cache.
+
+    Rows with active=False still compute (static shapes) but do not advance and
+    their GSM rings are left untouched; their cache slot is overwritten later.
+    """
+    b = tokens.shape[0]
+    if active is None:
+        active = jnp.ones((b,), bool)
+    batch = jnp.arange(b)
+    slot = jnp.minimum(cache.lengths, cache.max_len - 1)
+    positions = slot[:, None]
+    mask = jnp.arange(cache.max_len)[None, :] < slot[:, None]  # earlier tokens only [B, S]
+    # GSM sees -1 for inactive rows, so their rings stay untouched
+    gsm_position = jnp.where(active, slot, -1)
+    x = _embed(weights, tokens[:, None])
+
+    def body(carry, layer_in):
+        x, k_all, v_all, rings_all = carry
+        layer_weights, layer = layer_in
+        rings = None if rings_all is None else tuple(r[layer] for r in rings_all)
+        with jax.named_scope("layer"):
+            x, k_new, v_new, rings = _layer_apply(
+                cfg, layer_weights, "decode", x, positions, gsm_position,
+                k_all[layer], v_all[layer], mask, layer, gsm, rings,
+            )
+        # only this token's slot changes: a scatter into the carried (donated) cache
+        k_all = k_all.at[layer, batch, slot].set(k_new.astype(k_all.dtype))
+        v_all = v_all.at[layer, batch, slot].set(v_new.astype(v_all.dtype))
+        if rings_all is not None:
+            rings_all = tuple(
+                jax.lax.dynamic_update_index_in_dim(r_all, r, layer, 0)
+                for r_all, r in zip(rings_all, rings, strict=True)
+            )
+        return (x, k_all, v_all, rings_all), None
+
+    gsm_rings = cache.rings if gsm is not None else None
+    (x, k_all, v_all, rings_all), _ = jax.lax.scan(
+        body, (x, cache.k, cache.v, gsm_rings), (weights["layers"], jnp.arange(cfg.num_layers))
+    )
+    logits = _logits(weights, cfg, x[:, 0])
+    new_rings = rings_all if gsm is not None else cache.rings
+    new_cache = KVCache(
+        k=k_all, v=v_all, lengths=cache.lengths + active.astype(jnp.int32), rings=new_rings
+    )
+    return logits, new_cache
+
+
+def weights_from_hf(cfg: LlamaConfig, tensors: dict[str, Any], dtype: Any = jnp.float32) -> dict:
+    """Hugging Face state-dict names and [out, in] shapes -> this module's stacked tree.
+
+    Fuses q/k/v and gate/up, transposes to [in, out] and stacks layers on axis 0.
+    Raises UnsupportedModelError naming any tensor that is missing.
+    """
+    import numpy as np
+
+    def get(name: str) -> np.ndarray:
+        if name not in tensors:
+            raise UnsupportedModelError(f"weight {name!r} is missing from the checkpoint")
+        return np.asarray(tensors[name], dtype=np.float32)
+
+    def stack(fn) -> jax.Array:
+        return jnp.asarray(np.stack([fn(f"model.layers.{i}.") for i in range(cfg.num_layers)]),
+                           dtype=dtype)
+
+    layers = {
+        "attn_norm": stack(lambda p: get(p + "input_layernorm.weight")),
+        "qkv": stack(lambda p: np.concatenate(
+            [get(p + f"self_attn.{n}_proj.weight") for n in "qkv"], axis=0).T),
+        "o": stack(lambda p: get(p + "self_attn.o_proj.weight").T),
+        "ffn_norm": stack(lambda p: get(p + "post_attention_layernorm.weight")),
+        "gate_up": stack(lambda p: np.concatenate(
+            [get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")], axis=0).T),
+        "down": stack(lambda p: get(p + "mlp.down_proj.weight").T),
+    }
+    if cfg.attention_bias:
+        layers["qkv_bias"] = stack(lambda p: np.concatenate(
+            [get(p + f"self_attn.{n}_proj.bias") for n in "qkv"], axis=0))
+    weights = {
+        "embed": jnp.asarray(get("model.embed_tokens.weight"), dtype=dtype),
+        "layers": layers,
+        "final_norm": jnp.asarray(get("model.norm.weight"), dtype=dtype),
+    }
+    if not cfg.tie_word_embeddings:
+        weights["lm_head"] = jnp.asarray(get("lm_head.weight").T, dtype=dtype)
+    return weights
