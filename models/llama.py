@@ -168,26 +168,6 @@ def apply_rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
     return out.astype(x.dtype)
 
 
-def attention_decode(q, k_cache, v_cache, k_new, v_new, mask) -> jax.Array:
-    """One query per row against its cached keys (mask [B,S]) plus its own new key.
-
-    q [B,H,hd]; k_cache, v_cache [B,S,K,hd]; k_new, v_new [B,K,hd] -> [B, H*hd].
-    Scoring the new key apart avoids writing it into a copy of the layer's cache.
-    """
-    b, h, hd = q.shape
-    kv_heads = k_cache.shape[2]
-    q = q.reshape(b, kv_heads, h // kv_heads, hd)
-    scale = hd**-0.5
-    s_cache = jnp.einsum("bkgd,bskd->bkgs", q, k_cache, preferred_element_type=jnp.float32)
-    s_new = jnp.einsum("bkgd,bkd->bkg", q, k_new, preferred_element_type=jnp.float32)
-    s_cache = jnp.where(mask[:, None, None], s_cache * scale, _MASK_VALUE)
-    scores = jnp.concatenate([s_cache, (s_new * scale)[..., None]], axis=-1)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v_cache.dtype)
-    out = jnp.einsum("bkgs,bskd->bkgd", probs[..., :-1], v_cache)
-    out = out + probs[..., -1:] * v_new[:, :, None, :]
-    return out.reshape(b, h * hd)
-
-
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
     """Grouped-query attention. q [B,T,H,hd]; k, v [B,S,K,hd]; mask [B,T,S] -> [B,T,H*hd]."""
     b, t, h, hd = q.shape
@@ -251,15 +231,14 @@ class DecoderLayer(nn.Module):
         x = x + mid @ self.down.astype(x.dtype)
         return x, k, v, (ring_attn, ring_ffn)
 
-    def decode(self, x, positions, gsm_position, k_cache, v_cache, mask, layer, gsm, rings):
-        """x [B,1,D] at `positions` [B,1]; k_cache/v_cache [B,S,K,hd] hold earlier tokens.
+    def decode_qkv(self, x, positions):
+        """x [B,1,D] -> this token's q [B,1,H,hd], k and v [B,1,K,hd] (RoPE applied)."""
+        return self._qkv(x, positions)
 
-        Returns the new hidden state, this token's k and v ([B,K,hd]) for the caller
-        to write into the cache, and the updated GSM rings.
-        """
-        q, k, v = self._qkv(x, positions)
+    def decode_rest(self, x, q, k_cache, v_cache, mask, layer, gsm, rings, gsm_position):
+        """Attention over the layer's cache (which already holds this token), then the MLP."""
         with jax.named_scope("attention"):
-            attn = attention_decode(q[:, 0], k_cache, v_cache, k[:, 0], v[:, 0], mask)
+            attn = attention(q, k_cache, v_cache, mask)[:, 0]
         ring_attn, ring_ffn = rings if rings is not None else (None, None)
         # GSM site attn_out: the input of the output projection
         attn, ring_attn = smooth_site_decode(gsm, layer, ATTN_OUT, attn, ring_attn, gsm_position)
@@ -269,7 +248,7 @@ class DecoderLayer(nn.Module):
             gsm, layer, FFN_MID, self._mlp_in(x)[:, 0], ring_ffn, gsm_position
         )
         x = x + (mid @ self.down.astype(x.dtype))[:, None]
-        return x, k[:, 0], v[:, 0], (ring_attn, ring_ffn)
+        return x, (ring_attn, ring_ffn)
 
 
 class Llama(nn.Module):
@@ -389,7 +368,7 @@ def decode_step(weights: dict, cfg: LlamaConfig, tokens: jax.Array, cache: KVCac
     batch = jnp.arange(b)
     slot = jnp.minimum(cache.lengths, cache.max_len - 1)
     positions = slot[:, None]
-    mask = jnp.arange(cache.max_len)[None, :] < slot[:, None]  # earlier tokens only [B, S]
+    mask = (jnp.arange(cache.max_len)[None, :] <= slot[:, None])[:, None, :]  # [B, 1, S]
     # GSM sees -1 for inactive rows, so their rings stay untouched
     gsm_position = jnp.where(active, slot, -1)
     x = _embed(weights, tokens[:, None])
@@ -399,13 +378,15 @@ def decode_step(weights: dict, cfg: LlamaConfig, tokens: jax.Array, cache: KVCac
         layer_weights, layer = layer_in
         rings = None if rings_all is None else tuple(r[layer] for r in rings_all)
         with jax.named_scope("layer"):
-            x, k_new, v_new, rings = _layer_apply(
-                cfg, layer_weights, "decode", x, positions, gsm_position,
-                k_all[layer], v_all[layer], mask, layer, gsm, rings,
+            q, k, v = _layer_apply(cfg, layer_weights, "decode_qkv", x, positions)
+            # Write this token's k, v into the carried cache first, then read the layer's
+            # slice: reading before the scatter makes XLA copy the whole cache per layer.
+            k_all = k_all.at[layer, batch, slot].set(k[:, 0].astype(k_all.dtype))
+            v_all = v_all.at[layer, batch, slot].set(v[:, 0].astype(v_all.dtype))
+            x, rings = _layer_apply(
+                cfg, layer_weights, "decode_rest", x, q, k_all[layer], v_all[layer], mask,
+                layer, gsm, rings, gsm_position,
             )
-        # only this token's slot changes: a scatter into the carried (donated) cache
-        k_all = k_all.at[layer, batch, slot].set(k_new.astype(k_all.dtype))
-        v_all = v_all.at[layer, batch, slot].set(v_new.astype(v_all.dtype))
         if rings_all is not None:
             rings_all = tuple(
                 jax.lax.dynamic_update_index_in_dim(r_all, r, layer, 0)

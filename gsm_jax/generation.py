@@ -1,0 +1,354 @@
+"""Batch generation: one jit-compiled prefill + `while_loop` decode, and teacher forcing.
+
+Shapes are bucketed so the number of compilations stays bounded:
+
+- batch size  -> next power of two (dummy rows are inactive from the start);
+- prompt length -> next power of two, at least 16;
+- new tokens  -> next power of two, at least 16 (the loop stops at each row's own
+  `max_new_tokens`, EOS, or when every row is done);
+- the KV cache holds prompt bucket + new-token bucket slots.
+
+So one (model, dtype, sampling mode, GSM on/off) combination compiles at most
+once per (batch bucket, prompt bucket, new-token bucket); GSM strengths,
+windows, layer masks, temperatures, top-k/top-p values and seeds are runtime
+arrays and never recompile.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from gsm_jax.errors import InvalidInputError
+from gsm_jax.families import family_module
+from gsm_jax.models.gsm_sites import GSMInputs
+from gsm_jax.params import ModelParams
+
+MIN_PROMPT_BUCKET = 16
+MIN_NEW_TOKEN_BUCKET = 16
+
+
+def bucket(n: int, minimum: int = 1) -> int:
+    """Smallest power of two >= max(n, minimum)."""
+    n = max(n, minimum)
+    return 1 << (n - 1).bit_length()
+
+
+# ----------------------------------------------------------------------------- sampling
+
+
+def sample_tokens(logits: jax.Array, key: jax.Array, temperature: jax.Array,
+                  top_k: jax.Array, top_p: jax.Array, *, filtered: bool) -> jax.Array:
+    """Greedy where temperature == 0, else sampling with optional top-k / top-p.
+
+    logits [B, V] f32; temperature, top_k (0 = off), top_p (1 = off): [B].
+    `filtered` is static: the full-vocabulary sort is only compiled in when asked for.
+    """
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
+    if filtered:
+        order = jnp.argsort(-scaled, axis=-1)
+        sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
+        ranks = jnp.arange(scaled.shape[-1])[None, :]
+        keep = jnp.where(top_k[:, None] > 0, ranks < top_k[:, None], True)
+        probs = jax.nn.softmax(sorted_logits, axis=-1)
+        # keep the smallest prefix whose mass reaches top_p (the first token always stays)
+        mass_before = jnp.cumsum(probs, axis=-1) - probs
+        keep &= mass_before < top_p[:, None]
+        sorted_logits = jnp.where(keep, sorted_logits, -jnp.inf)
+        choice = jax.random.categorical(key, sorted_logits, axis=-1)
+        sampled = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0]
+    else:
+        sampled = jax.random.categorical(key, scaled, axis=-1)
+    return jnp.where(temperature > 0, sampled.astype(jnp.int32), greedy)
+
+
+# ----------------------------------------------------------------------------- jitted core
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("config", "max_steps", "cache_len", "filtered", "return_logits"),
+)
+def _generate_loop(weights, tokens, lengths, max_new, key, temperature, top_k, top_p, eos_ids,
+                   gsm: GSMInputs | None, *, config, max_steps: int, cache_len: int,
+                   filtered: bool, return_logits: bool):
+    """Prefill, then decode until every row hit EOS or its own max_new (<= max_steps)."""
+    family = family_module(config.family)
+    batch = tokens.shape[0]
+    cache = family.init_cache(
+        config, batch, cache_len, dtype=jax.tree.leaves(weights)[0].dtype,
+        gsm_max_window=None if gsm is None else gsm.max_window,
+    )
+    logits, cache = family.prefill(weights, config, tokens, lengths, cache, gsm)
+
+    def pick(logits, step):
+        return sample_tokens(logits, jax.random.fold_in(key, step), temperature, top_k, top_p,
+                             filtered=filtered)
+
+    def finished(tok, step, done):
+        return done | jnp.isin(tok, eos_ids) | (step + 1 >= max_new)
+
+    out = jnp.zeros((batch, max_steps), jnp.int32)
+    logits_out = jnp.zeros((batch, max_steps, logits.shape[-1]) if return_logits else (0,),
+                           jnp.float32)
+    done = max_new <= 0
+    tok = pick(logits, 0)
+    out = out.at[:, 0].set(tok)
+    if return_logits:
+        logits_out = logits_out.at[:, 0].set(logits)
+    n_out = jnp.where(done, 0, 1)
+    done = finished(tok, 0, done)
+
+    def cond(state):
+        step, _, _, done, *_ = state
+        return (step < max_steps) & ~jnp.all(done)
+
+    def body(state):
+        step, out, n_out, done, cache, logits_out = state
+        prev = out[:, step - 1]
+        logits, cache = family.decode_step(weights, config, prev, cache, gsm, ~done)
+        tok = pick(logits, step)
+        out = out.at[:, step].set(jnp.where(done, 0, tok))
+        if return_logits:
+            logits_out = logits_out.at[:, step].set(jnp.where(done[:, None], 0.0, logits))
+        n_out = n_out + (~done).astype(jnp.int32)
+        return step + 1, out, n_out, finished(tok, step, done), cache, logits_out
+
+    state = (jnp.int32(1), out, n_out, done, cache, logits_out)
+    _, out, n_out, _, _, logits_out = jax.lax.while_loop(cond, body, state)
+    return out, n_out, logits_out
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def _forward_jit(weights, tokens, lengths, gsm, *, config):
+    return family_module(config.family).forward(weights, config, tokens, lengths, gsm)
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def _check_params(params: Any) -> ModelParams:
+    if not isinstance(params, ModelParams):
+        raise InvalidInputError(
+            f"params must be what gsm_jax.load returns (ModelParams), got {type(params).__name__}"
+        )
+    return params
+
+
+def _as_token_rows(token_ids: Any, vocab_size: int) -> list[np.ndarray]:
+    if isinstance(token_ids, np.ndarray | jax.Array):
+        arr = np.asarray(token_ids)
+        if arr.ndim == 1:
+            arr = arr[None]
+        if arr.ndim != 2:
+            raise InvalidInputError(f"token_ids must be [batch, length], got shape {arr.shape}")
+        rows = list(arr)
+    else:
+        if isinstance(token_ids, str) or not isinstance(token_ids, Sequence):
+            raise InvalidInputError("token_ids must be a list of token-id lists or a 2-D array")
+        rows = [np.asarray(r) for r in token_ids]
+    if not rows:
+        raise InvalidInputError("no prompts given: the batch is empty")
+    for i, r in enumerate(rows):
+        if r.ndim != 1:
+            raise InvalidInputError(f"prompt {i} must be a flat list of token ids")
+        if r.size == 0:
+            raise InvalidInputError(f"prompt {i} is empty (0 tokens)")
+        if not np.issubdtype(r.dtype, np.integer):
+            raise InvalidInputError(f"prompt {i} holds non-integer token ids ({r.dtype})")
+        if r.min() < 0 or r.max() >= vocab_size:
+            raise InvalidInputError(
+                f"prompt {i} has token ids outside the vocabulary [0, {vocab_size})"
+            )
+    return [r.astype(np.int32) for r in rows]
+
+
+def _pad_rows(rows: list[np.ndarray], batch: int, length: int, pad_id: int = 0):
+    tokens = np.full((batch, length), pad_id, np.int32)
+    lengths = np.zeros((batch,), np.int32)
+    for i, r in enumerate(rows):
+        tokens[i, : r.size] = r
+        lengths[i] = r.size
+    return tokens, lengths
+
+
+def _per_row(value: Any, n: int, name: str, dtype) -> np.ndarray:
+    arr = np.asarray(value, dtype=dtype)
+    if arr.ndim == 0:
+        arr = np.full((n,), arr, dtype)
+    if arr.shape != (n,):
+        raise InvalidInputError(f"{name} must be a scalar or one value per prompt ({n})")
+    return arr
+
+
+# ----------------------------------------------------------------------------- public API
+
+
+def generate_tokens(
+    params: ModelParams,
+    token_ids: Any,
+    *,
+    max_new_tokens: int = 64,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int = 0,
+    eos_ids: Sequence[int] | None = None,
+    gsm: Any = None,
+    request_ids: Sequence[Any] | None = None,
+    return_logits: bool = False,
+) -> list[np.ndarray] | tuple[list[np.ndarray], list[np.ndarray]]:
+    """Generate continuations of token-id prompts; returns one int32 array per prompt.
+
+    Each row stops at its first EOS (included in the output), or after
+    `max_new_tokens`. With `return_logits=True` also returns, per row, the f32
+    logits [n, V] each new token was chosen from.
+    """
+    params = _check_params(params)
+    cfg = params.config
+    rows = _as_token_rows(token_ids, cfg.vocab_size)
+    if not isinstance(max_new_tokens, int | np.integer) or max_new_tokens < 1:
+        raise InvalidInputError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    if temperature is None or temperature < 0:
+        raise InvalidInputError(f"temperature must be >= 0, got {temperature!r}")
+    if top_k is not None and (int(top_k) != top_k or top_k < 1):
+        raise InvalidInputError(f"top_k must be a positive integer or None, got {top_k!r}")
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise InvalidInputError(f"top_p must be in (0, 1] or None, got {top_p!r}")
+    context = cfg.max_position_embeddings
+    for i, r in enumerate(rows):
+        if r.size + max_new_tokens > context:
+            raise InvalidInputError(
+                f"prompt {i} has {r.size} tokens; with max_new_tokens={max_new_tokens} it "
+                f"exceeds the model's context of {context} tokens"
+            )
+    n = len(rows)
+    batch = bucket(n)
+    prompt_len = bucket(max(r.size for r in rows), MIN_PROMPT_BUCKET)
+    max_steps = bucket(max_new_tokens, MIN_NEW_TOKEN_BUCKET)
+    tokens, lengths = _pad_rows(rows, batch, prompt_len)
+    max_new = np.zeros((batch,), np.int32)
+    max_new[:n] = max_new_tokens
+    if eos_ids is None:
+        eos_ids = params.tokenizer.eos_ids if params.tokenizer is not None else cfg.eos_token_ids
+    eos = np.asarray(list(eos_ids) or [-1], np.int32)
+    gsm_inputs = None
+    if gsm is not None:
+        from gsm_jax.gsm_runtime import gsm_inputs_for_batch
+
+        totals = [int(r.size) + max_new_tokens for r in rows]
+        gsm_inputs = gsm_inputs_for_batch(gsm, cfg.num_layers, batch, totals, request_ids)
+    out, n_out, logits = _generate_loop(
+        params.weights, jnp.asarray(tokens), jnp.asarray(lengths), jnp.asarray(max_new),
+        jax.random.key(seed),
+        jnp.asarray(np.full((batch,), temperature, np.float32)),
+        jnp.asarray(np.full((batch,), top_k or 0, np.int32)),
+        jnp.asarray(np.full((batch,), 1.0 if top_p is None else top_p, np.float32)),
+        jnp.asarray(eos), gsm_inputs,
+        config=cfg, max_steps=max_steps, cache_len=prompt_len + max_steps,
+        filtered=(top_k is not None or top_p is not None) and temperature > 0,
+        return_logits=return_logits,
+    )
+    out, n_out = np.asarray(out), np.asarray(n_out)
+    results = [out[i, : n_out[i]] for i in range(n)]
+    if return_logits:
+        logits = np.asarray(logits)
+        return results, [logits[i, : n_out[i]] for i in range(n)]
+    return results
+
+
+def generate(
+    params: ModelParams,
+    prompts: str | Sequence[str],
+    *,
+    max_new_tokens: int = 64,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int = 0,
+    stop: str | Sequence[str] | None = None,
+    chat: bool = False,
+    gsm: Any = None,
+    request_ids: Sequence[Any] | None = None,
+) -> list[str]:
+    """Generate text continuations (the continuation only, without the prompt).
+
+    A row ends at EOS, at `max_new_tokens`, or at the first `stop` string, which
+    is cut from the returned text. `chat=True` wraps each prompt as one user
+    message through the model's chat template.
+    """
+    params = _check_params(params)
+    tok = params.tokenizer
+    if tok is None:
+        raise InvalidInputError(
+            "this model was loaded without a tokenizer; use generate_tokens with token ids"
+        )
+    if isinstance(prompts, str):
+        prompts = [prompts]
+    if not isinstance(prompts, Sequence) or len(prompts) == 0:
+        raise InvalidInputError("no prompts given: the prompt list is empty")
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if any(not s for s in stops):
+        raise InvalidInputError("stop strings must be non-empty")
+    rows = []
+    for i, p in enumerate(prompts):
+        if not isinstance(p, str):
+            raise InvalidInputError(f"prompt {i} is not a string ({type(p).__name__})")
+        if not p:
+            raise InvalidInputError(f"prompt {i} is empty")
+        text = tok.apply_chat_template(p) if chat else p
+        rows.append(tok.encode(text))
+    outs = generate_tokens(
+        params, rows, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+        top_p=top_p, seed=seed, gsm=gsm, request_ids=request_ids,
+    )
+    eos = set(tok.eos_ids)
+    texts = []
+    for ids in outs:
+        ids = [int(t) for t in ids if int(t) not in eos]
+        text = tok.decode(ids)
+        cut = min((text.find(s) for s in stops if s in text), default=-1)
+        texts.append(text[:cut] if cut >= 0 else text)
+    return texts
+
+
+def forward(params: ModelParams, token_ids: Any, *, lengths: Any = None,
+            gsm: Any = None, request_ids: Sequence[Any] | None = None) -> jax.Array:
+    """Teacher-forced logits [B, T, V] (f32) over right-padded rows.
+
+    `token_ids`: a [B, T] array (with `lengths` [B] giving each row's real
+    length; default all T) or a list of ragged token lists. Positions past a
+    row's length hold padding logits and should be ignored.
+    """
+    params = _check_params(params)
+    cfg = params.config
+    rows = _as_token_rows(token_ids, cfg.vocab_size)
+    t = max(r.size for r in rows)
+    if lengths is not None:
+        lens = _per_row(lengths, len(rows), "lengths", np.int32)
+        if (lens < 1).any() or (lens > t).any():
+            raise InvalidInputError(f"lengths must be in [1, {t}], got {lens.tolist()}")
+        rows = [r[:n] for r, n in zip(rows, lens, strict=True)]
+    if t > cfg.max_position_embeddings:
+        raise InvalidInputError(
+            f"sequence of {t} tokens exceeds the model's context of "
+            f"{cfg.max_position_embeddings} tokens"
+        )
+    n = len(rows)
+    padded_t = min(bucket(t, MIN_PROMPT_BUCKET), max(t, cfg.max_position_embeddings))
+    tokens, lens = _pad_rows(rows, bucket(n), padded_t)
+    gsm_inputs = None
+    if gsm is not None:
+        from gsm_jax.gsm_runtime import gsm_inputs_for_batch
+
+        gsm_inputs = gsm_inputs_for_batch(gsm, cfg.num_layers, tokens.shape[0],
+                                          [int(r.size) for r in rows], request_ids)
+    logits = _forward_jit(params.weights, jnp.asarray(tokens), jnp.asarray(lens), gsm_inputs,
+                          config=cfg)
+    return logits[:n, :t]
