@@ -114,6 +114,9 @@ class LlamaConfig:
         )
 
 
+CONFIG_CLASS = LlamaConfig
+
+
 @struct.dataclass
 class KVCache:
     """Per-row KV cache plus the GSM ring buffers (present only when GSM is compiled in).

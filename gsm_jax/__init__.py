@@ -1,0 +1,57 @@
+"""gsm-jax: GSM inference-time activation smoothing for LLMs, in JAX/Flax with Pallas kernels.
+
+    import gsm_jax
+    params = gsm_jax.load("smollm2-135m")
+    gsm_jax.generate(params, ["The capital of France is"], max_new_tokens=32)
+    gsm_jax.generate(params, prompts, gsm=gsm_jax.GSMConfig(target_layers="all"))
+
+Where a token's activations get smoothed: `models/gsm_sites.py` (called at the
+`attn_out` and `ffn_mid` sites of each model family's layer), running the filter
+of `gsm_jax/smoothing.py` or its Pallas kernels in `pallas_kernels/`.
+"""
+
+from gsm_jax.config import ConfigWatcher, GSMConfig, describe
+from gsm_jax.errors import (
+    GSMConfigError,
+    GSMJaxError,
+    InvalidInputError,
+    ModelLoadError,
+    ModelNotFoundError,
+    UnsupportedModelError,
+)
+from gsm_jax.generation import forward, generate, generate_tokens
+from gsm_jax.gsm_runtime import kernel_impl, set_kernel_impl
+from gsm_jax.loading import DEFAULT_MODEL, REGISTERED_MODELS, load, save
+from gsm_jax.params import ModelParams
+
+
+def smooth(*args, **kwargs):
+    """The GSM filter alone on [B, T, C]; see `gsm_jax.smoothing.smooth`."""
+    from gsm_jax.smoothing import smooth as _smooth
+
+    return _smooth(*args, **kwargs)
+
+
+__all__ = [
+    "DEFAULT_MODEL",
+    "REGISTERED_MODELS",
+    "ConfigWatcher",
+    "GSMConfig",
+    "GSMConfigError",
+    "GSMJaxError",
+    "InvalidInputError",
+    "ModelLoadError",
+    "ModelNotFoundError",
+    "ModelParams",
+    "UnsupportedModelError",
+    "describe",
+    "forward",
+    "generate",
+    "generate_tokens",
+    "kernel_impl",
+    "load",
+    "save",
+    "set_kernel_impl",
+    "smooth",
+]
+__version__ = "0.1.0"

