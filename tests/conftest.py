@@ -63,3 +63,19 @@ def shared_data_dir() -> Path:
     if not SHARED_DATA_DIR.is_dir():
         pytest.skip(f"shared evaluation data not found at {SHARED_DATA_DIR}")
     return SHARED_DATA_DIR
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_gguf_path: str):
+    """`gsm_jax.load("smollm2-135m")`: the default model as ModelParams, float32."""
+    import gsm_jax
+
+    return gsm_jax.load("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def wikitext_passages(shared_data_dir: Path) -> list[str]:
+    """Several WikiText-2 passages of a few hundred characters, for parity tests."""
+    lines = (shared_data_dir / "wikitext2_test.txt").read_text().splitlines()
+    long_lines = [ln.strip() for ln in lines if len(ln.strip()) > 300]
+    return [long_lines[i][:600] for i in (0, 7, 19, 42)]
