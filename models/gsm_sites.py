@@ -13,7 +13,6 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-
 SITES = ("attn_out", "ffn_mid")
 ATTN_OUT, FFN_MID = 0, 1
 

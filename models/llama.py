@@ -23,8 +23,6 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from flax import struct
-
-from gsm_jax.errors import UnsupportedModelError
 from gsm_jax.models.gsm_sites import (
     ATTN_OUT,
     FFN_MID,
@@ -32,6 +30,8 @@ from gsm_jax.models.gsm_sites import (
     smooth_site_decode,
     smooth_site_prefill,
 )
+
+from gsm_jax.errors import UnsupportedModelError
 
 _MASK_VALUE = -1e30  # finite, so a row with no valid key (a dummy batch row) gives no NaN
 
@@ -87,7 +87,7 @@ class LlamaConfig:
                 raise UnsupportedModelError(f"rope_scaling type {rope_type!r} is not supported")
             hf = {**hf, "rope_theta": rope_scaling.get("rope_theta", hf.get("rope_theta"))}
         if hf.get("sliding_window") and hf.get("use_sliding_window", model_type == "mistral"):
-            raise UnsupportedModelError("sliding-window attention is not supported for Llama models")
+            raise UnsupportedModelError("sliding-window attention is not supported (Llama family)")
         if hf.get("hidden_act", "silu") != "silu":
             raise UnsupportedModelError(f"hidden_act {hf['hidden_act']!r} is not supported")
         if hf.get("mlp_bias"):
