@@ -18,12 +18,12 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from gsm_jax.pallas_kernels.reference import smooth_decode_reference, smooth_prefill_reference
-from gsm_jax.pallas_kernels.smooth_decode import smooth_decode_pallas
-from gsm_jax.pallas_kernels.smooth_prefill import smooth_prefill_pallas
 from jax import export
 from jax.experimental.pallas import tpu as pltpu
 
+from gsm_jax.pallas_kernels.reference import smooth_decode_reference, smooth_prefill_reference
+from gsm_jax.pallas_kernels.smooth_decode import smooth_decode_pallas
+from gsm_jax.pallas_kernels.smooth_prefill import smooth_prefill_pallas
 from gsm_jax.smoothing import smooth_decode, smooth_prefill
 
 DTYPES = {"f32": np.float32, "bf16": ml_dtypes.bfloat16}
