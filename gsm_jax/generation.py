@@ -276,12 +276,14 @@ def generate(
     chat: bool = False,
     gsm: Any = None,
     request_ids: Sequence[Any] | None = None,
-) -> list[str]:
+    return_token_counts: bool = False,
+) -> list[str] | tuple[list[str], list[int]]:
     """Generate text continuations (the continuation only, without the prompt).
 
     A row ends at EOS, at `max_new_tokens`, or at the first `stop` string, which
     is cut from the returned text. `chat=True` wraps each prompt as one user
-    message through the model's chat template.
+    message through the model's chat template. `return_token_counts=True` also
+    returns how many tokens each row generated (EOS included).
     """
     params = _check_params(params)
     tok = params.tokenizer
@@ -308,6 +310,12 @@ def generate(
         params, rows, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
         top_p=top_p, seed=seed, gsm=gsm, request_ids=request_ids,
     )
+    if return_token_counts:
+        return _decode_outputs(tok, outs, stops), [len(o) for o in outs]
+    return _decode_outputs(tok, outs, stops)
+
+
+def _decode_outputs(tok: Any, outs: list[np.ndarray], stops: list[str]) -> list[str]:
     eos = set(tok.eos_ids)
     texts = []
     for ids in outs:
