@@ -224,8 +224,8 @@ class DecoderLayer(nn.Module):
         return jax.nn.silu(gate) * up
 
     def prefill(self, x, positions, mask, layer, gsm: GSMInputs | None):
-        """x [B,T,D]; returns (x, k, v, rings) with the GSM rings for decode to continue."""
-        q, k, v = self._qkv(x, positions)
+        """x [B,T,D], positions [B,T] (-1 = padding); returns (x, k, v, GSM rings for decode)."""
+        q, k, v = self._qkv(x, jnp.maximum(positions, 0))
         with jax.named_scope("attention"):
             attn = attention(q, k, v, mask)
         attn, ring_attn = smooth_site_prefill(gsm, layer, ATTN_OUT, attn, positions)  # GSM site
@@ -327,7 +327,7 @@ def _prefill_layers(weights, cfg, tokens, lengths, gsm):
         layer_weights, layer = layer_in
         with jax.named_scope("layer"):
             x, k, v, rings = _layer_apply(
-                cfg, layer_weights, "prefill", x, jnp.maximum(positions, 0), mask, layer, gsm
+                cfg, layer_weights, "prefill", x, positions, mask, layer, gsm
             )
         return x, (k, v, rings)
 
