@@ -32,6 +32,7 @@ from gsm_jax.models.gsm_sites import (
     smooth_site_decode,
     smooth_site_prefill,
 )
+from gsm_jax.models.linear import linear
 
 _MASK_VALUE = -1e30  # finite, so a row with no valid key (a dummy batch row) gives no NaN
 
@@ -153,6 +154,21 @@ def init_cache(
     )
 
 
+def cache_insert(cache: KVCache, rows: KVCache, slots: jax.Array) -> KVCache:
+    """Copy the rows of `rows` (same max_len) into `cache` at batch indices `slots` [b].
+
+    Continuous batching: a request prefilled on its own joins a running batch.
+    """
+    def put(big, small):
+        return big.at[:, slots].set(small.astype(big.dtype))
+
+    rings = cache.rings
+    if cache.rings is not None and rows.rings is not None:
+        rings = tuple(put(b, s) for b, s in zip(cache.rings, rows.rings, strict=True))
+    return KVCache(k=put(cache.k, rows.k), v=put(cache.v, rows.v),
+                   lengths=cache.lengths.at[slots].set(rows.lengths), rings=rings)
+
+
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
@@ -209,7 +225,7 @@ class DecoderLayer(nn.Module):
     def _qkv(self, x: jax.Array, positions: jax.Array):
         cfg = self.cfg
         h = rms_norm(x, self.attn_norm, cfg.rms_norm_eps)
-        qkv = h @ self.qkv.astype(x.dtype)
+        qkv = linear(h, self.qkv)
         if cfg.attention_bias:
             qkv = qkv + self.qkv_bias.astype(x.dtype)
         b, t = x.shape[:2]
@@ -220,7 +236,7 @@ class DecoderLayer(nn.Module):
 
     def _mlp_in(self, x: jax.Array) -> jax.Array:
         h = rms_norm(x, self.ffn_norm, self.cfg.rms_norm_eps)
-        gate, up = jnp.split(h @ self.gate_up.astype(x.dtype), 2, axis=-1)
+        gate, up = jnp.split(linear(h, self.gate_up), 2, axis=-1)
         return jax.nn.silu(gate) * up
 
     def prefill(self, x, positions, mask, layer, gsm: GSMInputs | None):
@@ -229,9 +245,9 @@ class DecoderLayer(nn.Module):
         with jax.named_scope("attention"):
             attn = attention(q, k, v, mask)
         attn, ring_attn = smooth_site_prefill(gsm, layer, ATTN_OUT, attn, positions)  # GSM site
-        x = x + attn @ self.o.astype(x.dtype)
+        x = x + linear(attn, self.o)
         mid, ring_ffn = smooth_site_prefill(gsm, layer, FFN_MID, self._mlp_in(x), positions)
-        x = x + mid @ self.down.astype(x.dtype)
+        x = x + linear(mid, self.down)
         return x, k, v, (ring_attn, ring_ffn)
 
     def decode_qkv(self, x, positions):
@@ -245,12 +261,12 @@ class DecoderLayer(nn.Module):
         ring_attn, ring_ffn = rings if rings is not None else (None, None)
         # GSM site attn_out: the input of the output projection
         attn, ring_attn = smooth_site_decode(gsm, layer, ATTN_OUT, attn, ring_attn, gsm_position)
-        x = x + (attn @ self.o.astype(x.dtype))[:, None]
+        x = x + linear(attn, self.o)[:, None]
         # GSM site ffn_mid: the input of the down projection
         mid, ring_ffn = smooth_site_decode(
             gsm, layer, FFN_MID, self._mlp_in(x)[:, 0], ring_ffn, gsm_position
         )
-        x = x + (mid @ self.down.astype(x.dtype))[:, None]
+        x = x + linear(mid, self.down)[:, None]
         return x, (ring_attn, ring_ffn)
 
 
