@@ -1,0 +1,1339 @@
+"""DeepSeek-V4 decoder in Flax, with per-layer-type decode caches and GSM sites.
+
+One file for the family, laid out like `llama.py`: the config, the modules, and the
+entry points the generation code calls (`forward`, `prefill`, `decode_step`,
+`init_cache`, `weights_from_hf`, `init_weights`).
+
+The architecture, block by block (names follow the Hugging Face reference,
+`transformers.models.deepseek_v4`):
+
+- Residual stream: `hc_mult` parallel streams [B, T, N, D] (manifold-constrained
+  hyper-connections). Before each sub-block a `HyperConnection` computes, from the
+  RMS-normalised flattened streams, `pre` (collapse weights), `post` (expand
+  weights) and `comb` (an N x N mixing matrix projected onto the doubly
+  stochastic matrices by Sinkhorn iterations). The block sees
+  sum_n pre_n * h_n; the streams become post_n * block_out + sum_j comb[j, n] h_j.
+  After the last layer a hyper head collapses the streams (sigmoid weights).
+- Attention: one shared K=V head (multi-query), low-rank queries
+  (q_a -> RMSNorm -> q_b, then a weightless per-head RMSNorm), partial interleaved
+  RoPE on the trailing `rope_dim` channels, per-head attention sinks (an extra
+  logit per head that takes probability mass but has no value). Because V = K
+  carries RoPE, the output's rope slice is rotated back by the query position.
+  The output goes through the grouped low-rank projection (o_a per head group,
+  then o_b). Every layer attends to a sliding window of `sliding_window` raw
+  tokens; the other two layer types add compressed entries:
+  * heavily compressed attention (HCA): every `rate` tokens are pooled (softmax
+    over the block, per channel, of a learned gate + position bias) into one
+    entry, RoPE'd at the block's first position; a query sees the entries of the
+    blocks that ended at or before it;
+  * compressed sparse attention (CSA): same, but entry w pools two series over
+    the previous block and block w (width 2*rate, stride rate), and a lightning
+    indexer (its own smaller compressor + multi-head ReLU scores) keeps the
+    `index_topk` best visible entries per query.
+  Sliding layers use the "main" RoPE; CSA/HCA layers (their attention, compressor
+  and indexer) use the "compress" RoPE, which may be YaRN-scaled.
+- MoE feed-forward: routed experts (SwiGLU with the pre-activations clipped to
+  `swiglu_limit`) plus one always-on shared expert. Routing is either learned
+  top-k (sqrtsoftplus / sigmoid / softmax scores, a score-correction bias that
+  only affects the choice) or a frozen token-id -> experts table (`hash_moe`).
+  The chosen scores are renormalised and scaled by `routed_scaling_factor`.
+
+Caches (per layer, per row; a position's slot is a function of the position, so
+ragged rows share one layout): the sliding window is a ring of the last
+min(sliding_window, max_len) K=V vectors; compressed layers add the compressed
+entries emitted so far and a ring of the raw kv/gate projections of the block
+still being compressed (for CSA also the previous block, whose first series
+the next entry needs). Writes happen before reads, and every write is keyed by
+the row's position, so inactive rows (which do not advance) never disturb
+anything a later real step at that position would not rewrite anyway.
+
+GSM sites: `attn_out` is the input of the grouped output projection (all heads,
+after the inverse rotation); `ffn_mid` is the shared expert's intermediate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import re
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from gsm_jax.errors import UnsupportedModelError
+from gsm_jax.models.gsm_sites import (
+    ATTN_OUT,
+    FFN_MID,
+    GSMInputs,
+    smooth_site_decode,
+    smooth_site_prefill,
+)
+
+_MASK_VALUE = -1e30  # finite: the sink logit keeps every softmax row well defined anyway
+
+SLIDING = "sliding_attention"
+CSA = "compressed_sparse_attention"
+HCA = "heavily_compressed_attention"
+LAYER_TYPES = (SLIDING, CSA, HCA)
+MLP_LAYER_TYPES = ("hash_moe", "moe")
+SCORING_FUNCS = ("sqrtsoftplus", "sigmoid", "softmax")
+_LEGACY_RATIO_TO_TYPE = {0: SLIDING, 4: CSA, 128: HCA}
+
+
+# ----------------------------------------------------------------------------- config
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeSpec:
+    """One RoPE variant: plain, or YaRN (frequency interpolation by `factor`)."""
+
+    theta: float
+    dim: int  # rotated channels (the trailing `dim` of a head), even
+    rope_type: str = "default"  # "default" | "yarn"
+    factor: float = 1.0
+    original_max_position_embeddings: int = 0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float = 1.0  # multiplies cos and sin
+
+    @classmethod
+    def from_hf(cls, p: dict[str, Any], head_dim: int, max_pos: int, label: str) -> RopeSpec:
+        rope_type = p.get("rope_type", p.get("type", "default"))
+        dim = int(head_dim * float(p.get("partial_rotary_factor", 1.0)))
+        theta = float(p["rope_theta"])
+        if rope_type == "default":
+            return cls(theta=theta, dim=dim)
+        if rope_type != "yarn":
+            raise UnsupportedModelError(
+                f"rope_parameters[{label!r}] rope_type {rope_type!r} is not supported "
+                "(supported: default, yarn)"
+            )
+        if p.get("truncate", True) is False:
+            raise UnsupportedModelError(
+                f"rope_parameters[{label!r}] truncate=False is not supported")
+        original = int(p["original_max_position_embeddings"])
+        factor = p.get("factor")
+        factor = float(max_pos / original if factor is None else factor)
+
+        def mscale(scale: float, m: float = 1.0) -> float:
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+        attention_factor = p.get("attention_factor")
+        if attention_factor is None:
+            ms, ms_all = p.get("mscale"), p.get("mscale_all_dim")
+            attention_factor = (mscale(factor, ms) / mscale(factor, ms_all)
+                                if ms and ms_all else mscale(factor))
+        return cls(
+            theta=theta, dim=dim, rope_type="yarn", factor=factor,
+            original_max_position_embeddings=original,
+            beta_fast=float(p.get("beta_fast") or 32), beta_slow=float(p.get("beta_slow") or 1),
+            attention_factor=float(attention_factor),
+        )
+
+    def inv_freq(self) -> np.ndarray:
+        """[dim // 2] float32 inverse frequencies (one per interleaved channel pair)."""
+        dim = self.dim
+        exponents = np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)
+        pos_freqs = np.float32(self.theta) ** exponents
+        if self.rope_type == "default":
+            return (np.float32(1.0) / pos_freqs).astype(np.float32)
+
+        # YaRN: interpolate the low frequencies, keep the high ones, ramp in between.
+        def correction_dim(rotations: float) -> float:
+            return (dim * math.log(self.original_max_position_embeddings
+                                   / (rotations * 2 * math.pi))) / (2 * math.log(self.theta))
+
+        low = max(math.floor(correction_dim(self.beta_fast)), 0)
+        high = min(math.ceil(correction_dim(self.beta_slow)), dim - 1)
+        if low == high:
+            high += 0.001
+        ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+        extrapolation = (1 - ramp).astype(np.float32)
+        inv_extra = np.float32(1.0) / pos_freqs
+        inv_inter = np.float32(1.0) / (np.float32(self.factor) * pos_freqs)
+        return (inv_inter * (1 - extrapolation) + inv_extra * extrapolation).astype(np.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class DeepseekV4Config:
+    """Static model configuration (hashable: it is a static argument under jit)."""
+
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    head_dim: int
+    q_lora_rank: int
+    o_groups: int
+    o_lora_rank: int
+    layer_types: tuple[str, ...]
+    mlp_layer_types: tuple[str, ...]
+    n_routed_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    main_rope: RopeSpec
+    compress_rope: RopeSpec
+    sliding_window: int = 128
+    compress_rate_csa: int = 4
+    compress_rate_hca: int = 128
+    index_n_heads: int = 64
+    index_head_dim: int = 128
+    index_topk: int = 512
+    hc_mult: int = 4
+    hc_sinkhorn_iters: int = 20
+    hc_eps: float = 1e-6
+    scoring_func: str = "sqrtsoftplus"
+    routed_scaling_factor: float = 1.5
+    swiglu_limit: float = 10.0
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 1048576
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = 0
+    eos_token_ids: tuple[int, ...] = (1,)
+    model_type: str = "deepseek_v4"
+
+    family = "deepseek_v4"
+
+    @property
+    def site_sizes(self) -> tuple[int, int]:
+        """Channel count of the `attn_out` and `ffn_mid` sites."""
+        return (self.num_heads * self.head_dim, self.moe_intermediate_size)
+
+    def compress_rate(self, layer: int) -> int:
+        t = self.layer_types[layer]
+        return {SLIDING: 0, CSA: self.compress_rate_csa, HCA: self.compress_rate_hca}[t]
+
+    def rope(self, layer: int) -> RopeSpec:
+        return self.main_rope if self.layer_types[layer] == SLIDING else self.compress_rope
+
+    @classmethod
+    def from_hf_config(cls, hf: dict[str, Any]) -> DeepseekV4Config:
+        """Build from a Hugging Face `config.json` dict; refuse what is not implemented.
+
+        Defaults and legacy keys follow `transformers`' DeepseekV4Config. Ignored on
+        purpose (as in the reference): training-only knobs (dropout, router jitter,
+        aux loss), `norm_topk_prob` (the reference always renormalises the chosen
+        scores) and `num_nextn_predict_layers` (MTP heads are not instantiated).
+        """
+        hf = dict(hf)
+        if hf.get("model_type") != "deepseek_v4":
+            raise UnsupportedModelError(
+                f"model_type {hf.get('model_type')!r} is not deepseek_v4"
+            )
+        checks = [
+            ("hidden_act", hf.get("hidden_act", "silu") == "silu", "only silu is supported"),
+            ("mlp_bias", not hf.get("mlp_bias", False), "biases are not supported"),
+            ("attention_bias", not hf.get("attention_bias", False), "biases are not supported"),
+            ("num_key_value_heads", int(hf.get("num_key_value_heads", 1) or 1) == 1,
+             "DeepSeek-V4 attention has one shared K=V head"),
+            ("n_shared_experts", int(hf.get("n_shared_experts", 1)) == 1,
+             "only one shared expert (the reference's layout) is supported"),
+            ("scoring_func", hf.get("scoring_func", "sqrtsoftplus") in SCORING_FUNCS,
+             f"supported: {SCORING_FUNCS}"),
+            ("quantization_config", not hf.get("quantization_config"),
+             "quantized (e.g. FP8) checkpoints are not supported; use a dequantized one"),
+        ]
+        for key, ok, why in checks:
+            if not ok:
+                raise UnsupportedModelError(f"config field {key}={hf.get(key)!r}: {why}")
+
+        n = int(hf.get("num_hidden_layers", 43))
+        head_dim = int(hf.get("head_dim", 512))
+        rates = {CSA: 4, HCA: 128, **(hf.get("compress_rates") or {})}
+        if hf.get("compress_rate_csa") is not None:
+            rates[CSA] = hf["compress_rate_csa"]
+        if hf.get("compress_rate_hca") is not None:
+            rates[HCA] = hf["compress_rate_hca"]
+        layer_types = hf.get("layer_types")
+        if layer_types is None and hf.get("compress_ratios") is not None:
+            bad = [r for r in hf["compress_ratios"] if r not in _LEGACY_RATIO_TO_TYPE]
+            if bad:
+                raise UnsupportedModelError(f"config field compress_ratios has values {bad}")
+            layer_types = [_LEGACY_RATIO_TO_TYPE[r] for r in hf["compress_ratios"]]
+        if layer_types is None:
+            layer_types = [HCA] * min(n, 2) + [CSA if i % 2 else HCA for i in range(max(n - 2, 0))]
+        mlp_types = hf.get("mlp_layer_types")
+        if mlp_types is None:
+            n_hash = hf.get("num_hash_layers")
+            n_hash = 3 if n_hash is None else int(n_hash)
+            mlp_types = ["hash_moe"] * min(n, n_hash) + ["moe"] * max(0, n - n_hash)
+        for name, types, allowed in (("layer_types", layer_types, LAYER_TYPES),
+                                     ("mlp_layer_types", mlp_types, MLP_LAYER_TYPES)):
+            if len(types) < n:
+                raise UnsupportedModelError(f"config field {name} has {len(types)} entries "
+                                            f"for {n} layers")
+            bad = sorted({t for t in types[:n] if t not in allowed})
+            if bad:
+                raise UnsupportedModelError(f"config field {name} has unsupported values {bad}")
+
+        prf = hf.get("partial_rotary_factor")
+        if prf is None:
+            qk = hf.get("qk_rope_head_dim")
+            prf = qk / head_dim if qk is not None else 64 / 512
+        max_pos = int(hf.get("max_position_embeddings", 1048576))
+        rp = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+        if isinstance(rp.get("main"), dict) and isinstance(rp.get("compress"), dict):
+            main_p, comp_p = rp["main"], rp["compress"]
+        else:
+            main_p = {"rope_type": "default", "rope_theta": hf.get("rope_theta", 10000.0),
+                      "partial_rotary_factor": prf}
+            comp_p = {k: v for k, v in rp.items() if k not in ("main", "compress")}
+            comp_p.update(rope_theta=hf.get("compress_rope_theta", 160000.0),
+                          partial_rotary_factor=prf)
+            comp_p.setdefault("rope_type", comp_p.pop("type", "default"))
+            if comp_p["rope_type"] == "yarn":
+                comp_p.setdefault("attention_factor", 1.0)
+        main_rope = RopeSpec.from_hf(main_p, head_dim, max_pos, "main")
+        compress_rope = RopeSpec.from_hf(comp_p, head_dim, max_pos, "compress")
+
+        eos = hf.get("eos_token_id", 1)
+        eos_ids = tuple(eos) if isinstance(eos, list | tuple) else (() if eos is None else (eos,))
+        cfg = cls(
+            vocab_size=int(hf.get("vocab_size", 129280)),
+            hidden_size=int(hf.get("hidden_size", 4096)),
+            num_layers=n,
+            num_heads=int(hf.get("num_attention_heads", 64)),
+            head_dim=head_dim,
+            q_lora_rank=int(hf.get("q_lora_rank", 1024)),
+            o_groups=int(hf.get("o_groups", 8)),
+            o_lora_rank=int(hf.get("o_lora_rank", 1024)),
+            layer_types=tuple(layer_types[:n]),
+            mlp_layer_types=tuple(mlp_types[:n]),
+            n_routed_experts=int(hf.get("n_routed_experts", 256)),
+            num_experts_per_tok=int(hf.get("num_experts_per_tok", 6)),
+            moe_intermediate_size=int(hf.get("moe_intermediate_size", 2048)),
+            main_rope=main_rope,
+            compress_rope=compress_rope,
+            sliding_window=int(hf.get("sliding_window", 128)),
+            compress_rate_csa=int(rates[CSA]),
+            compress_rate_hca=int(rates[HCA]),
+            index_n_heads=int(hf.get("index_n_heads", 64)),
+            index_head_dim=int(hf.get("index_head_dim", 128)),
+            index_topk=int(hf.get("index_topk", 512)),
+            hc_mult=int(hf.get("hc_mult", 4)),
+            hc_sinkhorn_iters=int(hf.get("hc_sinkhorn_iters", 20)),
+            hc_eps=float(hf.get("hc_eps", 1e-6)),
+            scoring_func=hf.get("scoring_func", "sqrtsoftplus"),
+            routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.5)),
+            swiglu_limit=float(hf.get("swiglu_limit", 10.0)),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=max_pos,
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            bos_token_id=hf.get("bos_token_id", 0),
+            eos_token_ids=tuple(int(e) for e in eos_ids),
+        )
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        """Shape constraints the reference assumes implicitly; violations are refused."""
+        problems = []
+        for label, spec in (("main", self.main_rope), ("compress", self.compress_rope)):
+            if spec.dim % 2 or not 0 < spec.dim <= self.head_dim:
+                problems.append(f"{label} rope dim {spec.dim} must be even and in (0, head_dim]")
+        if CSA in self.layer_types and self.compress_rope.dim > self.index_head_dim:
+            problems.append("the rope dim exceeds index_head_dim")
+        if (self.num_heads * self.head_dim) % self.o_groups:
+            problems.append("num_attention_heads * head_dim is not divisible by o_groups")
+        if not 0 < self.num_experts_per_tok <= self.n_routed_experts:
+            problems.append("num_experts_per_tok must be in [1, n_routed_experts]")
+        for name in ("sliding_window", "compress_rate_csa", "compress_rate_hca", "hc_mult",
+                     "index_topk", "hc_sinkhorn_iters"):
+            if getattr(self, name) < 1:
+                problems.append(f"{name} must be >= 1")
+        if self.scoring_func not in SCORING_FUNCS:
+            problems.append(f"scoring_func {self.scoring_func!r} (supported: {SCORING_FUNCS})")
+        if problems:
+            raise UnsupportedModelError("unsupported DeepSeek-V4 config: " + "; ".join(problems))
+
+
+CONFIG_CLASS = DeepseekV4Config
+
+
+# ----------------------------------------------------------------------------- cache
+
+
+@struct.dataclass
+class LayerCache:
+    """One layer's decode state (rows = batch; slots are functions of positions).
+
+    window:     [B, Wc, hd] RoPE'd K=V of the last Wc = min(sliding_window, max_len)
+                tokens; position p lives in slot p % Wc.
+    comp:       [B, Nc, hd] compressed entries (CSA/HCA), entry w in slot w,
+                Nc = ceil(max_len / rate). Entry w is written when the token at
+                position (w + 1) * rate - 1 arrives.
+    comp_ring:  [B, R, F] raw kv|gate projections of the block being compressed,
+                position p in slot p % R (HCA: R = rate; CSA: R = 2 * rate, the
+                previous block too, whose first series the next entry pools).
+    index, index_ring: the same two for the CSA lightning indexer (at index_head_dim).
+    """
+
+    window: jax.Array
+    comp: jax.Array | None = None
+    comp_ring: jax.Array | None = None
+    index: jax.Array | None = None
+    index_ring: jax.Array | None = None
+
+
+@struct.dataclass
+class DeepseekV4Cache:
+    """Per-layer caches, per-row lengths, and the GSM ring buffers.
+
+    lengths: [B] tokens already in the cache (= the position of the next token).
+    rings: per site [layers, B, max_window, C] raw site inputs (see gsm_sites), or None.
+    """
+
+    layers: tuple[LayerCache, ...]
+    lengths: jax.Array
+    rings: tuple[jax.Array, jax.Array] | None = None
+
+
+def _layer_cache_shapes(cfg: DeepseekV4Config, layer: int, batch: int, max_len: int) -> dict:
+    hd, t = cfg.head_dim, cfg.layer_types[layer]
+    shapes = {"window": (batch, min(cfg.sliding_window, max_len), hd)}
+    if t != SLIDING:
+        rate = cfg.compress_rate(layer)
+        n_entries = -(-max_len // rate)
+        series = 2 if t == CSA else 1  # CSA keeps the previous block for the overlap
+        shapes["comp"] = (batch, n_entries, hd)
+        shapes["comp_ring"] = (batch, series * rate, 2 * series * hd)
+        if t == CSA:
+            ci = cfg.index_head_dim
+            shapes["index"] = (batch, n_entries, ci)
+            shapes["index_ring"] = (batch, 2 * rate, 4 * ci)
+    return shapes
+
+
+def init_cache(
+    cfg: DeepseekV4Config, batch_size: int, max_len: int, *, dtype: Any = jnp.float32,
+    gsm_max_window: int | None = None,
+) -> DeepseekV4Cache:
+    layers = tuple(
+        LayerCache(**{k: jnp.zeros(s, dtype)
+                      for k, s in _layer_cache_shapes(cfg, i, batch_size, max_len).items()})
+        for i in range(cfg.num_layers)
+    )
+    rings = None
+    if gsm_max_window is not None:
+        rings = tuple(jnp.zeros((cfg.num_layers, batch_size, gsm_max_window, c), dtype)
+                      for c in cfg.site_sizes)
+    return DeepseekV4Cache(layers=layers, lengths=jnp.zeros((batch_size,), jnp.int32),
+                           rings=rings)
+
+
+def _ring_from_sequence(seq: jax.Array, lengths: jax.Array, size: int) -> jax.Array:
+    """[B, T, F] -> [B, size, F]: slot s holds the last position q < length with q % size == s."""
+    last = (lengths - 1)[:, None]
+    q = last - ((last - jnp.arange(size)[None, :]) % size)
+    got = jnp.take_along_axis(seq, jnp.clip(q, 0, seq.shape[1] - 1)[..., None], axis=1)
+    return jnp.where((q >= 0)[..., None], got, 0).astype(seq.dtype)
+
+
+def _write_rows(buf: jax.Array, slot: jax.Array, value: jax.Array, when: jax.Array) -> jax.Array:
+    """buf[b, slot[b]] = value[b] for rows where `when`; other rows keep their slot."""
+    rows = jnp.arange(buf.shape[0])
+    old = buf[rows, slot]
+    new = jnp.where(when.reshape((-1,) + (1,) * (value.ndim - 1)), value.astype(buf.dtype), old)
+    return buf.at[rows, slot].set(new)
+
+
+# ----------------------------------------------------------------------------- numerics
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm in f32 with an f32 weight, cast back once (as the reference)."""
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (x32 * weight.astype(jnp.float32)).astype(x.dtype)
+
+
+def unweighted_rms_norm(x: jax.Array, eps: float) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    return x * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps).astype(x.dtype)
+
+
+def rope_cos_sin(spec: RopeSpec, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """positions [...] -> cos, sin [..., dim // 2] (f32, YaRN attention factor applied)."""
+    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(spec.inv_freq())
+    return jnp.cos(angles) * spec.attention_factor, jnp.sin(angles) * spec.attention_factor
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Interleaved RoPE on the trailing 2 * cos.shape[-1] channels of x (pairs (2i, 2i+1)).
+
+    cos and sin must broadcast against x[..., :half]; pass -sin for the inverse rotation.
+    """
+    rd = 2 * cos.shape[-1]
+    nope, rope = x[..., : x.shape[-1] - rd], x[..., x.shape[-1] - rd:]
+    pairs = rope.astype(jnp.float32).reshape(rope.shape[:-1] + (rd // 2, 2))
+    even, odd = pairs[..., 0], pairs[..., 1]
+    rotated = jnp.stack([even * cos - odd * sin, odd * cos + even * sin], axis=-1)
+    return jnp.concatenate([nope, rotated.reshape(rope.shape).astype(x.dtype)], axis=-1)
+
+
+def sink_attention(q: jax.Array, keys: jax.Array, mask: jax.Array, sinks: jax.Array,
+                   scale: float) -> jax.Array:
+    """Shared-KV attention with per-head sinks.
+
+    q [B, T, H, d]; keys [B, S, d] (one head, also the values); mask [B, T, S];
+    sinks [H]: one extra logit per head that absorbs probability mass.
+    """
+    scores = jnp.einsum("bthd,bsd->bhts", q, keys, preferred_element_type=jnp.float32) * scale
+    scores = jnp.where(mask[:, None], scores, _MASK_VALUE)
+    sink = sinks.astype(jnp.float32)[None, :, None, None]
+    top = jnp.maximum(jnp.max(scores, axis=-1, keepdims=True), sink)
+    e = jnp.exp(scores - top)
+    probs = e / (jnp.sum(e, axis=-1, keepdims=True) + jnp.exp(sink - top))
+    return jnp.einsum("bhts,bsd->bthd", probs.astype(keys.dtype), keys)
+
+
+def swiglu(gate_up: jax.Array, limit: float) -> jax.Array:
+    """silu(min(gate, limit)) * clip(up, -limit, limit); gate_up = [gate | up]."""
+    gate, up = jnp.split(gate_up, 2, axis=-1)
+    return jax.nn.silu(jnp.minimum(gate, limit)) * jnp.clip(up, -limit, limit)
+
+
+def score_fn(name: str, logits: jax.Array) -> jax.Array:
+    if name == "sqrtsoftplus":
+        return jnp.sqrt(jax.nn.softplus(logits))
+    if name == "sigmoid":
+        return jax.nn.sigmoid(logits)
+    return jax.nn.softmax(logits, axis=-1)  # over the experts
+
+
+def pool_entries(kv: jax.Array, gate: jax.Array, norm: jax.Array, eps: float) -> jax.Array:
+    """Softmax-over-slots pooling of [..., S, d] (per channel), then RMSNorm -> [..., d]."""
+    weights = jax.nn.softmax(gate.astype(jnp.float32), axis=-2)
+    return rms_norm(jnp.sum(kv * weights.astype(kv.dtype), axis=-2), norm, eps)
+
+
+# ----------------------------------------------------------------------------- routed experts
+#
+# Cost model (M tokens, k experts each, A = M*k assignments, E experts, D hidden,
+# I expert width; one expert = 3*D*I weights, 6*D*I flops per token):
+#
+# - "blocks" (every backend but TPU): assignments are sorted by expert and each
+#   expert's group is padded to a multiple of b rows; a loop over the *used* blocks
+#   (a dynamic trip count) runs one [b, D] x [D, 2I] and [b, I] x [I, D] product per
+#   block. Rows computed <= A + min(E, A) * (b - 1) <= 1.5 A (b is chosen so);
+#   weights read = used blocks * 3DI <= (A / b + min(E, A)) * 3DI. Decode
+#   (A = B*k small) takes b = 1: one mat-vec per assignment, each chosen expert's
+#   weights streamed once per assignment, which is what bounds decode on CPU.
+#   Sort + scatter are O(A log A) + O(A D); nothing scales with E but two
+#   length-E vectors.
+# - "ragged" (TPU): the sorted rows go through `jax.lax.ragged_dot`, which TPU
+#   lowers to a native grouped matmul. (Elsewhere jax lowers ragged_dot to a
+#   masked dense product over all E groups, so it is not used there.)
+# - "dense": every expert on every token, A*E/k work: the test reference only.
+
+
+def _block_rows(assignments: int, experts: int) -> int:
+    """Rows per block: pads at most half of the assignments, at most 128, 1 for decode."""
+    target = max(1, assignments // (2 * min(experts, assignments)))
+    return min(128, 1 << (target.bit_length() - 1))
+
+
+def _sort_assignments(idx: jax.Array, w: jax.Array):
+    m, k = idx.shape
+    flat_e = idx.reshape(-1).astype(jnp.int32)
+    order = jnp.argsort(flat_e, stable=True)
+    return flat_e[order], (order // k).astype(jnp.int32), w.reshape(-1)[order]
+
+
+def _experts_blocks(x, idx, w, gate_up, down, limit):
+    m, d = x.shape
+    n_exp = gate_up.shape[0]
+    a = idx.size
+    b = _block_rows(a, n_exp)
+    n_blocks = -(-(a + min(n_exp, a) * (b - 1)) // b)
+    cap = n_blocks * b
+    e_sorted, t_sorted, w_sorted = _sort_assignments(idx, w)
+    counts = jnp.bincount(e_sorted, length=n_exp)
+    blocks = (counts + b - 1) // b
+    block_end = jnp.cumsum(blocks)  # [E], in blocks
+    pad_start = (block_end - blocks) * b  # first padded row of each expert's group
+    start = jnp.cumsum(counts) - counts
+    dest = pad_start[e_sorted] + jnp.arange(a) - start[e_sorted]
+    slot_token = jnp.full((cap,), m, jnp.int32).at[dest].set(t_sorted)  # m: a zero row
+    slot_w = jnp.zeros((cap,), jnp.float32).at[dest].set(w_sorted.astype(jnp.float32))
+    block_expert = jnp.minimum(
+        jnp.searchsorted(block_end, jnp.arange(n_blocks), side="right"), n_exp - 1)
+    rows = jnp.concatenate([x, jnp.zeros((1, d), x.dtype)])[slot_token]
+
+    def body(j, ys):
+        e = block_expert[j]
+        xb = jax.lax.dynamic_slice_in_dim(rows, j * b, b)
+        h = swiglu(xb @ gate_up[e].astype(x.dtype), limit)
+        return jax.lax.dynamic_update_slice_in_dim(ys, h @ down[e].astype(x.dtype), j * b, 0)
+
+    ys = jax.lax.fori_loop(0, block_end[-1], body, jnp.zeros((cap, d), x.dtype))
+    out = jnp.zeros((m + 1, d), jnp.float32).at[slot_token].add(ys * slot_w[:, None])
+    return out[:m].astype(x.dtype)
+
+
+def _experts_ragged(x, idx, w, gate_up, down, limit):
+    m, d = x.shape
+    e_sorted, t_sorted, w_sorted = _sort_assignments(idx, w)
+    counts = jnp.bincount(e_sorted, length=gate_up.shape[0]).astype(jnp.int32)
+    h = swiglu(jax.lax.ragged_dot(x[t_sorted], gate_up.astype(x.dtype), counts), limit)
+    ys = jax.lax.ragged_dot(h, down.astype(x.dtype), counts)
+    out = jnp.zeros((m, d), jnp.float32).at[t_sorted].add(ys * w_sorted[:, None])
+    return out.astype(x.dtype)
+
+
+def _experts_dense(x, idx, w, gate_up, down, limit):
+    m = x.shape[0]
+    combine = jnp.zeros((m, gate_up.shape[0]), jnp.float32)
+    combine = combine.at[jnp.arange(m)[:, None], idx].add(w.astype(jnp.float32))
+    h = swiglu(jnp.einsum("md,edf->emf", x, gate_up.astype(x.dtype)), limit)
+    ys = jnp.einsum("emf,efd->emd", h, down.astype(x.dtype))
+    return jnp.einsum("emd,me->md", ys.astype(jnp.float32), combine).astype(x.dtype)
+
+
+def routed_experts(x: jax.Array, idx: jax.Array, w: jax.Array, gate_up: jax.Array,
+                   down: jax.Array, limit: float, impl: str = "auto") -> jax.Array:
+    """sum_j w[:, j] * expert_{idx[:, j]}(x): x [M, D]; idx, w [M, k]; gate_up [E, D, 2I]."""
+    fns = {"blocks": _experts_blocks, "ragged": _experts_ragged, "dense": _experts_dense}
+    if impl != "auto":
+        return fns[impl](x, idx, w, gate_up, down, limit)
+    return jax.lax.platform_dependent(
+        x, idx, w, gate_up, down,
+        tpu=functools.partial(_experts_ragged, limit=limit),
+        default=functools.partial(_experts_blocks, limit=limit),
+    )
+
+
+# ----------------------------------------------------------------------------- modules
+
+_init = nn.initializers.normal(0.02)
+_small = nn.initializers.normal(0.5)  # sinks, biases: random so tests exercise them
+
+
+class HyperConnection(nn.Module):
+    """mHC weights from the N streams: (post [B,T,N], comb [B,T,N,N], collapsed [B,T,D])."""
+
+    cfg: DeepseekV4Config
+
+    def setup(self) -> None:
+        n, d = self.cfg.hc_mult, self.cfg.hidden_size
+        self.fn = self.param("fn", _init, (n * d, (2 + n) * n), jnp.float32)
+        self.base = self.param("base", _small, ((2 + n) * n,), jnp.float32)
+        self.scale = self.param("scale", nn.initializers.ones, (3,), jnp.float32)
+
+    def __call__(self, h: jax.Array):
+        cfg, n = self.cfg, self.cfg.hc_mult
+        flat = h.reshape(h.shape[:2] + (-1,)).astype(jnp.float32)
+        flat = unweighted_rms_norm(flat, cfg.rms_norm_eps)
+        mixes = flat @ self.fn.astype(jnp.float32)
+        pre_w, post_w, comb_w = jnp.split(mixes, [n, 2 * n], axis=-1)
+        pre_b, post_b, comb_b = jnp.split(self.base.astype(jnp.float32), [n, 2 * n])
+        s = self.scale.astype(jnp.float32)
+        pre = jax.nn.sigmoid(pre_w * s[0] + pre_b) + cfg.hc_eps
+        post = 2 * jax.nn.sigmoid(post_w * s[1] + post_b)
+        comb = comb_w.reshape(comb_w.shape[:-1] + (n, n)) * s[2] + comb_b.reshape(n, n)
+        comb = jax.nn.softmax(comb, axis=-1) + cfg.hc_eps
+        # Sinkhorn: columns, then (rows, columns) x (iters - 1) -> doubly stochastic
+        comb = comb / (jnp.sum(comb, axis=-2, keepdims=True) + cfg.hc_eps)
+
+        def sinkhorn(_, c):
+            c = c / (jnp.sum(c, axis=-1, keepdims=True) + cfg.hc_eps)
+            return c / (jnp.sum(c, axis=-2, keepdims=True) + cfg.hc_eps)
+
+        comb = jax.lax.fori_loop(0, cfg.hc_sinkhorn_iters - 1, sinkhorn, comb)
+        collapsed = jnp.sum(pre[..., None] * h, axis=2).astype(h.dtype)
+        return post, comb, collapsed
+
+
+def hc_expand(post: jax.Array, comb: jax.Array, out: jax.Array, h: jax.Array) -> jax.Array:
+    """New streams: post_n * out + sum_j comb[j, n] * h_j."""
+    dt = h.dtype
+    mixed = jnp.einsum("btjn,btjd->btnd", comb.astype(dt), h)
+    return post.astype(dt)[..., None] * out[:, :, None, :] + mixed
+
+
+class Compressor(nn.Module):
+    """Pools blocks of `rate` tokens into single entries of `dim` channels.
+
+    overlap=False (HCA): entry w pools block w. overlap=True (CSA and its indexer):
+    projections carry two series, entry w pools series a of block w - 1 with series
+    b of block w (the missing block before the first is given zero weight).
+    """
+
+    cfg: DeepseekV4Config
+    rate: int
+    dim: int
+    overlap: bool
+
+    @property
+    def series(self) -> int:
+        return 2 if self.overlap else 1
+
+    def setup(self) -> None:
+        d, f = self.cfg.hidden_size, self.series * self.dim
+        self.kv_gate = self.param("kv_gate", _init, (d, 2 * f))  # [kv | gate]
+        self.position_bias = self.param("position_bias", _small, (self.rate, f), jnp.float32)
+        self.norm = self.param("norm", nn.initializers.ones, (self.dim,), jnp.float32)
+
+    def project(self, x: jax.Array) -> jax.Array:
+        return x @ self.kv_gate.astype(x.dtype)
+
+    def _slots(self, cur: jax.Array, prev: jax.Array | None, prev_ok: jax.Array | None):
+        """Raw [..., rate, 2F] block projections -> (kv, gate) [..., S, dim] to pool over."""
+        f, dim = self.series * self.dim, self.dim
+        kv, gate = cur[..., :f], cur[..., f:] + self.position_bias
+        if not self.overlap:
+            return kv, gate
+        pkv, pgate = prev[..., :f], prev[..., f:] + self.position_bias
+        pgate = jnp.where(prev_ok, pgate, -jnp.inf)
+        kv = jnp.concatenate([pkv[..., :dim], kv[..., dim:]], axis=-2)
+        gate = jnp.concatenate([pgate[..., :dim], gate[..., dim:]], axis=-2)
+        return kv, gate
+
+    def entries(self, kvg: jax.Array, rope: RopeSpec) -> jax.Array:
+        """All blocks of a sequence [B, T, 2F] -> [B, ceil(T / rate), dim].
+
+        The last block may hold padding; its entry is never visible to a real
+        query (a query at p sees entries w < (p + 1) // rate).
+        """
+        b, t, f2 = kvg.shape
+        n = -(-t // self.rate)
+        kvg = jnp.pad(kvg, ((0, 0), (0, n * self.rate - t), (0, 0)))
+        cur = kvg.reshape(b, n, self.rate, f2)
+        prev = prev_ok = None
+        if self.overlap:
+            prev = jnp.concatenate([jnp.zeros_like(cur[:, :1]), cur[:, :-1]], axis=1)
+            prev_ok = (jnp.arange(n) > 0)[None, :, None, None]
+        kv, gate = self._slots(cur, prev, prev_ok)
+        pooled = pool_entries(kv, gate, self.norm, self.cfg.rms_norm_eps)
+        cos, sin = rope_cos_sin(rope, jnp.arange(n) * self.rate)
+        return apply_rope(pooled, cos[None], sin[None])
+
+    def entry_from_ring(self, ring: jax.Array, w: jax.Array, rope: RopeSpec) -> jax.Array:
+        """Entry w [B] of each row from its ring [B, R, 2F] (block w complete in it) -> [B, dim]."""
+        j = jnp.arange(self.rate)[None, :]
+        size = ring.shape[1]
+        cur = jnp.take_along_axis(ring, ((w[:, None] * self.rate + j) % size)[..., None], axis=1)
+        prev = prev_ok = None
+        if self.overlap:
+            prev_pos = (w[:, None] - 1) * self.rate + j
+            prev = jnp.take_along_axis(ring, (prev_pos % size)[..., None], axis=1)
+            prev_ok = (w > 0)[:, None, None]
+        kv, gate = self._slots(cur, prev, prev_ok)
+        pooled = pool_entries(kv, gate, self.norm, self.cfg.rms_norm_eps)
+        cos, sin = rope_cos_sin(rope, w * self.rate)
+        return apply_rope(pooled, cos, sin)
+
+
+def topk_select(scores: jax.Array, visible: jax.Array, k: int) -> jax.Array:
+    """[..., n] bool: the (up to) k highest-scoring visible entries."""
+    n = scores.shape[-1]
+    _, idx = jax.lax.top_k(jnp.where(visible, scores, -jnp.inf), min(k, n))
+    picked = jnp.take_along_axis(visible, idx, axis=-1)
+    return jnp.any((idx[..., None] == jnp.arange(n)) & picked[..., None], axis=-2)
+
+
+class Indexer(nn.Module):
+    """Lightning indexer: scores compressed entries per query, keeps the top `index_topk`."""
+
+    cfg: DeepseekV4Config
+
+    def setup(self) -> None:
+        cfg = self.cfg
+        self.compressor = Compressor(cfg, cfg.compress_rate_csa, cfg.index_head_dim, True)
+        self.q_b = self.param("q_b", _init,
+                              (cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim))
+        self.weights_proj = self.param("weights_proj", _init, (cfg.hidden_size, cfg.index_n_heads))
+
+    def scores(self, x, q_res, positions, keys):
+        """x [B,T,D], q_res [B,T,q_lora], keys [B,n,ci] -> index scores [B,T,n] (f32)."""
+        cfg = self.cfg
+        hi, ci = cfg.index_n_heads, cfg.index_head_dim
+        q = (q_res @ self.q_b.astype(q_res.dtype)).reshape(q_res.shape[:2] + (hi, ci))
+        cos, sin = rope_cos_sin(cfg.compress_rope, positions)
+        q = apply_rope(q, cos[:, :, None], sin[:, :, None])
+        dots = jnp.einsum("bthc,bnc->bthn", q.astype(jnp.float32), keys.astype(jnp.float32))
+        head_w = (x @ self.weights_proj.astype(x.dtype)).astype(jnp.float32) * hi**-0.5
+        return jnp.einsum("bthn,bth->btn", jax.nn.relu(dots) * ci**-0.5, head_w)
+
+
+class Attention(nn.Module):
+    """Shared-KV MQA with sinks over a sliding window (+ compressed entries for CSA/HCA)."""
+
+    cfg: DeepseekV4Config
+    layer: int
+
+    @property
+    def kind(self) -> str:
+        return self.cfg.layer_types[self.layer]
+
+    def setup(self) -> None:
+        cfg = self.cfg
+        d, h, hd, g = cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.o_groups
+        self.q_a = self.param("q_a", _init, (d, cfg.q_lora_rank))
+        self.q_a_norm = self.param("q_a_norm", nn.initializers.ones, (cfg.q_lora_rank,),
+                                   jnp.float32)
+        self.q_b = self.param("q_b", _init, (cfg.q_lora_rank, h * hd))
+        self.kv = self.param("kv", _init, (d, hd))
+        self.kv_norm = self.param("kv_norm", nn.initializers.ones, (hd,), jnp.float32)
+        self.o_a = self.param("o_a", _init, (g, h * hd // g, cfg.o_lora_rank))
+        self.o_b = self.param("o_b", _init, (g * cfg.o_lora_rank, d))
+        self.sinks = self.param("sinks", _small, (h,), jnp.float32)
+        if self.kind != SLIDING:
+            rate = cfg.compress_rate(self.layer)
+            self.compressor = Compressor(cfg, rate, hd, self.kind == CSA)
+        if self.kind == CSA:
+            self.indexer = Indexer(cfg)
+
+    def _project(self, x: jax.Array, positions: jax.Array):
+        """x [B,T,D] -> q [B,T,H,hd], kv [B,T,hd] (both RoPE'd), q_res [B,T,q_lora]."""
+        cfg = self.cfg
+        rope = cfg.rope(self.layer)
+        q_res = rms_norm(x @ self.q_a.astype(x.dtype), self.q_a_norm, cfg.rms_norm_eps)
+        q = (q_res @ self.q_b.astype(x.dtype)).reshape(x.shape[:2] + (cfg.num_heads, cfg.head_dim))
+        q = unweighted_rms_norm(q, cfg.rms_norm_eps)
+        kv = rms_norm(x @ self.kv.astype(x.dtype), self.kv_norm, cfg.rms_norm_eps)
+        cos, sin = rope_cos_sin(rope, positions)
+        q = apply_rope(q, cos[:, :, None], sin[:, :, None])
+        return q, apply_rope(kv, cos, sin), q_res
+
+    def _output(self, attn, positions, smooth):
+        """Un-rotate the rope slice, GSM site `attn_out`, grouped low-rank projection."""
+        cfg = self.cfg
+        cos, sin = rope_cos_sin(cfg.rope(self.layer), positions)
+        attn = apply_rope(attn, cos[:, :, None], -sin[:, :, None])
+        b, t = attn.shape[:2]
+        flat, ring = smooth(attn.reshape(b, t, -1))  # GSM site attn_out
+        grouped = flat.reshape(b, t, cfg.o_groups, -1)
+        low = jnp.einsum("btgi,gio->btgo", grouped, self.o_a.astype(flat.dtype))
+        return low.reshape(b, t, -1) @ self.o_b.astype(flat.dtype), ring
+
+    def prefill(self, x, positions, smooth):
+        """Whole right-padded prompts x [B,T,D] -> (out [B,T,D], cache sequences, GSM ring).
+
+        The cache sequences are per-token (window: K=V, rings: raw compressor
+        projections) or per-entry (comp, index); `prefill` below turns them into
+        the decode cache.
+        """
+        cfg = self.cfg
+        t = x.shape[1]
+        q, kv, q_res = self._project(x, positions)
+        steps = jnp.arange(t)
+        # key j is visible to query i when i - sliding_window < j <= i
+        band = ((steps[None, :] <= steps[:, None])
+                & (steps[None, :] > steps[:, None] - cfg.sliding_window))
+        keys, mask = kv, jnp.broadcast_to(band, (x.shape[0], t, t))
+        cache = {"window": kv}
+        if self.kind != SLIDING:
+            rope, rate = cfg.compress_rope, cfg.compress_rate(self.layer)
+            kvg = self.compressor.project(x)
+            comp = self.compressor.entries(kvg, rope)  # [B, n, hd]
+            n = comp.shape[1]
+            visible = jnp.arange(n)[None, None, :] < ((positions + 1) // rate)[..., None]
+            cache["comp"], cache["comp_ring"] = comp, kvg
+            if self.kind == CSA:
+                ikvg = self.indexer.compressor.project(x)
+                ikeys = self.indexer.compressor.entries(ikvg, rope)
+                scores = self.indexer.scores(x, q_res, positions, ikeys)
+                visible = topk_select(scores, visible, cfg.index_topk)
+                cache["index"], cache["index_ring"] = ikeys, ikvg
+            keys = jnp.concatenate([keys, comp], axis=1)
+            mask = jnp.concatenate([mask, visible], axis=2)
+        with jax.named_scope("attention"):
+            attn = sink_attention(q, keys, mask, self.sinks, cfg.head_dim**-0.5)
+        out, ring = self._output(attn, positions, smooth)
+        return out, cache, ring
+
+    def decode(self, x, positions, active, cache: LayerCache, smooth):
+        """One token per row x [B,1,D] at positions [B,1] against the layer cache."""
+        cfg = self.cfg
+        pos = positions[:, 0]
+        q, kv, q_res = self._project(x, positions)
+        size = cache.window.shape[1]
+        window = _write_rows(cache.window, pos % size, kv[:, 0], active)
+        slot_pos = pos[:, None] - ((pos[:, None] - jnp.arange(size)[None, :]) % size)
+        keys, mask = window, slot_pos >= 0
+        new = {"window": window}
+        if self.kind != SLIDING:
+            rope, rate = cfg.compress_rope, cfg.compress_rate(self.layer)
+            done = (pos + 1) % rate == 0  # this token completes block w
+            w = jnp.maximum((pos + 1) // rate - 1, 0)
+
+            def update(comp, ring, module, x_in):
+                ring = _write_rows(ring, pos % ring.shape[1], module.project(x_in)[:, 0], active)
+                entry = module.entry_from_ring(ring, w, rope)
+                slot = jnp.minimum(w, comp.shape[1] - 1)
+                return _write_rows(comp, slot, entry, active & done), ring
+
+            comp, new["comp_ring"] = update(cache.comp, cache.comp_ring, self.compressor, x)
+            new["comp"] = comp
+            visible = jnp.arange(comp.shape[1])[None, :] < ((pos + 1) // rate)[:, None]
+            if self.kind == CSA:
+                ikeys, new["index_ring"] = update(cache.index, cache.index_ring,
+                                                  self.indexer.compressor, x)
+                new["index"] = ikeys
+                scores = self.indexer.scores(x, q_res, positions, ikeys)[:, 0]
+                visible = topk_select(scores, visible, cfg.index_topk)
+            keys = jnp.concatenate([keys, comp], axis=1)
+            mask = jnp.concatenate([mask, visible], axis=1)
+        with jax.named_scope("attention"):
+            attn = sink_attention(q, keys, mask[:, None], self.sinks, cfg.head_dim**-0.5)
+        out, ring = self._output(attn, positions, smooth)
+        return out, LayerCache(**new), ring
+
+
+class MoE(nn.Module):
+    """Routed experts (top-k or hash routing) + one shared expert; SwiGLU with clipping."""
+
+    cfg: DeepseekV4Config
+    layer: int
+
+    @property
+    def is_hash(self) -> bool:
+        return self.cfg.mlp_layer_types[self.layer] == "hash_moe"
+
+    def setup(self) -> None:
+        cfg = self.cfg
+        d, e, i = cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size
+        self.router = self.param("router", _init, (d, e))
+        if self.is_hash:
+            def table(rng, shape):
+                keys = jax.random.split(rng, shape[0])
+                return jax.vmap(lambda r: jax.random.permutation(r, e)[: shape[1]])(keys)
+
+            self.tid2eid = self.param("tid2eid", table, (cfg.vocab_size, cfg.num_experts_per_tok))
+        else:
+            self.score_bias = self.param("score_bias", _small, (e,), jnp.float32)
+        self.experts_gate_up = self.param("experts_gate_up", _init, (e, d, 2 * i))
+        self.experts_down = self.param("experts_down", _init, (e, i, d))
+        self.shared_gate_up = self.param("shared_gate_up", _init, (d, 2 * i))
+        self.shared_down = self.param("shared_down", _init, (i, d))
+
+    def route(self, x: jax.Array, tokens: jax.Array):
+        """x [M, D], tokens [M] -> (experts [M, k], weights [M, k] f32)."""
+        cfg = self.cfg
+        scores = score_fn(cfg.scoring_func, (x @ self.router.astype(x.dtype)).astype(jnp.float32))
+        if self.is_hash:
+            idx = self.tid2eid[tokens].astype(jnp.int32)  # frozen token -> experts table
+        else:  # the correction bias only changes which experts are chosen
+            _, idx = jax.lax.top_k(scores + self.score_bias, cfg.num_experts_per_tok)
+        w = jnp.take_along_axis(scores, idx, axis=-1)
+        return idx, w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20) * cfg.routed_scaling_factor
+
+    def __call__(self, x: jax.Array, tokens: jax.Array, smooth):
+        """x [B,T,D] -> (out [B,T,D], GSM ring). The GSM site is the shared expert only:
+
+        routed experts each see a data-dependent subset of a sequence's tokens, so a
+        window along the sequence is not defined for their intermediates.
+        """
+        cfg = self.cfg
+        b, t, d = x.shape
+        flat = x.reshape(b * t, d)
+        with jax.named_scope("router"):
+            idx, w = self.route(flat, tokens.reshape(-1))
+        with jax.named_scope("routed_experts"):
+            routed = routed_experts(flat, idx, w, self.experts_gate_up, self.experts_down,
+                                    cfg.swiglu_limit)
+        with jax.named_scope("shared_expert"):
+            mid = swiglu(x @ self.shared_gate_up.astype(x.dtype), cfg.swiglu_limit)
+            mid, ring = smooth(mid)  # GSM site ffn_mid
+            shared = mid @ self.shared_down.astype(x.dtype)
+        return routed.reshape(b, t, d) + shared, ring
+
+
+class DecoderLayer(nn.Module):
+    """Hyper-connected attention block, then hyper-connected MoE block."""
+
+    cfg: DeepseekV4Config
+    layer: int
+
+    def setup(self) -> None:
+        cfg = self.cfg
+        self.attn_hc = HyperConnection(cfg)
+        self.attn_norm = self.param("attn_norm", nn.initializers.ones, (cfg.hidden_size,),
+                                    jnp.float32)
+        self.attn = Attention(cfg, self.layer)
+        self.ffn_hc = HyperConnection(cfg)
+        self.ffn_norm = self.param("ffn_norm", nn.initializers.ones, (cfg.hidden_size,),
+                                   jnp.float32)
+        self.moe = MoE(cfg, self.layer)
+
+    def _ffn(self, h, tokens, smooth):
+        post, comb, x = self.ffn_hc(h)
+        out, ring = self.moe(rms_norm(x, self.ffn_norm, self.cfg.rms_norm_eps), tokens, smooth)
+        return hc_expand(post, comb, out, h), ring
+
+    def prefill(self, h, tokens, positions, gsm, gsm_positions):
+        """h [B,T,N,D] -> (h, cache sequences, (attn ring, ffn ring))."""
+        layer = self.layer
+        post, comb, x = self.attn_hc(h)
+        x = rms_norm(x, self.attn_norm, self.cfg.rms_norm_eps)
+        out, cache, ring_attn = self.attn.prefill(
+            x, positions,
+            lambda a: smooth_site_prefill(gsm, layer, ATTN_OUT, a, gsm_positions))
+        h = hc_expand(post, comb, out, h)
+        h, ring_ffn = self._ffn(
+            h, tokens, lambda m: smooth_site_prefill(gsm, layer, FFN_MID, m, gsm_positions))
+        return h, cache, (ring_attn, ring_ffn)
+
+    def decode(self, h, tokens, positions, active, cache, gsm, rings, gsm_position):
+        """h [B,1,N,D], one token per row -> (h, new LayerCache, rings)."""
+        layer = self.layer
+        ring_attn, ring_ffn = rings if rings is not None else (None, None)
+
+        def site(index, ring):
+            def smooth(a):
+                y, r = smooth_site_decode(gsm, layer, index, a[:, 0], ring, gsm_position)
+                return y[:, None], r
+            return smooth
+
+        post, comb, x = self.attn_hc(h)
+        x = rms_norm(x, self.attn_norm, self.cfg.rms_norm_eps)
+        out, cache, ring_attn = self.attn.decode(x, positions, active, cache,
+                                                 site(ATTN_OUT, ring_attn))
+        h = hc_expand(post, comb, out, h)
+        h, ring_ffn = self._ffn(h, tokens[:, None], site(FFN_MID, ring_ffn))
+        return h, cache, (ring_attn, ring_ffn)
+
+
+class DeepseekV4(nn.Module):
+    """Embedding + layers + hyper head + final norm + LM head (for `init` only)."""
+
+    cfg: DeepseekV4Config
+
+    def setup(self) -> None:
+        cfg = self.cfg
+        n, d = cfg.hc_mult, cfg.hidden_size
+        self.embed = self.param("embed", _init, (cfg.vocab_size, d))
+        self.layers = [DecoderLayer(cfg, i) for i in range(cfg.num_layers)]
+        self.hc_head_fn = self.param("hc_head_fn", _init, (n * d, n), jnp.float32)
+        self.hc_head_base = self.param("hc_head_base", _small, (n,), jnp.float32)
+        self.hc_head_scale = self.param("hc_head_scale", nn.initializers.ones, (1,), jnp.float32)
+        self.final_norm = self.param("final_norm", nn.initializers.ones, (d,), jnp.float32)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = self.param("lm_head", _init, (d, cfg.vocab_size))
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        cfg = self.cfg
+        b, t = tokens.shape
+        h = jnp.broadcast_to(self.embed[tokens][:, :, None], (b, t, cfg.hc_mult, cfg.hidden_size))
+        positions = jnp.broadcast_to(jnp.arange(t), (b, t))
+        for layer in self.layers:
+            h, _, _ = layer.prefill(h, tokens, positions, None, positions)
+        return h
+
+
+# ----------------------------------------------------------------------------- weights
+
+# Kept in float32 whatever the model dtype (the reference's _keep_in_fp32_modules_strict).
+_FP32_LEAVES = {"fn", "base", "scale", "sinks", "position_bias", "norm", "q_a_norm", "kv_norm",
+                "attn_norm", "ffn_norm", "score_bias", "hc_head_fn", "hc_head_base",
+                "hc_head_scale", "final_norm"}
+
+
+def _cast_tree(tree: Any, dtype: Any) -> Any:
+    def cast(path, a):
+        name = path[-1].key if hasattr(path[-1], "key") else str(path[-1])
+        if name == "tid2eid":
+            return jnp.asarray(a, jnp.int32)
+        return jnp.asarray(a, jnp.float32 if name in _FP32_LEAVES else dtype)
+
+    return jax.tree_util.tree_map_with_path(cast, tree)
+
+
+def _split_layers(params: dict, num_layers: int) -> dict:
+    params = dict(params)
+    params["layers"] = tuple(params.pop(f"layers_{i}") for i in range(num_layers))
+    return params
+
+
+def init_weights(cfg: DeepseekV4Config, rng: jax.Array, dtype: Any = jnp.float32) -> dict:
+    """Random weights (tests, benchmarks): the same tree `weights_from_hf` produces."""
+    rate = max(cfg.compress_rate_csa, cfg.compress_rate_hca)
+    tokens = jnp.zeros((1, min(rate, 16)), jnp.int32)
+    params = DeepseekV4(cfg).init(rng, tokens)["params"]
+    params = jax.tree.map(lambda a: a, dict(params))
+    return _cast_tree(_split_layers(params, cfg.num_layers), dtype)
+
+
+def weight_shapes(cfg: DeepseekV4Config, dtype: Any = jnp.float32) -> dict:
+    """The weight tree as ShapeDtypeStructs, without allocating (abstract-first init)."""
+    return jax.eval_shape(lambda: init_weights(cfg, jax.random.key(0), dtype))
+
+
+# Checkpoint names `save_pretrained` writes (the upstream layout) -> the reference's
+# module names (what `model.state_dict()` holds). Mirrors transformers' conversion
+# mapping for deepseek_v4, applied in order.
+_RENAMES = [
+    (r"\.attn\.", ".self_attn."),
+    (r"\.ffn\.", ".mlp."),
+    (r"\.indexer\.compressor\.", ".compressor.indexer."),
+    (r"^model\.embed\.weight$", "model.embed_tokens.weight"),
+    (r"^model\.head\.weight$", "lm_head.weight"),
+    (r"^head\.weight$", "lm_head.weight"),
+    (r"\.hc_head_(fn|base|scale)$", r".hc_head.hc_\1"),
+    (r"\.attn_norm\.", ".input_layernorm."),
+    (r"\.ffn_norm\.", ".post_attention_layernorm."),
+    (r"\.hc_(attn|ffn)_(fn|base|scale)$", r".\1_hc.\2"),
+    (r"\.attn_sink$", ".sinks"),
+    (r"\.self_attn\.indexer\.weights_proj\.", ".self_attn.compressor.indexer.scorer.weights_proj."),
+    (r"\.self_attn\.indexer\.wq_b\.", ".self_attn.compressor.indexer.q_b_proj."),
+    (r"\.(self_attn|compressor|indexer)\.norm\.", r".\1.kv_norm."),
+    (r"\.ape$", ".position_bias"),
+    (r"\.wq_a\.", ".q_a_proj."),
+    (r"\.wq_b\.", ".q_b_proj."),
+    (r"\.wkv\.", ".kv_proj."),
+    (r"\.wgate\.", ".gate_proj."),
+    (r"\.wo_a\.", ".o_a_proj."),
+    (r"\.wo_b\.", ".o_b_proj."),
+    (r"\.q_norm\.", ".q_a_norm."),
+    (r"\.gate\.bias$", ".gate.e_score_correction_bias"),
+    (r"\.shared_experts\.w1\.", ".shared_experts.gate_proj."),
+    (r"\.shared_experts\.w2\.", ".shared_experts.down_proj."),
+    (r"\.shared_experts\.w3\.", ".shared_experts.up_proj."),
+]
+_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.w([123])\.weight$")
+
+
+def canonical_hf_names(tensors: dict[str, Any]) -> dict[str, Any]:
+    """Accept both the module names and the checkpoint names; return module names.
+
+    Per-expert w1/w3/w2 matrices are merged into the reference's
+    `experts.gate_up_proj` [E, 2I, D] and `experts.down_proj` [E, D, I].
+    Multi-token-prediction weights (`mtp.*`) are dropped, as the reference does.
+    """
+    out: dict[str, Any] = {}
+    experts: dict[str, dict[int, dict[str, Any]]] = {}
+    for name, value in tensors.items():
+        if name.startswith("mtp.") or ".mtp." in name:
+            continue
+        if not name.startswith(("model.", "lm_head.", "head.")):
+            name = "model." + name
+        for pattern, repl in _RENAMES:
+            name = re.sub(pattern, repl, name)
+        m = _EXPERT.match(name)
+        if m:
+            experts.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = value
+        else:
+            out[name] = value
+    for prefix, per_expert in experts.items():
+        ids = sorted(per_expert)
+        try:
+            out[prefix + ".gate_up_proj"] = np.stack(
+                [np.concatenate([np.asarray(per_expert[e]["1"]), np.asarray(per_expert[e]["3"])])
+                 for e in ids])
+            out[prefix + ".down_proj"] = np.stack([np.asarray(per_expert[e]["2"]) for e in ids])
+        except KeyError as exc:
+            raise UnsupportedModelError(
+                f"expert weight w{exc.args[0]} missing under {prefix}") from exc
+    return out
+
+
+def weights_from_hf(cfg: DeepseekV4Config, tensors: dict[str, Any],
+                    dtype: Any = jnp.float32) -> dict:
+    """Hugging Face names ([out, in] linears) -> this module's tree ([in, out], per layer).
+
+    Takes either `DeepseekV4ForCausalLM.state_dict()` names or the names
+    `save_pretrained` writes. Raises UnsupportedModelError naming a missing tensor.
+    """
+    tensors = canonical_hf_names(tensors)
+
+    def get(name: str) -> np.ndarray:
+        if name not in tensors:
+            raise UnsupportedModelError(f"weight {name!r} is missing from the checkpoint")
+        value = tensors[name]
+        if hasattr(value, "detach"):  # a torch tensor
+            value = value.detach().float().cpu().numpy() if value.is_floating_point() \
+                else value.detach().cpu().numpy()
+        value = np.asarray(value)
+        return value if value.dtype.kind in "iu" else value.astype(np.float32)
+
+    def lin(name: str) -> np.ndarray:
+        return get(name).T
+
+    def kv_gate(p: str) -> np.ndarray:
+        return np.concatenate([lin(p + "kv_proj.weight"), lin(p + "gate_proj.weight")], axis=1)
+
+    def compressor(p: str) -> dict:
+        return {"kv_gate": kv_gate(p), "position_bias": get(p + "position_bias"),
+                "norm": get(p + "kv_norm.weight")}
+
+    def hc(p: str) -> dict:
+        return {"fn": lin(p + "fn"), "base": get(p + "base"), "scale": get(p + "scale")}
+
+    g, o_rank = cfg.o_groups, cfg.o_lora_rank
+    layers = []
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        a = p + "self_attn."
+        o_a = get(a + "o_a_proj.weight")
+        attn = {
+            "q_a": lin(a + "q_a_proj.weight"), "q_a_norm": get(a + "q_a_norm.weight"),
+            "q_b": lin(a + "q_b_proj.weight"), "kv": lin(a + "kv_proj.weight"),
+            "kv_norm": get(a + "kv_norm.weight"),
+            "o_a": o_a.reshape(g, o_rank, -1).transpose(0, 2, 1),
+            "o_b": lin(a + "o_b_proj.weight"), "sinks": get(a + "sinks"),
+        }
+        if cfg.layer_types[i] != SLIDING:
+            attn["compressor"] = compressor(a + "compressor.")
+        if cfg.layer_types[i] == CSA:
+            x = a + "compressor.indexer."
+            attn["indexer"] = {"compressor": compressor(x), "q_b": lin(x + "q_b_proj.weight"),
+                               "weights_proj": lin(x + "scorer.weights_proj.weight")}
+        m = p + "mlp."
+        moe = {
+            "router": lin(m + "gate.weight"),
+            "experts_gate_up": get(m + "experts.gate_up_proj").transpose(0, 2, 1),
+            "experts_down": get(m + "experts.down_proj").transpose(0, 2, 1),
+            "shared_gate_up": np.concatenate([lin(m + "shared_experts.gate_proj.weight"),
+                                              lin(m + "shared_experts.up_proj.weight")], axis=1),
+            "shared_down": lin(m + "shared_experts.down_proj.weight"),
+        }
+        if cfg.mlp_layer_types[i] == "hash_moe":
+            moe["tid2eid"] = get(m + "gate.tid2eid")
+        else:
+            moe["score_bias"] = get(m + "gate.e_score_correction_bias")
+        layers.append({
+            "attn_hc": hc(p + "attn_hc."), "attn_norm": get(p + "input_layernorm.weight"),
+            "attn": attn,
+            "ffn_hc": hc(p + "ffn_hc."), "ffn_norm": get(p + "post_attention_layernorm.weight"),
+            "moe": moe,
+        })
+    weights = {
+        "embed": get("model.embed_tokens.weight"),
+        "layers": tuple(layers),
+        "hc_head_fn": lin("model.hc_head.hc_fn"),
+        "hc_head_base": get("model.hc_head.hc_base"),
+        "hc_head_scale": get("model.hc_head.hc_scale"),
+        "final_norm": get("model.norm.weight"),
+    }
+    if not cfg.tie_word_embeddings:
+        weights["lm_head"] = lin("lm_head.weight")
+    return _cast_tree(weights, dtype)
+
+
+# ----------------------------------------------------------------------------- entry points
+
+
+def _layer_apply(cfg, layer, layer_weights, method, *args):
+    return DecoderLayer(cfg, layer).apply(
+        {"params": layer_weights}, *args, method=method)
+
+
+def _embed_streams(weights: dict, cfg: DeepseekV4Config, tokens: jax.Array) -> jax.Array:
+    x = jnp.take(weights["embed"], tokens, axis=0)
+    return jnp.broadcast_to(x[..., None, :], x.shape[:-1] + (cfg.hc_mult, cfg.hidden_size))
+
+
+def _logits(weights: dict, cfg: DeepseekV4Config, h: jax.Array) -> jax.Array:
+    """Hyper head (collapse the streams) -> final norm -> LM head. h [..., N, D] -> f32 [..., V]."""
+    with jax.named_scope("hc_head"):
+        flat = h.reshape(h.shape[:-2] + (-1,)).astype(jnp.float32)
+        mixes = unweighted_rms_norm(flat, cfg.rms_norm_eps) @ weights["hc_head_fn"]
+        pre = jax.nn.sigmoid(mixes * weights["hc_head_scale"] + weights["hc_head_base"])
+        x = jnp.sum((pre + cfg.hc_eps)[..., None] * h, axis=-2).astype(h.dtype)
+    x = rms_norm(x, weights["final_norm"], cfg.rms_norm_eps)
+    with jax.named_scope("lm_head"):
+        if cfg.tie_word_embeddings:
+            return jnp.einsum("...d,vd->...v", x, weights["embed"].astype(x.dtype),
+                              preferred_element_type=jnp.float32)
+        return jnp.einsum("...d,dv->...v", x, weights["lm_head"].astype(x.dtype),
+                          preferred_element_type=jnp.float32)
+
+
+def _prefill_layers(weights, cfg, tokens, lengths, gsm):
+    """All layers over right-padded prompts -> (streams, per-layer hidden, caches, rings)."""
+    b, t = tokens.shape
+    steps = jnp.arange(t)
+    positions = jnp.broadcast_to(steps, (b, t))
+    # GSM sees padding as position -1 (never enters a window)
+    gsm_positions = jnp.where(steps[None, :] < lengths[:, None], positions, -1)
+    h = _embed_streams(weights, cfg, tokens)
+    hidden, caches, rings = [], [], []
+    for i in range(cfg.num_layers):
+        with jax.named_scope(f"layer_{i}"):
+            h, cache, ring = _layer_apply(cfg, i, weights["layers"][i], "prefill",
+                                          h, tokens, positions, gsm, gsm_positions)
+        hidden.append(h)
+        caches.append(cache)
+        rings.append(ring)
+    return h, hidden, caches, rings
+
+
+def forward(weights: dict, cfg: DeepseekV4Config, tokens: jax.Array, lengths: jax.Array,
+            gsm: GSMInputs | None = None) -> jax.Array:
+    """Teacher-forced logits [B, T, V] (f32) over right-padded rows of `lengths` tokens."""
+    h, *_ = _prefill_layers(weights, cfg, tokens, lengths, gsm)
+    return _logits(weights, cfg, h)
+
+
+def layer_outputs(weights: dict, cfg: DeepseekV4Config, tokens: jax.Array,
+                  lengths: jax.Array) -> list[jax.Array]:
+    """Each layer's output streams [B, T, N, D] (tests: localising a mismatch)."""
+    return _prefill_layers(weights, cfg, tokens, lengths, None)[1]
+
+
+def prefill(weights: dict, cfg: DeepseekV4Config, tokens: jax.Array, lengths: jax.Array,
+            cache: DeepseekV4Cache, gsm: GSMInputs | None = None
+            ) -> tuple[jax.Array, DeepseekV4Cache]:
+    """Fill a fresh cache with right-padded prompts; return each row's last-token logits [B, V]."""
+    h, _, caches, rings = _prefill_layers(weights, cfg, tokens, lengths, gsm)
+    new_layers = []
+    for old, seqs in zip(cache.layers, caches, strict=True):
+        fields = {}
+        for name, value in seqs.items():
+            buf = getattr(old, name)
+            if name in ("comp", "index"):  # entries: slot w = entry w
+                if buf.shape[1] < value.shape[1]:
+                    raise ValueError(f"a prompt of {tokens.shape[1]} tokens does not fit the cache")
+                fields[name] = jax.lax.dynamic_update_slice(
+                    buf, value.astype(buf.dtype), (0,) * buf.ndim)
+            else:  # rings: the last positions of each row's prompt
+                fields[name] = _ring_from_sequence(value, lengths, buf.shape[1]).astype(buf.dtype)
+        new_layers.append(LayerCache(**fields))
+    new_rings = cache.rings
+    if gsm is not None and cache.rings is not None:
+        new_rings = tuple(jnp.stack([r[s] for r in rings]).astype(c.dtype)
+                          for s, c in enumerate(cache.rings))
+    last = jnp.take_along_axis(h, jnp.maximum(lengths - 1, 0)[:, None, None, None], axis=1)[:, 0]
+    logits = _logits(weights, cfg, last)
+    return logits, DeepseekV4Cache(layers=tuple(new_layers), lengths=lengths.astype(jnp.int32),
+                                   rings=new_rings)
+
+
+def decode_step(weights: dict, cfg: DeepseekV4Config, tokens: jax.Array, cache: DeepseekV4Cache,
+                gsm: GSMInputs | None = None,
+                active: jax.Array | None = None) -> tuple[jax.Array, DeepseekV4Cache]:
+    """One token per row at position `cache.lengths`; returns logits [B, V] and the new cache.
+
+    Rows with active=False still compute (static shapes) but do not advance, their
+    cache writes are masked and their GSM rings are left untouched.
+    """
+    b = tokens.shape[0]
+    if active is None:
+        active = jnp.ones((b,), bool)
+    pos = cache.lengths
+    positions = pos[:, None]
+    gsm_position = jnp.where(active, pos, -1)
+    h = _embed_streams(weights, cfg, tokens[:, None])
+    rings_all = cache.rings if gsm is not None else None
+    new_layers = []
+    for i in range(cfg.num_layers):
+        rings = None if rings_all is None else tuple(r[i] for r in rings_all)
+        with jax.named_scope(f"layer_{i}"):
+            h, layer_cache, rings = _layer_apply(
+                cfg, i, weights["layers"][i], "decode", h, tokens, positions, active,
+                cache.layers[i], gsm, rings, gsm_position)
+        new_layers.append(layer_cache)
+        if rings_all is not None:
+            rings_all = tuple(r_all.at[i].set(r.astype(r_all.dtype))
+                              for r_all, r in zip(rings_all, rings, strict=True))
+    logits = _logits(weights, cfg, h[:, 0])
+    new_cache = DeepseekV4Cache(
+        layers=tuple(new_layers), lengths=cache.lengths + active.astype(jnp.int32),
+        rings=rings_all if gsm is not None else cache.rings)
+    return logits, new_cache
