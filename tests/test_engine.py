@@ -1,0 +1,139 @@
+"""The continuous-batching engine: same greedy tokens as each request run alone, GSM per slot,
+closed/open-loop drivers, timestamps, switching GSM configs without recompiling."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+import gsm_jax
+from gsm_jax.errors import GSMConfigError, InvalidInputError
+from gsm_jax.models import llama
+from gsm_jax.params import ModelParams
+from gsm_jax.workflow import engine as engine_mod
+from gsm_jax.workflow.engine import Engine, Request
+
+MAX_LEN = 48
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """A tiny random Llama whose weights are scaled up so its logits are peaked (greedy
+    choices are then far from ties) and GSM visibly changes what it generates."""
+    cfg = llama.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2,
+                            num_heads=4, num_kv_heads=2, head_dim=8,
+                            max_position_embeddings=256, eos_token_ids=(3,))
+    weights = llama.init_weights(cfg, jax.random.key(0))
+    weights = jax.tree.map(lambda a: a * 5 if a.ndim >= 2 else a, weights)
+    return ModelParams(weights, cfg, None, "tiny")
+
+
+@pytest.fixture(scope="module")
+def requests():
+    rng = np.random.default_rng(0)
+    lens = [5, 14, 3, 9, 16, 7]  # one prompt bucket (16): one prefill compile
+    new = [12, 1, 16, 6, 10, 14]
+    return [Request(rng.integers(4, 64, size=n).tolist(), m, request_id=f"r{i}")
+            for i, (n, m) in enumerate(zip(lens, new, strict=True))]
+
+
+# prompt + new >= 17 is smoothed: requests r0, r2, r4, r5 yes, r1, r3 no (bypassed)
+GSM = gsm_jax.GSMConfig(target_layers="all", smooth_strength=0.3, window_size=4,
+                        protect_first=1, short_request_tokens=17)
+
+
+@pytest.mark.parametrize("gsm", [None, GSM], ids=["no_gsm", "gsm"])
+def test_matches_generate_tokens_alone(tiny, requests, gsm):
+    eng = Engine(tiny, max_batch=2, max_len=MAX_LEN, gsm=gsm, eos_ids=[])
+    # staggered: two at once, one while both slots are busy (it waits), later ones refill
+    recs = eng.run(requests, arrival_times=[0.0, 0.0, 0.001, 0.05, 0.3, 0.31])
+    assert not eng.has_work
+    for req, rec in zip(requests, recs, strict=True):
+        ref = gsm_jax.generate_tokens(tiny, [req.prompt], max_new_tokens=req.max_new_tokens,
+                                      eos_ids=[], gsm=gsm, request_ids=[req.request_id])[0]
+        np.testing.assert_array_equal(np.asarray(rec.tokens), ref, err_msg=str(rec.request_id))
+        assert rec.finish_reason == "length" and rec.n_tokens == req.max_new_tokens
+    if gsm is not None:
+        assert [r.gsm for r in recs] == [True, False, True, False, True, True]
+    else:
+        assert not any(r.gsm for r in recs)
+    assert {r.slot for r in recs} == {0, 1}
+
+
+def test_gsm_changes_tokens_per_slot(tiny, requests):
+    """The smoothed requests differ from the unsmoothed engine; the bypassed ones do not."""
+    off = Engine(tiny, max_batch=2, max_len=MAX_LEN, eos_ids=[]).run(requests)
+    on = Engine(tiny, max_batch=2, max_len=MAX_LEN, gsm=GSM, eos_ids=[]).run(requests)
+    for a, b in zip(off, on, strict=True):
+        if b.gsm:
+            continue
+        assert a.tokens == b.tokens
+    assert any(a.tokens != b.tokens for a, b in zip(off, on, strict=True) if b.gsm)
+
+
+def test_eos_finishes_and_frees_slot(tiny, requests):
+    req = requests[0]
+    free = Engine(tiny, max_batch=2, max_len=MAX_LEN, eos_ids=[]).run([req])[0]
+    eos = free.tokens[3]
+    first = free.tokens.index(eos)
+    eng = Engine(tiny, max_batch=2, max_len=MAX_LEN, eos_ids=[eos])
+    recs = eng.run([req, requests[2]], clients=1)
+    assert recs[0].finish_reason == "eos" and recs[0].tokens == free.tokens[: first + 1]
+    assert recs[1].n_tokens >= 1 and recs[1].admitted >= recs[0].finish
+
+
+def test_closed_loop_and_timestamps(tiny, requests):
+    eng = Engine(tiny, max_batch=2, max_len=MAX_LEN, eos_ids=[])
+    concurrent = []
+    recs = eng.run(requests, clients=1,
+                   on_finish=lambda r: concurrent.append(eng.num_active + eng.num_waiting))
+    assert concurrent == [0] * len(requests)  # one client: nothing else in flight
+    starts = sorted(r.arrival for r in recs)
+    # the one client sends each request the moment the previous one completes
+    assert [r.arrival for r in recs[1:]] == [r.finish for r in recs[:-1]]
+    assert all(r.slot == 0 for r in recs)
+    for r in recs:
+        assert r.arrival <= r.admitted <= r.first_token <= r.finish
+        assert r.token_times == sorted(r.token_times) and len(r.token_times) == r.n_tokens
+        assert r.e2e >= r.ttft > 0
+        assert np.isnan(r.tpot) if r.n_tokens == 1 else r.tpot > 0
+        d = r.to_dict(starts[0])
+        assert d["e2e_s"] == pytest.approx(r.e2e, abs=1e-5) and d["n_tokens"] == r.n_tokens
+
+
+def test_set_gsm_does_not_recompile(tiny, requests):
+    eng = Engine(tiny, max_batch=2, max_len=MAX_LEN, gsm=GSM, eos_ids=[])
+    eng.warmup([16])
+    before = (engine_mod._decode._cache_size(), engine_mod._prefill_insert._cache_size())
+    base = eng.run(requests[:2])
+    eng.set_gsm(GSM.replace(smooth_strength=0.1, window_size=6, short_request_tokens=0))
+    assert eng.mode == "on"
+    eng.run(requests[:2])
+    eng.set_gsm(None)
+    assert eng.mode == "zero"
+    zero = eng.run(requests[:2])
+    assert (engine_mod._decode._cache_size(), engine_mod._prefill_insert._cache_size()) == before
+    assert not any(r.gsm for r in zero)
+    # zero strength = the no-GSM model
+    ref = Engine(tiny, max_batch=2, max_len=MAX_LEN, eos_ids=[]).run(requests[:2])
+    assert [r.tokens for r in zero] == [r.tokens for r in ref]
+    assert base[0].tokens != zero[0].tokens  # r0 is smoothed under GSM
+
+
+def test_bad_input(tiny):
+    eng = Engine(tiny, max_batch=1, max_len=MAX_LEN, eos_ids=[])
+    with pytest.raises(InvalidInputError, match="max_len"):
+        eng.submit(Request([5] * 40, 10))
+    with pytest.raises(InvalidInputError, match="vocabulary"):
+        eng.submit(Request([64], 1))
+    with pytest.raises(InvalidInputError, match="max_new_tokens"):
+        eng.submit(Request([5], 0))
+    with pytest.raises(InvalidInputError, match="clients"):
+        eng.run([Request([5], 1)], arrival_times=[0.0], clients=2)
+    with pytest.raises(GSMConfigError, match="without GSM"):
+        eng.set_gsm(GSM)
+    with pytest.raises(InvalidInputError, match="ModelParams"):
+        Engine({"embed": 1})
+    with pytest.raises(InvalidInputError, match="max_len"):
+        Engine(tiny, max_len=10_000)
