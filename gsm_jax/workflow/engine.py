@@ -455,42 +455,35 @@ class Engine:
 
     def warmup(self, prompt_lengths: Sequence[int] = (16,), *,
                sample: bool = False) -> dict[str, Any]:
-        """Compile (and run once) the prefill of each prompt bucket and the decode step.
+        """Compile and run, through the normal request path, the prefill of each prompt
+        bucket the given lengths fall in, and the decode step (greedy; also sampled
+        with `sample=True`).
 
-        Returns seconds per compiled function; the engine is left idle. Its cache
-        holds junk rows afterwards, which the next admissions overwrite.
+        Returns seconds per prompt bucket (a dummy request's prefill + one decode
+        step, compilation included) and in total. The engine is left idle; its
+        cache holds junk rows, which the next admissions overwrite.
         """
         if self.has_work:
             raise InvalidInputError("warmup needs an idle engine")
+        by_bucket: dict[int, int] = {}
+        for n in sorted(int(n) for n in prompt_lengths):
+            n = max(1, min(n, self.max_len - 1))
+            by_bucket.setdefault(min(bucket(n, MIN_PROMPT_BUCKET), self.max_len), n)
         out: dict[str, Any] = {"prefill_s": {}}
-        buckets = sorted({min(bucket(int(n), MIN_PROMPT_BUCKET), self.max_len)
-                          for n in prompt_lengths})
-        rows = np.zeros((1,), np.float32)
-        temps = [0.0, 1.0] if sample else [0.0]
-        for padded in buckets:
+        start = clock()
+        for padded, n in by_bucket.items():
             t = clock()
-            for temperature in temps:
-                tok, self._cache = _prefill_insert(
-                    self.params.weights, jnp.zeros((1, padded), jnp.int32),
-                    jnp.asarray([min(padded, 1)], jnp.int32), self._cache,
-                    jnp.asarray([0], jnp.int32), self._gsm_inputs(rows), self._seed_key,
-                    jnp.asarray(0, jnp.int32), jnp.asarray([temperature], jnp.float32),
-                    config=self.config, max_len=self.max_len, sample=temperature > 0,
-                )
-                jax.block_until_ready(tok)
+            for temperature in ([0.0, 1.0] if sample else [0.0]):
+                self.submit(Request([0] * n, min(2, self.max_len - n), request_id="warmup",
+                                    temperature=temperature))
+                while self.has_work:
+                    self.step()
             out["prefill_s"][padded] = clock() - t
-        t = clock()
-        for temperature in temps:
-            tok, self._cache = _decode(
-                self.params.weights, jnp.zeros((self.max_batch,), jnp.int32), self._cache,
-                self._gsm_inputs(np.zeros((self.max_batch,), np.float32)),
-                jnp.zeros((self.max_batch,), bool), self._seed_key, jnp.asarray(0, jnp.int32),
-                jnp.full((self.max_batch,), temperature, jnp.float32),
-                config=self.config, sample=temperature > 0,
-            )
-            jax.block_until_ready(tok)
-        out["decode_s"] = clock() - t
-        out["total_s"] = out["decode_s"] + sum(out["prefill_s"].values())
+        if all(n >= self.max_len - 1 for n in by_bucket.values()):  # decode not reached yet
+            self.submit(Request([0], 2, request_id="warmup"))
+            while self.has_work:
+                self.step()
+        out["total_s"] = clock() - start
         return out
 
     # ------------------------------------------------------------------ driver
