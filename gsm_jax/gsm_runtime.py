@@ -16,6 +16,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -81,5 +82,19 @@ def gsm_inputs_for_batch(gsm: Any, num_layers: int, batch_size: int,
         protect_first=jnp.asarray(cfg.protect_first, jnp.int32),
         max_window=cfg.max_window,
         precision=cfg.precision,
-        impl=_kernel_impl,
+        impl=resolved_kernel_impl(),
     )
+
+
+def resolved_kernel_impl() -> str:
+    """"auto" resolved for the default backend when the model is traced.
+
+    Resolving here, rather than with `lax.platform_dependent` inside the step,
+    keeps the other platform's branch out of the CPU program: XLA:CPU turned
+    the small per-layer conditionals into selects that evaluated both branches
+    and copied the GSM ring stack every layer. To lower for another platform
+    (e.g. `jax.export` for CUDA from a CPU host) choose "pallas" explicitly.
+    """
+    if _kernel_impl != "auto":
+        return _kernel_impl
+    return "xla" if jax.default_backend() == "cpu" else "pallas"

@@ -49,6 +49,7 @@ __all__ = [
     "ring_from_prefill",
     "smooth",
     "smooth_decode",
+    "smooth_decode_stacked",
     "smooth_prefill",
 ]
 
@@ -156,30 +157,71 @@ def decode_buckets(max_window: int) -> tuple[int, ...]:
 
 
 def _decode_xla(x, ring, position, window, strength, lo, *, precision: str):
-    """Decode step reading only the ring rows the batch's widest window needs.
+    """Decode step on one ring [B, W, C]: the stacked form with a single layer."""
+    y, rings = _decode_xla_stacked(x, ring[None], jnp.int32(0), position, window, strength, lo,
+                                   precision=precision)
+    return y, rings[0]
 
-    A window of w needs w - 1 ring rows; reading all W rows for w = 8 costs
-    8x the memory traffic. The row count must be static, so each bucket of
-    `decode_buckets` is one `lax.switch` branch, picked at run time from the
-    largest count in the batch: changing the window never recompiles.
-    Measured on XLA:CPU, B=16, C=1536, W=64, ring donated: window 8 took
-    ~0.1 ms against ~1.0 ms for a masked sum over the full ring.
+
+def _scatter_rows(rings: jax.Array, layer: jax.Array, slot: jax.Array, x: jax.Array):
+    """rings[layer, b, slot[b]] = x[b], in place inside the model's layer scan.
+
+    Indices are in range by construction; saying so keeps XLA from guarding the
+    write with a select that reads (and so copies) the old ring. At batch 1
+    XLA:CPU rewrites a one-row scatter as a dynamic-update-slice, which next to
+    the `lax.switch` read copied the whole [L, 1, W, C] stack every layer
+    (~10x the step time); writing the same row twice keeps it a scatter.
     """
-    B, W, C = ring.shape
+    batch = jnp.arange(x.shape[0])
+    values = x.astype(rings.dtype)
+    if x.shape[0] == 1:
+        batch, slot = jnp.concatenate([batch, batch]), jnp.concatenate([slot, slot])
+        values = jnp.concatenate([values, values])
+    return rings.at[layer, batch, slot].set(values, mode="promise_in_bounds")
+
+
+def _decode_xla_stacked(x, rings, layer, position, window, strength, lo, *, precision: str,
+                        active=None):
+    """Decode step on layer `layer` of stacked rings [L, B, W, C], in place.
+
+    `active` None: rows with position < 0 are inactive (output x, ring untouched).
+    `active` [B] bool: every position is >= 0 and every row writes its slot; inactive
+    rows only return x. That is what the model wants: an inactive row's position is
+    its *next* position, whose slot holds a token no later window reads, and a
+    scatter with no dropped rows stays in place (with dropped rows XLA:CPU turned
+    the batch-1 scatter into a select that copied the whole ring stack per layer).
+
+    Reads only the ring rows the batch's widest window needs. A window of w
+    needs w - 1 ring rows; reading all W rows for w = 8 costs 8x the memory
+    traffic. The row count must be static, so each bucket of `decode_buckets`
+    is one `lax.switch` branch, picked at run time from the largest count in
+    the batch: changing the window never recompiles. Measured on XLA:CPU,
+    B=16, C=1536, W=64, ring donated: window 8 took ~0.1 ms against ~1.0 ms
+    for a masked sum over the full ring.
+
+    The model carries all layers' rings through its layer scan; touching only
+    [layer, b, slot] (one scatter) and the gathered rows keeps the step from
+    copying a [B, W, C] ring per layer.
+    """
+    L, B, W, C = rings.shape
     n = position
     start, count = window_bounds(n, window, lo, W)
     mask = smooth_mask(n, count, strength, lo)
     # Write first, read after: the switch then only reads the updated ring,
     # so XLA can scatter in place instead of copying the whole ring to keep
     # the old one alive for the read. Rows d >= 1 back are untouched by the
-    # write (d < W). Inactive rows scatter out of range and are dropped.
-    slot = jnp.where(n >= 0, jnp.mod(n, W), W)
-    new_ring = ring.at[jnp.arange(B), slot].set(x.astype(ring.dtype), mode="drop")
+    # write (d < W).
+    if active is None:  # inactive rows scatter out of range and are dropped
+        slot = jnp.where(n >= 0, jnp.mod(n, W), W)
+        new_rings = rings.at[layer, jnp.arange(B), slot].set(x.astype(rings.dtype), mode="drop")
+    else:
+        mask = mask & active
+        new_rings = _scatter_rows(rings, layer, jnp.mod(n, W), x)
 
     need = jnp.max(jnp.where(mask, count, 1))
     buckets = decode_buckets(W)
     branch = sum((need > b).astype(jnp.int32) for b in buckets[:-1])
-    base = jnp.arange(B, dtype=jnp.int32) * W
+    base = (layer * B + jnp.arange(B, dtype=jnp.int32)) * W
 
     def window_sum(rows: int) -> Callable[[jax.Array], jax.Array]:
         def f(flat: jax.Array) -> jax.Array:
@@ -193,9 +235,9 @@ def _decode_xla(x, ring, position, window, strength, lo, *, precision: str):
 
         return f
 
-    total = lax.switch(branch, [window_sum(r) for r in buckets], new_ring.reshape(B * W, C))
+    total = lax.switch(branch, [window_sum(r) for r in buckets], new_rings.reshape(L * B * W, C))
     y = combine(x, total, count[:, None], strength[:, None], mask[:, None], precision)
-    return y, new_ring
+    return y, new_rings
 
 
 # ------------------------------------------------------------------ dispatch
@@ -316,6 +358,47 @@ def smooth_decode(
         precision=precision,
         impl=impl,
     )
+
+
+def smooth_decode_stacked(
+    x: jax.Array,
+    rings: jax.Array,
+    layer: jax.Array,
+    position: jax.Array,
+    active: jax.Array,
+    window: jax.Array,
+    strength: jax.Array,
+    protect_first: jax.Array,
+    *,
+    precision: str,
+    impl: str = "auto",
+) -> tuple[jax.Array, jax.Array]:
+    """The model's decode form: layer `layer` of stacked rings [L, B, W, C] (its cache).
+
+    position [B] >= 0 is each row's new position; `active` [B] bool. Active rows get
+    `smooth_decode(x, rings[layer], position, ...)`; inactive rows return x, and their
+    slot position % W is overwritten, which is harmless when position is the row's
+    next position (that slot holds a token no later window reads). The XLA path
+    updates the stack in place instead of copying a layer's ring out and back; the
+    Pallas paths run the [B, W, C] kernel on the layer's slice.
+    """
+    def xla(x, rings, layer, position, active, window, strength, lo):
+        return _decode_xla_stacked(x, rings, layer, position, window, strength, lo,
+                                   precision=precision, active=active)
+
+    def kernel(x, rings, layer, position, active, window, strength, lo):
+        y, ring = _smooth_decode_jit(x, rings[layer], jnp.where(active, position, -1), window,
+                                     strength, lo, precision=precision, impl=impl)
+        return y, lax.dynamic_update_index_in_dim(rings, ring, layer, 0)
+
+    if impl == "xla":
+        fn = xla
+    elif impl == "auto":
+        def fn(*args):
+            return lax.platform_dependent(*args, cpu=xla, default=kernel)
+    else:
+        fn = kernel
+    return fn(x, rings, layer, position, active, window, strength, protect_first)
 
 
 @functools.partial(jax.jit, static_argnames=("max_window",))

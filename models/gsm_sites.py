@@ -64,17 +64,24 @@ def smooth_site_decode(
     layer: jax.Array,
     site: int,
     x: jax.Array,
-    ring: jax.Array | None,
+    rings: jax.Array | None,
     position: jax.Array,
+    active: jax.Array,
 ) -> tuple[jax.Array, jax.Array | None]:
-    """Smooth one new token per row ([B, C]) against the ring of its recent inputs."""
+    """Smooth one new token per row ([B, C]) against the ring of its recent inputs.
+
+    `rings` holds every layer's ring for this site, [layers, B, max_window, C]
+    (part of the decode cache); only layer `layer` is read and written.
+    `position` [B] is each row's new position (its cache length); rows with
+    active=False return x unchanged (see `smooth_decode_stacked`).
+    """
     if gsm is None:
-        return x, ring
-    from gsm_jax.smoothing import smooth_decode
+        return x, rings
+    from gsm_jax.smoothing import smooth_decode_stacked
 
     window, strength = gsm.row_args(layer, site)
     with jax.named_scope(f"gsm_{SITES[site]}"):
-        return smooth_decode(
-            x, ring, position, window, strength, gsm.protect_first,
+        return smooth_decode_stacked(
+            x, rings, layer, position, active, window, strength, gsm.protect_first,
             precision=gsm.precision, impl=gsm.impl,
         )

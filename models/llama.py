@@ -254,20 +254,24 @@ class DecoderLayer(nn.Module):
         """x [B,1,D] -> this token's q [B,1,H,hd], k and v [B,1,K,hd] (RoPE applied)."""
         return self._qkv(x, positions)
 
-    def decode_rest(self, x, q, k_cache, v_cache, mask, layer, gsm, rings, gsm_position):
-        """Attention over the layer's cache (which already holds this token), then the MLP."""
+    def decode_rest(self, x, q, k_cache, v_cache, mask, layer, gsm, rings, position, active):
+        """Attention over the layer's cache (which already holds this token), then the MLP.
+
+        `rings`: both sites' stacked GSM rings [layers, B, W, C] (or None); returned updated.
+        """
         with jax.named_scope("attention"):
             attn = attention(q, k_cache, v_cache, mask)[:, 0]
         ring_attn, ring_ffn = rings if rings is not None else (None, None)
         # GSM site attn_out: the input of the output projection
-        attn, ring_attn = smooth_site_decode(gsm, layer, ATTN_OUT, attn, ring_attn, gsm_position)
+        attn, ring_attn = smooth_site_decode(gsm, layer, ATTN_OUT, attn, ring_attn, position,
+                                             active)
         x = x + linear(attn, self.o)[:, None]
         # GSM site ffn_mid: the input of the down projection
         mid, ring_ffn = smooth_site_decode(
-            gsm, layer, FFN_MID, self._mlp_in(x)[:, 0], ring_ffn, gsm_position
+            gsm, layer, FFN_MID, self._mlp_in(x)[:, 0], ring_ffn, position, active
         )
         x = x + linear(mid, self.down)[:, None]
-        return x, (ring_attn, ring_ffn)
+        return x, None if rings is None else (ring_attn, ring_ffn)
 
 
 class Llama(nn.Module):
@@ -388,28 +392,23 @@ def decode_step(weights: dict, cfg: LlamaConfig, tokens: jax.Array, cache: KVCac
     slot = jnp.minimum(cache.lengths, cache.max_len - 1)
     positions = slot[:, None]
     mask = (jnp.arange(cache.max_len)[None, :] <= slot[:, None])[:, None, :]  # [B, 1, S]
-    # GSM sees -1 for inactive rows, so their rings stay untouched
-    gsm_position = jnp.where(active, slot, -1)
     x = _embed(weights, tokens[:, None])
 
     def body(carry, layer_in):
         x, k_all, v_all, rings_all = carry
         layer_weights, layer = layer_in
-        rings = None if rings_all is None else tuple(r[layer] for r in rings_all)
         with jax.named_scope("layer"):
             q, k, v = _layer_apply(cfg, layer_weights, "decode_qkv", x, positions)
             # Write this token's k, v into the carried cache first, then read the layer's
             # slice: reading before the scatter makes XLA copy the whole cache per layer.
-            k_all = k_all.at[layer, batch, slot].set(k[:, 0].astype(k_all.dtype))
-            v_all = v_all.at[layer, batch, slot].set(v[:, 0].astype(v_all.dtype))
-            x, rings = _layer_apply(
+            # in-range by construction (slot is clamped): no bounds-guarding select
+            k_all = k_all.at[layer, batch, slot].set(k[:, 0].astype(k_all.dtype),
+                                                     mode="promise_in_bounds")
+            v_all = v_all.at[layer, batch, slot].set(v[:, 0].astype(v_all.dtype),
+                                                     mode="promise_in_bounds")
+            x, rings_all = _layer_apply(
                 cfg, layer_weights, "decode_rest", x, q, k_all[layer], v_all[layer], mask,
-                layer, gsm, rings, gsm_position,
-            )
-        if rings_all is not None:
-            rings_all = tuple(
-                jax.lax.dynamic_update_index_in_dim(r_all, r, layer, 0)
-                for r_all, r in zip(rings_all, rings, strict=True)
+                layer, gsm, rings_all, slot, active,
             )
         return (x, k_all, v_all, rings_all), None
 
