@@ -1,0 +1,1 @@
+"""The GSM workflow: profile (step 1), evaluate, calibrate (step 4) and the evidence report."""
