@@ -101,7 +101,10 @@ def _synthetic_result() -> BenchResult:
     for loop in ("closed", "open"):
         for mode, scale in (("off", 1.0), ("on", 1.2)):
             for run in _synthetic_runs(scale):
-                run = dict(run, loop=loop, mode=mode, outputs=[[1, 2]] * len(run["records"]))
+                steps = {"decode": [[2, 0.05 * scale]] * 10,
+                         "prefill": [[16, 0.1 * scale], [512, 1.0 * scale]]}
+                run = dict(run, loop=loop, mode=mode, steps=steps,
+                           outputs=[[1, 2]] * len(run["records"]))
                 runs.append(run)
     return BenchResult.from_runs(
         config={"model": "synthetic", "clients": 4, "rate_used": 2.0},
@@ -125,6 +128,12 @@ def test_result_schema_save_and_load(tmp_path):
     comp = d["comparison"]["closed"]
     assert comp["on_vs_off"]["all"]["e2e_s_p50"] == pytest.approx(1.2)
     assert comp["token_agreement_on_off"] == 1.0
+    engine = d["summary"]["closed"]["on"]["engine"]
+    assert engine["decode_step_s"]["n"] == 20 and engine["decode_step_s"]["p50"] == 0.06
+    assert set(engine["prefill_s_by_bucket"]) == {"16", "512"}
+    assert comp["on_vs_off"]["engine"]["decode_step_p50"] == pytest.approx(1.2)
+    assert comp["on_vs_off"]["engine"]["prefill_p50_by_bucket"] == pytest.approx(
+        {"16": 1.2, "512": 1.2})
     assert all("outputs" not in r for r in d["runs"])  # raw tokens stay out of the JSON
 
     path = result.save(tmp_path / "out")
@@ -138,7 +147,8 @@ def test_result_schema_save_and_load(tmp_path):
     assert single.exists() and not (tmp_path / "one.png").exists()
     table = result.table()
     assert "closed loop: 4 clients" in table and "open loop: Poisson 2 req/s" in table
-    assert "on/off (all): e2e P50 1.200" in table
+    assert "on/off (all): e2e P50 1.200" in table and "decode step P50 1.200" in table
+    assert "engine on    decode step P50/P95 60.0/60.0 ms (20 steps)" in table
     with pytest.raises(InvalidInputError, match="schema"):
         BenchResult.from_dict({"schema": "other"})
 
@@ -251,3 +261,8 @@ def test_tiny_real_run(tiny, tmp_path):
             assert c["short"]["requests"] == 3 and c["long"]["requests"] == 1
             assert c["all"]["output_tokens"] == 3 * 3 + 6 and c["all"]["tokens_per_s"]["mean"] > 0
     assert result.table().count("on/off (all)") == 2
+    for run in d["runs"]:  # one prefill per request, decode steps with 1..2 active slots
+        assert len(run["steps"]["prefill"]) == 4
+        assert {n for n, _ in run["steps"]["decode"]} <= {1, 2}
+    engine = d["summary"]["closed"]["on"]["engine"]
+    assert engine["decode_step_s"]["n"] > 0 and "16" in engine["prefill_s_by_bucket"]

@@ -139,6 +139,20 @@ def summarize_records(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def summarize_steps(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Engine call times of the runs of one (loop, mode), pooled: every decode step (all
+    slots compute, active or not, so its time barely depends on how many are active) and
+    every prefill by prompt bucket. Each run may hold "steps": {"decode": [[active, s]],
+    "prefill": [[bucket, s]]}."""
+    decode = [s for run in runs for _, s in run.get("steps", {}).get("decode", [])]
+    prefill: dict[int, list[float]] = {}
+    for run in runs:
+        for b, sec in run.get("steps", {}).get("prefill", []):
+            prefill.setdefault(int(b), []).append(sec)
+    return {"decode_step_s": percentiles(decode),
+            "prefill_s_by_bucket": {str(b): percentiles(v) for b, v in sorted(prefill.items())}}
+
+
 def _spread(values: Sequence[float]) -> dict[str, Any]:
     if not values:
         return {"mean": None, "min": None, "max": None, "values": []}
@@ -166,6 +180,14 @@ def compare_modes(summary: Mapping[str, Any], mode: str = "on",
                   for m in ("e2e_s", "ttft_s", "tpot_s") for p in ("p50", "p95", "p99")}
         ratios["tokens_per_s"] = _ratio(a["tokens_per_s"]["mean"], b["tokens_per_s"]["mean"])
         out[cls] = ratios
+    ea, eb = summary[mode].get("engine"), summary[baseline].get("engine")
+    if ea and eb:
+        out["engine"] = {
+            "decode_step_p50": _ratio(ea["decode_step_s"]["p50"], eb["decode_step_s"]["p50"]),
+            "prefill_p50_by_bucket": {
+                k: _ratio(v["p50"], eb["prefill_s_by_bucket"].get(k, {}).get("p50"))
+                for k, v in ea["prefill_s_by_bucket"].items()},
+        }
     return out
 
 
@@ -313,6 +335,8 @@ class BenchResult:
                 runs = [r for r in self.runs if r["loop"] == loop and r["mode"] == mode]
                 if runs:
                     by_mode[mode] = summarize_records(runs)
+                    if any("steps" in r for r in runs):
+                        by_mode[mode]["engine"] = summarize_steps(runs)
             self.summary[loop] = by_mode
             comp = {f"{m}_vs_off": compare_modes(by_mode, m) for m in ("on", "zero")
                     if m in by_mode}
@@ -383,14 +407,26 @@ class BenchResult:
                     lines.append(f"  {cls:6} {mode:5} {c['e2e_s']['n']:>4}  {ms('e2e_s'):>22}  "
                                  f"{ms('ttft_s'):>22}  {ms('tpot_s'):>20}  "
                                  f"{'-' if tok is None else f'{tok:.1f}':>7}")
+            for mode, summ in by_mode.items():
+                eng = summ.get("engine")
+                if eng and eng["decode_step_s"]["n"]:
+                    d = eng["decode_step_s"]
+                    pre = ", ".join(f"{b}: {1e3 * v['p50']:.0f}"
+                                    for b, v in eng["prefill_s_by_bucket"].items())
+                    lines.append(f"  engine {mode:5} decode step P50/P95 {1e3 * d['p50']:.1f}/"
+                                 f"{1e3 * d['p95']:.1f} ms ({d['n']} steps); prefill P50 ms by "
+                                 f"prompt bucket {{{pre}}}")
             comp = self.comparison.get(loop, {}).get("on_vs_off", {}).get("all")
             if comp:
                 def r(k: str, comp=comp) -> str:
                     return "-" if comp[k] is None else f"{comp[k]:.3f}"
 
+                step = self.comparison[loop]["on_vs_off"].get("engine", {}).get(
+                    "decode_step_p50")
                 lines.append(f"  on/off (all): e2e P50 {r('e2e_s_p50')}, P99 {r('e2e_s_p99')}; "
                              f"TTFT P50 {r('ttft_s_p50')}; TPOT P50 {r('tpot_s_p50')}; "
-                             f"tokens/s {r('tokens_per_s')}")
+                             f"tokens/s {r('tokens_per_s')}"
+                             + ("" if step is None else f"; decode step P50 {step:.3f}"))
             agree = self.comparison.get(loop, {}).get("token_agreement_on_off")
             if agree is not None:
                 lines.append(f"  same output tokens on vs off: {100 * agree:.0f}% of requests")
@@ -631,9 +667,12 @@ def bench(
                         recs = eng.run(reqs, arrival_times=arrivals, on_finish=on_finish)
                         t_start = min(r.arrival for r in recs) - min(arrivals)
                     records = _records(recs, t_start)
+                    steps = {"decode": [], "prefill": []}
+                    for kind, size, sec in eng.step_times:
+                        steps[kind].append([size, round(sec, 6)])
                     runs.append({
                         "loop": loop, "mode": mode, "repeat": rep,
-                        "wall_s": run_wall(records), "records": records,
+                        "wall_s": run_wall(records), "records": records, "steps": steps,
                         "outputs": [list(r.tokens) for r in recs],
                     })
     finally:

@@ -234,6 +234,9 @@ class Engine:
         self._seed_key = jax.random.key(seed)
         self._step_counter = 0
         self._submitted = 0
+        # (kind, size, seconds) of every jitted call, host sync included: ("prefill",
+        # prompt bucket, s) and ("decode", active slots, s). `run` starts a fresh list.
+        self.step_times: list[tuple[str, int, float]] = []
         self.gsm_compiled = gsm is not None or bool(compile_gsm)
         self._gsm_cfg = None
         self._gsm_static: tuple[int, str, str] | None = None
@@ -412,6 +415,7 @@ class Engine:
         )
         self._step_counter += 1
         token = int(np.asarray(tok)[0])
+        self.step_times.append(("prefill", padded, clock() - rec.admitted))
         self.slots[slot] = _Slot(rec, temperature)
         self._rows[slot] = float(rec.gsm)
         self._temps[slot] = temperature
@@ -420,6 +424,7 @@ class Engine:
     def _decode_once(self) -> list[RequestRecord]:
         active = np.array([s is not None for s in self.slots])
         gsm = self._gsm_inputs(self._rows * active)
+        t = clock()
         tok, self._cache = _decode(
             self.params.weights, jnp.asarray(self._last), self._cache, gsm, jnp.asarray(active),
             self._seed_key, jnp.asarray(self._step_counter, jnp.int32),
@@ -428,6 +433,7 @@ class Engine:
         )
         self._step_counter += 1
         tokens = np.asarray(tok)
+        self.step_times.append(("decode", int(active.sum()), clock() - t))
         t = clock()
         done = []
         for slot in np.flatnonzero(active):
@@ -520,6 +526,7 @@ class Engine:
         if clients is not None and int(clients) < 1:
             raise InvalidInputError(f"clients must be >= 1, got {clients!r}")
         records: list[RequestRecord | None] = [None] * n
+        self.step_times = []
         pending = deque(order)
         t0 = clock()
 
