@@ -73,6 +73,7 @@ from gsm_jax.models.gsm_sites import (
     smooth_site_decode,
     smooth_site_prefill,
 )
+from gsm_jax.models.linear import linear
 
 _MASK_VALUE = -1e30  # finite: the sink logit keeps every softmax row well defined anyway
 
@@ -198,6 +199,15 @@ class DeepseekV4Config:
     model_type: str = "deepseek_v4"
 
     family = "deepseek_v4"
+
+    def __post_init__(self) -> None:
+        # accept the dict/list forms `dataclasses.asdict` + JSON give back (saved checkpoints)
+        for name in ("main_rope", "compress_rope"):
+            value = getattr(self, name)
+            if isinstance(value, dict):
+                object.__setattr__(self, name, RopeSpec(**value))
+        for name in ("layer_types", "mlp_layer_types", "eos_token_ids"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
 
     @property
     def site_sizes(self) -> tuple[int, int]:
@@ -426,6 +436,25 @@ def init_cache(
                            rings=rings)
 
 
+def cache_insert(cache: DeepseekV4Cache, rows: DeepseekV4Cache,
+                 slots: jax.Array) -> DeepseekV4Cache:
+    """Copy the rows of `rows` (same max_len) into `cache` at batch indices `slots` [b].
+
+    Continuous batching: a request prefilled on its own joins a running batch.
+    """
+    def put(big, small, axis=0):
+        index = (slice(None),) * axis + (slots,)
+        return big.at[index].set(small.astype(big.dtype))
+
+    layers = tuple(jax.tree.map(put, big, small)
+                   for big, small in zip(cache.layers, rows.layers, strict=True))
+    rings = cache.rings
+    if cache.rings is not None and rows.rings is not None:
+        rings = tuple(put(b, s, axis=1) for b, s in zip(cache.rings, rows.rings, strict=True))
+    return DeepseekV4Cache(layers=layers, lengths=cache.lengths.at[slots].set(rows.lengths),
+                           rings=rings)
+
+
 def _ring_from_sequence(seq: jax.Array, lengths: jax.Array, size: int) -> jax.Array:
     """[B, T, F] -> [B, size, F]: slot s holds the last position q < length with q % size == s."""
     last = (lengths - 1)[:, None]
@@ -561,15 +590,16 @@ def _experts_blocks(x, idx, w, gate_up, down, limit):
     dest = pad_start[e_sorted] + jnp.arange(a) - start[e_sorted]
     slot_token = jnp.full((cap,), m, jnp.int32).at[dest].set(t_sorted)  # m: a zero row
     slot_w = jnp.zeros((cap,), jnp.float32).at[dest].set(w_sorted.astype(jnp.float32))
+    # expert of each block: how many groups end at or before it (E x n_blocks compares)
     block_expert = jnp.minimum(
-        jnp.searchsorted(block_end, jnp.arange(n_blocks), side="right"), n_exp - 1)
+        jnp.sum(block_end[None, :] <= jnp.arange(n_blocks)[:, None], axis=1), n_exp - 1)
     rows = jnp.concatenate([x, jnp.zeros((1, d), x.dtype)])[slot_token]
 
     def body(j, ys):
         e = block_expert[j]
         xb = jax.lax.dynamic_slice_in_dim(rows, j * b, b)
-        h = swiglu(xb @ gate_up[e].astype(x.dtype), limit)
-        return jax.lax.dynamic_update_slice_in_dim(ys, h @ down[e].astype(x.dtype), j * b, 0)
+        h = swiglu(linear(xb, gate_up[e]), limit)
+        return jax.lax.dynamic_update_slice_in_dim(ys, linear(h, down[e]), j * b, 0)
 
     ys = jax.lax.fori_loop(0, block_end[-1], body, jnp.zeros((cap, d), x.dtype))
     out = jnp.zeros((m + 1, d), jnp.float32).at[slot_token].add(ys * slot_w[:, None])
@@ -680,7 +710,7 @@ class Compressor(nn.Module):
         self.norm = self.param("norm", nn.initializers.ones, (self.dim,), jnp.float32)
 
     def project(self, x: jax.Array) -> jax.Array:
-        return x @ self.kv_gate.astype(x.dtype)
+        return linear(x, self.kv_gate)
 
     def _slots(self, cur: jax.Array, prev: jax.Array | None, prev_ok: jax.Array | None):
         """Raw [..., rate, 2F] block projections -> (kv, gate) [..., S, dim] to pool over."""
@@ -753,11 +783,11 @@ class Indexer(nn.Module):
         """x [B,T,D], q_res [B,T,q_lora], keys [B,n,ci] -> index scores [B,T,n] (f32)."""
         cfg = self.cfg
         hi, ci = cfg.index_n_heads, cfg.index_head_dim
-        q = (q_res @ self.q_b.astype(q_res.dtype)).reshape(q_res.shape[:2] + (hi, ci))
+        q = linear(q_res, self.q_b).reshape(q_res.shape[:2] + (hi, ci))
         cos, sin = rope_cos_sin(cfg.compress_rope, positions)
         q = apply_rope(q, cos[:, :, None], sin[:, :, None])
         dots = jnp.einsum("bthc,bnc->bthn", q.astype(jnp.float32), keys.astype(jnp.float32))
-        head_w = (x @ self.weights_proj.astype(x.dtype)).astype(jnp.float32) * hi**-0.5
+        head_w = linear(x, self.weights_proj).astype(jnp.float32) * hi**-0.5
         return jnp.einsum("bthn,bth->btn", jax.nn.relu(dots) * ci**-0.5, head_w)
 
 
@@ -789,14 +819,21 @@ class Attention(nn.Module):
         if self.kind == CSA:
             self.indexer = Indexer(cfg)
 
+    def create_params(self) -> None:
+        _ = self.q_a
+        if self.kind != SLIDING:
+            _ = self.compressor.kv_gate
+        if self.kind == CSA:
+            _ = (self.indexer.q_b, self.indexer.compressor.kv_gate)
+
     def _project(self, x: jax.Array, positions: jax.Array):
         """x [B,T,D] -> q [B,T,H,hd], kv [B,T,hd] (both RoPE'd), q_res [B,T,q_lora]."""
         cfg = self.cfg
         rope = cfg.rope(self.layer)
-        q_res = rms_norm(x @ self.q_a.astype(x.dtype), self.q_a_norm, cfg.rms_norm_eps)
-        q = (q_res @ self.q_b.astype(x.dtype)).reshape(x.shape[:2] + (cfg.num_heads, cfg.head_dim))
+        q_res = rms_norm(linear(x, self.q_a), self.q_a_norm, cfg.rms_norm_eps)
+        q = linear(q_res, self.q_b).reshape(x.shape[:2] + (cfg.num_heads, cfg.head_dim))
         q = unweighted_rms_norm(q, cfg.rms_norm_eps)
-        kv = rms_norm(x @ self.kv.astype(x.dtype), self.kv_norm, cfg.rms_norm_eps)
+        kv = rms_norm(linear(x, self.kv), self.kv_norm, cfg.rms_norm_eps)
         cos, sin = rope_cos_sin(rope, positions)
         q = apply_rope(q, cos[:, :, None], sin[:, :, None])
         return q, apply_rope(kv, cos, sin), q_res
@@ -810,7 +847,7 @@ class Attention(nn.Module):
         flat, ring = smooth(attn.reshape(b, t, -1))  # GSM site attn_out
         grouped = flat.reshape(b, t, cfg.o_groups, -1)
         low = jnp.einsum("btgi,gio->btgo", grouped, self.o_a.astype(flat.dtype))
-        return low.reshape(b, t, -1) @ self.o_b.astype(flat.dtype), ring
+        return linear(low.reshape(b, t, -1), self.o_b), ring
 
     def prefill(self, x, positions, smooth):
         """Whole right-padded prompts x [B,T,D] -> (out [B,T,D], cache sequences, GSM ring).
@@ -916,7 +953,7 @@ class MoE(nn.Module):
     def route(self, x: jax.Array, tokens: jax.Array):
         """x [M, D], tokens [M] -> (experts [M, k], weights [M, k] f32)."""
         cfg = self.cfg
-        scores = score_fn(cfg.scoring_func, (x @ self.router.astype(x.dtype)).astype(jnp.float32))
+        scores = score_fn(cfg.scoring_func, linear(x, self.router).astype(jnp.float32))
         if self.is_hash:
             idx = self.tid2eid[tokens].astype(jnp.int32)  # frozen token -> experts table
         else:  # the correction bias only changes which experts are chosen
@@ -939,9 +976,9 @@ class MoE(nn.Module):
             routed = routed_experts(flat, idx, w, self.experts_gate_up, self.experts_down,
                                     cfg.swiglu_limit)
         with jax.named_scope("shared_expert"):
-            mid = swiglu(x @ self.shared_gate_up.astype(x.dtype), cfg.swiglu_limit)
+            mid = swiglu(linear(x, self.shared_gate_up), cfg.swiglu_limit)
             mid, ring = smooth(mid)  # GSM site ffn_mid
-            shared = mid @ self.shared_down.astype(x.dtype)
+            shared = linear(mid, self.shared_down)
         return routed.reshape(b, t, d) + shared, ring
 
 
@@ -962,6 +999,11 @@ class DecoderLayer(nn.Module):
                                    jnp.float32)
         self.moe = MoE(cfg, self.layer)
 
+    def create_params(self) -> None:
+        # reading one attribute of a setup-defined submodule runs its setup()
+        _ = (self.attn_hc.fn, self.ffn_hc.fn, self.moe.router, self.attn_norm)
+        self.attn.create_params()
+
     def _ffn(self, h, tokens, smooth):
         post, comb, x = self.ffn_hc(h)
         out, ring = self.moe(rms_norm(x, self.ffn_norm, self.cfg.rms_norm_eps), tokens, smooth)
@@ -980,14 +1022,19 @@ class DecoderLayer(nn.Module):
             h, tokens, lambda m: smooth_site_prefill(gsm, layer, FFN_MID, m, gsm_positions))
         return h, cache, (ring_attn, ring_ffn)
 
-    def decode(self, h, tokens, positions, active, cache, gsm, rings, gsm_position):
-        """h [B,1,N,D], one token per row -> (h, new LayerCache, rings)."""
+    def decode(self, h, tokens, positions, active, cache, gsm, rings):
+        """h [B,1,N,D], one token per row -> (h, new LayerCache, rings).
+
+        rings: both sites' GSM rings stacked over layers, [layers, B, W, C] each (or
+        None); this layer's slice is read and written in place.
+        """
         layer = self.layer
         ring_attn, ring_ffn = rings if rings is not None else (None, None)
 
         def site(index, ring):
             def smooth(a):
-                y, r = smooth_site_decode(gsm, layer, index, a[:, 0], ring, gsm_position)
+                y, r = smooth_site_decode(gsm, layer, index, a[:, 0], ring, positions[:, 0],
+                                          active)
                 return y[:, None], r
             return smooth
 
@@ -997,7 +1044,7 @@ class DecoderLayer(nn.Module):
                                                  site(ATTN_OUT, ring_attn))
         h = hc_expand(post, comb, out, h)
         h, ring_ffn = self._ffn(h, tokens[:, None], site(FFN_MID, ring_ffn))
-        return h, cache, (ring_attn, ring_ffn)
+        return h, cache, None if rings is None else (ring_attn, ring_ffn)
 
 
 class DeepseekV4(nn.Module):
@@ -1018,6 +1065,7 @@ class DeepseekV4(nn.Module):
             self.lm_head = self.param("lm_head", _init, (d, cfg.vocab_size))
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
+        """Run the prompt through all layers (returns the streams)."""
         cfg = self.cfg
         b, t = tokens.shape
         h = jnp.broadcast_to(self.embed[tokens][:, :, None], (b, t, cfg.hc_mult, cfg.hidden_size))
@@ -1025,6 +1073,12 @@ class DeepseekV4(nn.Module):
         for layer in self.layers:
             h, _, _ = layer.prefill(h, tokens, positions, None, positions)
         return h
+
+    def create_params(self) -> None:
+        """Create every parameter without running the network (cheap `init`)."""
+        for layer in self.layers:
+            layer.create_params()
+        _ = (self.embed, self.hc_head_fn, self.final_norm)
 
 
 # ----------------------------------------------------------------------------- weights
@@ -1053,11 +1107,28 @@ def _split_layers(params: dict, num_layers: int) -> dict:
 
 def init_weights(cfg: DeepseekV4Config, rng: jax.Array, dtype: Any = jnp.float32) -> dict:
     """Random weights (tests, benchmarks): the same tree `weights_from_hf` produces."""
-    rate = max(cfg.compress_rate_csa, cfg.compress_rate_hca)
-    tokens = jnp.zeros((1, min(rate, 16)), jnp.int32)
-    params = DeepseekV4(cfg).init(rng, tokens)["params"]
-    params = jax.tree.map(lambda a: a, dict(params))
-    return _cast_tree(_split_layers(params, cfg.num_layers), dtype)
+    shapes = jax.eval_shape(
+        lambda r: DeepseekV4(cfg).init(r, method=DeepseekV4.create_params)["params"], rng)
+    # Values are drawn with numpy by each parameter's role (the same distributions as
+    # the initializers declared in setup): jit-compiling a hundred threefry
+    # initializers costs ~15 s of CPU, numpy takes milliseconds.
+    gen = np.random.default_rng(np.asarray(jax.random.key_data(rng)).ravel().tolist())
+
+    def draw(path, sds):
+        name = path[-1].key
+        if name == "tid2eid":
+            ranks = np.argsort(gen.random((sds.shape[0], cfg.n_routed_experts)), axis=1)
+            return ranks[:, : sds.shape[1]].astype(np.int32)
+        if name.endswith("norm") or name.endswith("scale"):
+            return np.ones(sds.shape, np.float32)
+        std = 0.5 if name in _SMALL_INIT else 0.02
+        return (std * gen.standard_normal(sds.shape)).astype(np.float32)
+
+    params = jax.tree_util.tree_map_with_path(draw, shapes)
+    return _cast_tree(_split_layers(dict(params), cfg.num_layers), dtype)
+
+
+_SMALL_INIT = {"sinks", "position_bias", "base", "score_bias", "hc_head_base"}
 
 
 def weight_shapes(cfg: DeepseekV4Config, dtype: Any = jnp.float32) -> dict:
@@ -1311,27 +1382,22 @@ def decode_step(weights: dict, cfg: DeepseekV4Config, tokens: jax.Array, cache: 
     """One token per row at position `cache.lengths`; returns logits [B, V] and the new cache.
 
     Rows with active=False still compute (static shapes) but do not advance, their
-    cache writes are masked and their GSM rings are left untouched.
+    cache writes are masked and GSM leaves their output unsmoothed (the ring slot it
+    touches is the one the row's next real token overwrites).
     """
     b = tokens.shape[0]
     if active is None:
         active = jnp.ones((b,), bool)
-    pos = cache.lengths
-    positions = pos[:, None]
-    gsm_position = jnp.where(active, pos, -1)
+    positions = cache.lengths[:, None]
     h = _embed_streams(weights, cfg, tokens[:, None])
     rings_all = cache.rings if gsm is not None else None
     new_layers = []
     for i in range(cfg.num_layers):
-        rings = None if rings_all is None else tuple(r[i] for r in rings_all)
         with jax.named_scope(f"layer_{i}"):
-            h, layer_cache, rings = _layer_apply(
+            h, layer_cache, rings_all = _layer_apply(
                 cfg, i, weights["layers"][i], "decode", h, tokens, positions, active,
-                cache.layers[i], gsm, rings, gsm_position)
+                cache.layers[i], gsm, rings_all)
         new_layers.append(layer_cache)
-        if rings_all is not None:
-            rings_all = tuple(r_all.at[i].set(r.astype(r_all.dtype))
-                              for r_all, r in zip(rings_all, rings, strict=True))
     logits = _logits(weights, cfg, h[:, 0])
     new_cache = DeepseekV4Cache(
         layers=tuple(new_layers), lengths=cache.lengths + active.astype(jnp.int32),
