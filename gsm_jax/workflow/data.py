@@ -94,9 +94,12 @@ def _tokenize_file(path: str, mtime_ns: int, size: int, tokenizer: Any) -> np.nd
 
 def wikitext_tokens(tokenizer: Any, path: str | os.PathLike | None = None) -> np.ndarray:
     """The whole text file as one int32 token stream (cached per file and tokenizer)."""
-    if tokenizer is None:
-        raise InvalidInputError("reading text data needs a tokenizer; this model has none")
     path = _check_file(path if path is not None else default_wikitext_path(), "text data")
+    if tokenizer is None:
+        raise InvalidInputError(
+            f"reading text data ({path}) needs a tokenizer and this model has none; pass "
+            "token ids (an [N, T] array or .npy file) instead"
+        )
     st = path.stat()
     return _tokenize_file(str(path.resolve()), st.st_mtime_ns, st.st_size, tokenizer)
 

@@ -1,0 +1,268 @@
+"""`gsm-jax profile | calibrate | eval | report`: the GSM workflow on the command line.
+
+    gsm-jax profile   --model smollm2-135m --data ../shared/data/wikitext2_test.txt --out prof/
+    gsm-jax calibrate --model smollm2-135m --profile prof/profile.json \\
+                      --data ../shared/data/wikitext2_test.txt \\
+                      --lambada ../shared/data/lambada_dev.jsonl --out cal/
+    gsm-jax eval      --model smollm2-135m --gsm cal/gsm.yaml \\
+                      --data ../shared/data/wikitext2_test.txt \\
+                      --lambada ../shared/data/lambada_dev.jsonl
+    gsm-jax report    --model smollm2-135m --out reports/
+
+``--data`` defaults to the shared WikiText-2 copy and ``--lambada`` to the shared
+LAMBADA dev set (``--lambada none`` skips the task metric). A ``.npy`` file of
+token ids [N, T] is accepted as ``--data`` (for models without a tokenizer).
+Registered in `gsm_jax.cli.SUBCOMMANDS` on import.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+import time
+from pathlib import Path
+
+from gsm_jax.cli import SUBCOMMANDS
+from gsm_jax.errors import InvalidInputError
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m",
+                   help="registered name, .gguf file, HF directory or gsm_jax.save directory")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--data", default=None,
+                   help="text file (default: ../shared/data/wikitext2_test.txt) or .npy token "
+                        "ids [N, T]")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=256, help="tokens per sequence")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def _lambada_args(p: argparse.ArgumentParser, samples_default: int | None) -> None:
+    p.add_argument("--lambada", default="default",
+                   help="LAMBADA jsonl (default: ../shared/data/lambada_dev.jsonl); 'none' skips")
+    p.add_argument("--lambada-samples", type=int, default=samples_default,
+                   help="first N LAMBADA examples (default: "
+                        + ("all" if samples_default is None else str(samples_default)) + ")")
+    p.add_argument("--greedy-prompts", type=int, default=8)
+    p.add_argument("--greedy-tokens", type=int, default=64)
+
+
+def _lambada(value: str):
+    from gsm_jax.workflow.evaluate import DEFAULT
+
+    if value == "default":
+        return DEFAULT
+    if value.lower() == "none":
+        return None
+    return value
+
+
+def _load(args: argparse.Namespace):
+    import gsm_jax
+
+    t0 = time.perf_counter()
+    params = gsm_jax.load(args.model, dtype=args.dtype, progress=not args.quiet)
+    print(f"[gsm-jax] loaded {params} in {time.perf_counter() - t0:.1f}s", file=sys.stderr,
+          flush=True)
+    return params
+
+
+def _csv(kind):
+    def parse(text: str):
+        out = []
+        for item in text.split(","):
+            item = item.strip()
+            if not item:
+                continue
+            try:
+                out.append(kind(item))
+            except ValueError as e:
+                raise argparse.ArgumentTypeError(f"bad value {item!r}: {e}") from e
+        return tuple(out)
+
+    return parse
+
+
+def _window(item: str):
+    return item if item == "adaptive" else int(item)
+
+
+# ----------------------------------------------------------------------------- profile
+
+
+def _add_profile(p: argparse.ArgumentParser) -> None:
+    _model_args(p)
+    p.add_argument("--samples", type=int, default=512,
+                   help="calibration_samples: sequences to stream (default 512)")
+    p.add_argument("--fraction", type=float, default=0.25,
+                   help="high_kurtosis = this top fraction of (layer, site) pairs")
+    p.add_argument("--threshold", type=float, default=None,
+                   help="high_kurtosis = pairs with excess kurtosis >= this (overrides fraction)")
+    p.add_argument("--sigma-mode", choices=["running", "two_pass"], default="running",
+                   help="sigma for the 6-sigma share: running (one pass) or two_pass (exact)")
+    p.add_argument("--top-channels", type=int, default=8)
+    p.add_argument("--out", type=Path, required=True, help="output directory")
+
+
+def _run_profile(args: argparse.Namespace) -> int:
+    from gsm_jax.workflow.profile import profile
+
+    params = _load(args)
+    prof = profile(params, data=args.data, calibration_samples=args.samples,
+                   seq_len=args.seq_len, batch_size=args.batch_size, fraction=args.fraction,
+                   threshold=args.threshold, top_channels=args.top_channels,
+                   sigma_mode=args.sigma_mode, progress=not args.quiet)
+    path = prof.save(args.out)
+    print(prof.summary())
+    print(f"[gsm-jax] wrote {path} and {path.parent / 'profile_heatmap.png'}")
+    return 0
+
+
+# ----------------------------------------------------------------------------- calibrate
+
+
+def _add_calibrate(p: argparse.ArgumentParser) -> None:
+    from gsm_jax.workflow.calibrate import (
+        DEFAULT_PROTECT_FIRST_VALUES,
+        DEFAULT_STRENGTHS,
+        DEFAULT_WINDOWS,
+    )
+
+    _model_args(p)
+    _lambada_args(p, 200)
+    p.add_argument("--profile", type=Path, default=None,
+                   help="profile.json (needed for target_layers=high_kurtosis, the default)")
+    p.add_argument("--base-config", type=Path, default=None,
+                   help="GSM config file with the other settings (precision, sites, "
+                        "max_strength, target_layers, ...)")
+    p.add_argument("--sequences", type=int, default=16, help="quality-set sequences")
+    p.add_argument("--strengths", type=_csv(float),
+                   default=DEFAULT_STRENGTHS, help="comma-separated strength grid")
+    p.add_argument("--windows", type=_csv(_window), default=DEFAULT_WINDOWS,
+                   help="comma-separated windows, e.g. 4,8,12,16,adaptive")
+    p.add_argument("--protect-first", type=_csv(int), default=DEFAULT_PROTECT_FIRST_VALUES,
+                   help="protect_first values to compare")
+    p.add_argument("--max-kld", type=float, default=0.01, help="budget: mean KLD <=")
+    p.add_argument("--min-top1", type=float, default=97.0, help="budget: same top-1 %% >=")
+    p.add_argument("--max-acc-drop", type=float, default=1.0,
+                   help="budget: LAMBADA accuracy drop <= (points)")
+    p.add_argument("--no-curves", action="store_true",
+                   help="stop the strength walk at the first break (no full cost curve)")
+    p.add_argument("--no-backoff", action="store_true", help="skip the layer back-off")
+    p.add_argument("--out", type=Path, required=True, help="output directory")
+
+
+def _run_calibrate(args: argparse.Namespace) -> int:
+    from gsm_jax.workflow.calibrate import BudgetNotMetError, calibrate
+    from gsm_jax.workflow.metrics import Budget
+
+    budget = Budget(max_mean_kld=args.max_kld, min_same_top1_pct=args.min_top1,
+                    max_accuracy_drop_points=args.max_acc_drop)
+    params = _load(args)
+    try:
+        res = calibrate(params, profile=args.profile, base_config=args.base_config,
+                        data=args.data, lambada=_lambada(args.lambada), budget=budget,
+                        strengths=args.strengths, windows=args.windows,
+                        protect_first_values=args.protect_first, num_sequences=args.sequences,
+                        seq_len=args.seq_len, batch_size=args.batch_size,
+                        lambada_samples=args.lambada_samples,
+                        greedy_prompts=args.greedy_prompts, greedy_tokens=args.greedy_tokens,
+                        curves=not args.no_curves, backoff=not args.no_backoff,
+                        progress=not args.quiet)
+    except BudgetNotMetError as e:
+        path = e.result.save(args.out)
+        print(e.result.summary())
+        print(f"gsm-jax calibrate: {e}\n[gsm-jax] wrote {path} and "
+              f"{args.out / 'gsm.best_found.yaml'} (no gsm.yaml: the budget was not met)",
+              file=sys.stderr)
+        return 3
+    path = res.save(args.out)
+    print(res.summary())
+    print(f"[gsm-jax] wrote {args.out / 'gsm.yaml'}, {path} and the figures in {args.out}")
+    return 0
+
+
+# ----------------------------------------------------------------------------- eval
+
+
+def _add_eval(p: argparse.ArgumentParser) -> None:
+    _model_args(p)
+    _lambada_args(p, None)
+    p.add_argument("--gsm", required=True,
+                   help="GSM config file (YAML/JSON); 'none' reports the unsmoothed model")
+    p.add_argument("--sequences", type=int, default=32, help="quality-set sequences")
+    p.add_argument("--out", type=Path, default=None, help="write the result JSON here")
+
+
+def _run_eval(args: argparse.Namespace) -> int:
+    import gsm_jax
+    from gsm_jax.workflow.evaluate import evaluate
+
+    params = _load(args)
+    gsm = None if args.gsm.lower() == "none" else gsm_jax.GSMConfig.from_file(args.gsm)
+    if gsm is not None:
+        print(gsm_jax.describe(gsm, params.config.num_layers), file=sys.stderr)
+    res = evaluate(params, gsm, data=args.data, lambada=_lambada(args.lambada),
+                   num_sequences=args.sequences, seq_len=args.seq_len,
+                   batch_size=args.batch_size, lambada_samples=args.lambada_samples,
+                   greedy_prompts=args.greedy_prompts, greedy_tokens=args.greedy_tokens,
+                   progress=not args.quiet)
+    print(res.summary())
+    if args.out is not None:
+        print(f"[gsm-jax] wrote {res.save(args.out)}")
+    return 0
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def _add_report(p: argparse.ArgumentParser) -> None:
+    from gsm_jax.workflow.report import ReportSizes
+
+    d = ReportSizes()
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--out", type=Path, default=Path("reports"))
+    p.add_argument("--data", default=None, help="default: ../shared/data/wikitext2_test.txt")
+    p.add_argument("--lambada", default="default",
+                   help="default: ../shared/data/lambada_dev.jsonl; 'none' skips")
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny sizes: check the pipeline in minutes (numbers meaningless)")
+    for name, kind in (("profile_samples", int), ("profile_seq_len", int),
+                       ("cal_sequences", int), ("cal_lambada", int), ("final_sequences", int),
+                       ("final_lambada", int), ("seq_len", int), ("batch_size", int),
+                       ("greedy_prompts", int), ("greedy_tokens", int), ("overhead_reps", int),
+                       ("overhead_steps", int), ("bench_requests", int),
+                       ("bench_clients", int)):
+        p.add_argument("--" + name.replace("_", "-"), type=kind, default=None,
+                       help=f"default {getattr(d, name)}")
+    p.add_argument("--strengths", type=_csv(float), default=None)
+    p.add_argument("--windows", type=_csv(_window), default=None)
+    p.add_argument("--quiet", action="store_true")
+
+
+def _run_report(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from gsm_jax.workflow.report import ReportSizes, run_report
+
+    sizes = ReportSizes.smoke() if args.smoke else ReportSizes()
+    changes = {f.name: getattr(args, f.name) for f in dataclasses.fields(sizes)
+               if getattr(args, f.name, None) is not None}
+    sizes = dataclasses.replace(sizes, **changes)
+    if args.out.exists() and not args.out.is_dir():
+        raise InvalidInputError(f"--out {args.out} exists and is not a directory")
+    command = "gsm-jax " + " ".join(shlex.quote(a) for a in sys.argv[1:]) \
+        if sys.argv and sys.argv[0].endswith("gsm-jax") else None
+    path = run_report(model=args.model, out=args.out, data=args.data,
+                      lambada=_lambada(args.lambada), sizes=sizes, command=command,
+                      progress=not args.quiet)
+    print(f"[gsm-jax] wrote {path}")
+    return 0
+
+
+SUBCOMMANDS["profile"] = (_add_profile, _run_profile)
+SUBCOMMANDS["calibrate"] = (_add_calibrate, _run_calibrate)
+SUBCOMMANDS["eval"] = (_add_eval, _run_eval)
+SUBCOMMANDS["report"] = (_add_report, _run_report)
