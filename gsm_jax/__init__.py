@@ -24,17 +24,36 @@ from gsm_jax.gsm_runtime import kernel_impl, set_kernel_impl
 from gsm_jax.loading import DEFAULT_MODEL, REGISTERED_MODELS, load, save
 from gsm_jax.params import ModelParams
 
+# Imported on first use, so `import gsm_jax` stays fast (no matplotlib, no workflow code).
+_LAZY = {
+    "smooth": ("gsm_jax.smoothing", "smooth"),
+    "profile": ("gsm_jax.workflow.profile", "profile"),
+    "calibrate": ("gsm_jax.workflow.calibrate", "calibrate"),
+    "evaluate": ("gsm_jax.workflow.evaluate", "evaluate"),
+    "bench": ("gsm_jax.workflow.bench", "bench"),
+    "quantize": ("gsm_jax.quant", "quantize"),
+}
 
-def smooth(*args, **kwargs):
-    """The GSM filter alone on [B, T, C]; see `gsm_jax.smoothing.smooth`."""
-    from gsm_jax.smoothing import smooth as _smooth
 
-    return _smooth(*args, **kwargs)
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        module, attr = _LAZY[name]
+        value = getattr(importlib.import_module(module), attr)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'gsm_jax' has no attribute {name!r}")
 
 
 __all__ = [
     "DEFAULT_MODEL",
     "REGISTERED_MODELS",
+    "bench",
+    "calibrate",
+    "evaluate",
+    "profile",
+    "quantize",
     "ConfigWatcher",
     "GSMConfig",
     "GSMConfigError",
