@@ -1,15 +1,214 @@
 """Every projection of the model families goes through `linear`.
 
-Today a weight is a float array stored [in, out]. The quantization path swaps
-in weight containers (int8 values + scales) and extends `linear` to dispatch
-on them, so model files never change when a new scheme arrives.
+A weight is either a float array stored [in, out], or a `QuantizedWeight`
+(int8 values [in, out] + one float32 scale per output channel, see
+`gsm_jax.quant.quantize`). Model files never change when a scheme arrives:
+`linear` dispatches on what it is given.
+
+- float weight: x @ w in x's dtype.
+- "w8a16" (weight-only): activations stay float; y = (x @ values) * scale, the
+  per-channel scale applied after the product (exact refactoring of
+  x @ dequant(w)).
+- "w8a8": x is quantized per token (dynamic symmetric int8, absmax over the
+  channels), the product runs int8 x int8 -> int32 (`lax.dot_general` with
+  preferred_element_type=int32, exact integer arithmetic), then it is rescaled
+  by the token scale and the channel scale, in float32, and cast to x's dtype.
+  `x` may also arrive already quantized, as a `QuantizedActivation`: that is
+  what a GSM site hands over when it ran the fused smooth + quantize kernel
+  ("quantize, then smooth": the filter sees the float activation, the int8
+  cast happens after it).
+
+Optional online Hadamard rotation (`hadamard` > 0 on a weight): x is rotated
+by a block-diagonal normalised Hadamard matrix (blocks of `hadamard` channels)
+before it is quantized; the stored weight was rotated the other way when it
+was quantized, so in float the product is unchanged (QuaRot-style, exact up
+to rounding).
 """
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from gsm_jax.pallas_kernels.quant_reference import int8_dot, quantize_rows
+
+SCHEMES = ("w8a16", "w8a8")
+# W8A16 products with at most this many rows (decode) take the bf16-split path on
+# CPU; see `_w8a16_matmul`.
+GEMV_MAX_ROWS = 8
 
 
-def linear(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x [..., in] @ w [in, out] in x's dtype."""
-    return x @ w.astype(x.dtype)
+@struct.dataclass
+class QuantizedWeight:
+    """An int8 weight: values [..., in, out] (stacked layers keep their leading axis),
+    scale float32 [..., out]. `values` comes first, so Flax's parameter shape check
+    (which compares the first leaf) sees the [in, out] shape it expects."""
+
+    values: jax.Array
+    scale: jax.Array
+    scheme: str = struct.field(pytree_node=False, default="w8a8")
+    hadamard: int = struct.field(pytree_node=False, default=0)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.values.shape)
+
+    @property
+    def dtype(self):
+        return self.values.dtype
+
+    @property
+    def ndim(self) -> int:
+        return self.values.ndim
+
+    @property
+    def size(self) -> int:
+        return int(self.values.size)
+
+    def __getitem__(self, index) -> QuantizedWeight:
+        """Index the leading (layer or expert) axes: w[e] is expert e's weight."""
+        return self.replace(values=self.values[index], scale=self.scale[index])
+
+    def astype(self, dtype) -> jax.Array:
+        """The dequantized float weight: code that multiplies `w.astype(x.dtype)` itself
+        (an einsum, `ragged_dot`) gets weight-only arithmetic, never a wrong product."""
+        return self.dequantize(dtype)
+
+    def dequantize(self, dtype=jnp.float32) -> jax.Array:
+        w = self.values.astype(jnp.float32) * self.scale[..., None, :]
+        if self.hadamard:
+            w = hadamard_rotate(w, self.hadamard, axis=-2)
+        return w.astype(dtype)
+
+
+@struct.dataclass
+class QuantizedActivation:
+    """A per-token int8 activation: values int8 [..., C], scale float32 [...]; `dtype`
+    is the float dtype it came from (and the product's output dtype)."""
+
+    values: jax.Array
+    scale: jax.Array
+    dtype: str = struct.field(pytree_node=False, default="float32")
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.values.shape)
+
+    def __getitem__(self, index) -> QuantizedActivation:
+        return self.replace(values=self.values[index], scale=self.scale[index])
+
+    def dequantize(self) -> jax.Array:
+        return (self.values.astype(jnp.float32) * self.scale[..., None]).astype(self.dtype)
+
+
+def quantize_activation(x: jax.Array) -> QuantizedActivation:
+    """Per-token dynamic symmetric int8 (the reference quantizer)."""
+    q, s = quantize_rows(x)
+    return QuantizedActivation(q, s, jnp.dtype(x.dtype).name)
+
+
+def is_quantized(w) -> bool:
+    return isinstance(w, QuantizedWeight)
+
+
+def wants_int8_input(w) -> bool:
+    """True when `linear(x, w)` quantizes x per token itself, so a GSM site may hand
+    it an already quantized activation (the fused smooth + quantize kernel)."""
+    return isinstance(w, QuantizedWeight) and w.scheme == "w8a8" and not w.hadamard
+
+
+# ----------------------------------------------------------------------------- Hadamard
+
+
+def hadamard_matrix(n: int) -> np.ndarray:
+    """The normalised Sylvester Hadamard matrix of order n (a power of two): H @ H.T = I."""
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"Hadamard order must be a power of two, got {n}")
+    h = np.ones((1, 1))
+    while h.shape[0] < n:
+        h = np.block([[h, h], [h, -h]])
+    return (h / np.sqrt(n)).astype(np.float32)
+
+
+def hadamard_rotate(x: jax.Array, block: int, axis: int = -1) -> jax.Array:
+    """x with `axis` cut into blocks of `block` channels, each multiplied by H_block
+    (symmetric and orthogonal, so applying it twice is the identity)."""
+    axis = axis % x.ndim
+    n = x.shape[axis]
+    if n % block:
+        raise ValueError(f"{n} channels are not a multiple of the Hadamard block {block}")
+    h = jnp.asarray(hadamard_matrix(block), jnp.float32)
+    xm = jnp.moveaxis(x.astype(jnp.float32), axis, -1)
+    shape = xm.shape
+    y = (xm.reshape(shape[:-1] + (n // block, block)) @ h).reshape(shape)
+    return jnp.moveaxis(y, -1, axis).astype(x.dtype)
+
+
+# ----------------------------------------------------------------------------- products
+
+
+def _split_bf16(x: jax.Array, pieces: int) -> list[jax.Array]:
+    """x (f32) as a sum of `pieces` bf16 arrays; 3 pieces are exact (3 x 8 significant bits
+    cover f32's 24, and every residual x - sum(previous pieces) is exact in f32)."""
+    out, rest = [], x.astype(jnp.float32)
+    for _ in range(pieces):
+        piece = rest.astype(jnp.bfloat16)
+        out.append(piece)
+        rest = rest - piece.astype(jnp.float32)
+    return out
+
+
+def _w8a16_matmul(x: jax.Array, w: QuantizedWeight) -> jax.Array:
+    """(x @ values) * scale, f32-accurate, reading int8 weights.
+
+    Generic form: the int8 values converted to x's dtype inside the product (XLA:GPU
+    fuses the convert into the GEMM). XLA:CPU instead materialises the converted
+    weight before its dot; for decode-sized products (at most `GEMV_MAX_ROWS` rows)
+    on CPU the weight is converted to bf16 (exact for int8, half the bytes of f32)
+    and a float32 x is split into three bf16 pieces (exact, see `_split_bf16`), so the
+    product is one bf16 x bf16 -> f32 dot over 3 rows per token: the same f32 result
+    up to summation order, and it moves int8 weight bytes from memory.
+    """
+    rows = int(np.prod(x.shape[:-1], dtype=np.int64))
+    if (x.dtype == jnp.float32 and rows <= GEMV_MAX_ROWS
+            and jax.default_backend() == "cpu"):
+        pieces = _split_bf16(x, 3)
+        stacked = jnp.stack(pieces).reshape(-1, x.shape[-1])
+        y = jax.lax.dot_general(stacked, w.values.astype(jnp.bfloat16),
+                                (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+        y = y.reshape((3,) + x.shape[:-1] + (y.shape[-1],))
+        y = (y[2] + y[1]) + y[0]  # smallest first
+    else:
+        y = x @ w.values.astype(x.dtype)
+    return (y * w.scale.astype(y.dtype)).astype(x.dtype)
+
+
+def _w8a8_matmul(xq: QuantizedActivation, w: QuantizedWeight) -> jax.Array:
+    acc = int8_dot(xq.values, w.values)  # exact int32
+    y = acc.astype(jnp.float32) * xq.scale[..., None] * w.scale
+    return y.astype(xq.dtype)
+
+
+def linear(x, w) -> jax.Array:
+    """x [..., in] @ w [in, out] -> [..., out] in x's dtype, whatever form w takes.
+
+    `x` may be a `QuantizedActivation` only when w is a W8A8 `QuantizedWeight`.
+    """
+    if isinstance(x, QuantizedActivation):
+        if not wants_int8_input(w):
+            raise TypeError("an int8 activation can only multiply a W8A8 QuantizedWeight "
+                            f"without rotation, got {type(w).__name__}")
+        return _w8a8_matmul(x, w)
+    if not isinstance(w, QuantizedWeight):
+        return x @ w.astype(x.dtype)
+    if w.scheme == "w8a16":
+        if w.hadamard:
+            x = hadamard_rotate(x, w.hadamard)
+        return _w8a16_matmul(x, w)
+    if w.scheme == "w8a8":
+        if w.hadamard:
+            x = hadamard_rotate(x, w.hadamard)
+        return _w8a8_matmul(quantize_activation(x), w)
+    raise ValueError(f"unknown quantization scheme {w.scheme!r}; expected one of {SCHEMES}")

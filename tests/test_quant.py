@@ -1,0 +1,315 @@
+"""INT8 schemes: quantizer bounds, exact integer products, `linear` dispatch, the model on
+quantized params, orbax round trip."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import gsm_jax
+from gsm_jax.errors import InvalidInputError
+from gsm_jax.models import linear as lin
+from gsm_jax.models.linear import (
+    QuantizedActivation,
+    QuantizedWeight,
+    hadamard_matrix,
+    hadamard_rotate,
+    linear,
+    quantize_activation,
+)
+from gsm_jax.models.llama import LlamaConfig, init_weights
+from gsm_jax.pallas_kernels.quant_reference import (
+    dequantize_rows,
+    dequantize_weight,
+    int8_dot,
+    quantize_rows,
+    quantize_weight,
+)
+from gsm_jax.params import ModelParams
+from gsm_jax.quant import (
+    apply_quantize_option,
+    dequantize,
+    quantization_of,
+    quantize,
+    restore_quantized,
+)
+
+TINY = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2,
+                   num_heads=4, num_kv_heads=2, head_dim=16, eos_token_ids=(1,))
+
+
+def _tiny_params(seed: int = 0, cfg: LlamaConfig = TINY) -> ModelParams:
+    weights = init_weights(cfg, jax.random.key(seed))
+    # spikier than N(0, 0.02): a few large input channels, as real models have
+    rng = np.random.RandomState(seed)
+    layers = dict(weights["layers"])
+    boost = np.ones(cfg.hidden_size, np.float32)
+    boost[rng.choice(cfg.hidden_size, 3, replace=False)] = 8.0
+    layers["attn_norm"] = layers["attn_norm"] * boost
+    weights["layers"] = layers
+    return ModelParams(weights, cfg, None, source="tiny")
+
+
+def _spiky(rng, shape, scale=1.0):
+    x = rng.standard_normal(shape).astype(np.float32) * scale
+    x[..., rng.integers(0, shape[-1], 2)] *= 20.0  # outlier channels
+    return x
+
+
+# ----------------------------------------------------------------------------- quantizers
+
+
+def test_weight_quantization_error_within_half_step():
+    rng = np.random.default_rng(0)
+    w = jnp.asarray(_spiky(rng, (3, 96, 40)))
+    q, s = quantize_weight(w)
+    assert q.dtype == jnp.int8 and s.shape == (3, 40) and s.dtype == jnp.float32
+    assert int(jnp.max(jnp.abs(q.astype(jnp.int32)))) == 127  # the absmax hits the grid end
+    assert int(jnp.min(q.astype(jnp.int32))) >= -127
+    err = jnp.abs(dequantize_weight(q, s) - w)
+    bound = s[:, None, :] / 2
+    assert bool(jnp.all(err <= bound * (1 + 1e-6) + 1e-12))
+
+
+def test_row_quantization_error_and_zero_rows():
+    rng = np.random.default_rng(1)
+    x = _spiky(rng, (4, 7, 33))
+    x[1, 2] = 0.0  # an all-zero token stays exactly zero
+    q, s = quantize_rows(jnp.asarray(x))
+    assert q.shape == x.shape and s.shape == (4, 7)
+    assert float(s[1, 2]) == 1.0 and not np.any(np.asarray(q[1, 2]))
+    err = np.abs(np.asarray(dequantize_rows(q, s)) - x)
+    assert np.all(err <= np.asarray(s)[..., None] / 2 * (1 + 1e-6) + 1e-12)
+    # per token: each row's absmax maps to +-127
+    nz = np.abs(x).max(-1) > 0
+    assert np.all(np.abs(np.asarray(q)).max(-1)[nz] == 127)
+
+
+def test_bf16_rows_quantize_in_f32():
+    x = jnp.asarray(np.random.default_rng(2).standard_normal((5, 64)), jnp.bfloat16)
+    q, s = quantize_rows(x)
+    q32, s32 = quantize_rows(x.astype(jnp.float32))
+    assert s.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(q), np.asarray(q32))
+    np.testing.assert_array_equal(np.asarray(s), np.asarray(s32))
+
+
+# ----------------------------------------------------------------------------- products
+
+
+def test_int8_matmul_is_exact_integer_arithmetic():
+    rng = np.random.default_rng(3)
+    xq = rng.integers(-127, 128, (6, 512)).astype(np.int8)
+    wq = rng.integers(-127, 128, (512, 48)).astype(np.int8)
+    xq[0] = 127  # worst case magnitudes: 512 * 127 * 127 > 2**23
+    wq[:, 0] = 127
+    got = np.asarray(int8_dot(jnp.asarray(xq), jnp.asarray(wq)))
+    assert got.dtype == np.int32
+    np.testing.assert_array_equal(got, xq.astype(np.int64) @ wq.astype(np.int64))
+
+
+def test_w8a8_linear_equals_product_of_dequantized_operands():
+    """linear(x, W8A8) == (x_q s_x) @ (w_q s_w): exactly the integer product, rescaled."""
+    rng = np.random.default_rng(4)
+    x = jnp.asarray(_spiky(rng, (2, 5, 96)))
+    w = jnp.asarray(_spiky(rng, (96, 40), 0.05))
+    wq, ws = quantize_weight(w)
+    qw = QuantizedWeight(wq, ws, "w8a8")
+    y = np.asarray(linear(x, qw), np.float64)
+    xq, xs = quantize_rows(x)
+    exact = (np.asarray(xq, np.int64) @ np.asarray(wq, np.int64)).astype(np.float64)
+    expected = exact * np.asarray(xs, np.float64)[..., None] * np.asarray(ws, np.float64)
+    # the only rounding is the final float32 rescale (two multiplies)
+    np.testing.assert_allclose(y, expected, rtol=3e-7, atol=0)
+    # the same through an already quantized activation
+    y2 = np.asarray(linear(QuantizedActivation(xq, xs, "float32"), qw))
+    np.testing.assert_array_equal(y2, np.asarray(linear(x, qw)))
+    # against the float product: within the quantization bound
+    #   |x w - x^ w^| <= sum_i |x_i| |dw_i| + |dx_i| |w^_i| <= sum_i |x_i| s_w/2 + s_x/2 |w^_i|
+    xf, wf = np.asarray(x, np.float64), np.asarray(w, np.float64)
+    w_hat = np.asarray(dequantize_weight(wq, ws), np.float64)
+    bound = (np.abs(xf).sum(-1, keepdims=True) * np.asarray(ws)[None, None] / 2
+             + np.asarray(xs, np.float64)[..., None] / 2 * np.abs(w_hat).sum(0))
+    err = np.abs(y - xf @ wf)
+    assert np.all(err <= bound * (1 + 1e-5) + 1e-6)
+    assert err.max() > 0  # it is a lossy scheme after all
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16])
+def test_w8a16_linear_equals_float_product_of_dequantized_weight(rows):
+    """Weight-only: activations stay float; both CPU paths (bf16 split for decode-sized
+    products, dequantized dot otherwise) give the f32 product with the dequantized weight."""
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(_spiky(rng, (rows, 96)))
+    w = jnp.asarray(_spiky(rng, (96, 40), 0.05))
+    wq, ws = quantize_weight(w)
+    y = np.asarray(linear(x, QuantizedWeight(wq, ws, "w8a16")), np.float64)
+    w_hat = np.asarray(dequantize_weight(wq, ws), np.float64)
+    ref = np.asarray(x, np.float64) @ w_hat
+    scale = np.abs(np.asarray(x, np.float64)) @ np.abs(w_hat)
+    assert np.all(np.abs(y - ref) <= 1e-6 * scale + 1e-9)
+    # and within the weight-quantization bound of the float product
+    bound = np.abs(np.asarray(x, np.float64)).sum(-1, keepdims=True) * np.asarray(ws) / 2
+    assert np.all(np.abs(y - np.asarray(x, np.float64) @ np.asarray(w, np.float64))
+                  <= bound * (1 + 1e-5) + 1e-6)
+
+
+def test_split_bf16_is_exact():
+    x = jnp.asarray(np.random.default_rng(6).standard_normal(4096) * 1e3, jnp.float32)
+    pieces = lin._split_bf16(x, 3)
+    total = (pieces[2].astype(jnp.float32) + pieces[1].astype(jnp.float32)) + pieces[0].astype(
+        jnp.float32)
+    np.testing.assert_array_equal(np.asarray(total), np.asarray(x))
+
+
+def test_linear_refuses_int8_activation_for_float_weight():
+    xa = quantize_activation(jnp.ones((2, 8)))
+    with pytest.raises(TypeError):
+        linear(xa, jnp.ones((8, 4)))
+    with pytest.raises(TypeError):
+        linear(xa, QuantizedWeight(jnp.ones((8, 4), jnp.int8), jnp.ones((4,)), "w8a16"))
+
+
+def test_hadamard_rotation_is_orthogonal_and_exact_in_float():
+    h = hadamard_matrix(16)
+    np.testing.assert_allclose(h @ h.T, np.eye(16), atol=1e-6)
+    rng = np.random.default_rng(7)
+    x = jnp.asarray(_spiky(rng, (3, 64)))
+    np.testing.assert_allclose(np.asarray(hadamard_rotate(hadamard_rotate(x, 16), 16)),
+                               np.asarray(x), atol=1e-5)
+    with pytest.raises(ValueError):
+        hadamard_matrix(12)
+
+
+# ----------------------------------------------------------------------------- quantize()
+
+
+def test_quantize_replaces_every_llama_linear():
+    p = _tiny_params()
+    for scheme in ("w8a16", "w8a8"):
+        q = quantize(p, scheme)
+        assert quantization_of(q) == scheme and quantization_of(p) is None
+        for name in ("qkv", "o", "gate_up", "down"):
+            w = q.weights["layers"][name]
+            assert isinstance(w, QuantizedWeight) and w.scheme == scheme
+            assert w.values.dtype == jnp.int8 and w.values.shape == p.weights["layers"][name].shape
+            assert w.scale.shape == (TINY.num_layers, w.values.shape[-1])
+        for name in ("embed", "final_norm"):
+            assert q.weights[name] is p.weights[name]  # head and embedding stay float
+        assert q.dtype == jnp.float32
+
+
+def test_quantize_refuses_bad_input():
+    p = _tiny_params()
+    with pytest.raises(InvalidInputError):
+        quantize(p, "int4")
+    with pytest.raises(InvalidInputError):
+        quantize(quantize(p, "w8a8"), "w8a8")
+    with pytest.raises(InvalidInputError):
+        quantize(p.weights, "w8a8")
+    with pytest.raises(InvalidInputError):
+        quantize(p, "w8a8", hadamard_down=48)
+
+
+def test_apply_quantize_option():
+    p = _tiny_params()
+    assert apply_quantize_option(p, None) is p and apply_quantize_option(p, "none") is p
+    q = apply_quantize_option(p, "w8a16")
+    assert quantization_of(q) == "w8a16" and apply_quantize_option(q, "w8a16") is q
+    with pytest.raises(InvalidInputError):
+        apply_quantize_option(q, "w8a8")
+
+
+def test_w8a16_model_equals_float_model_of_dequantized_weights():
+    p = _tiny_params()
+    q = quantize(p, "w8a16")
+    ids = np.random.default_rng(8).integers(2, TINY.vocab_size, (2, 12))
+    got = np.asarray(gsm_jax.forward(q, ids))
+    ref = np.asarray(gsm_jax.forward(dequantize(q), ids))
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
+    base = np.asarray(gsm_jax.forward(p, ids))
+    assert 0 < np.abs(got - base).max() < 0.1 * np.abs(base).max()
+
+
+def test_w8a8_model_runs_and_stays_close():
+    p = _tiny_params()
+    ids = np.random.default_rng(9).integers(2, TINY.vocab_size, (2, 12))
+    base = np.asarray(gsm_jax.forward(p, ids))
+    for scheme in ("w8a8",):
+        got = np.asarray(gsm_jax.forward(quantize(p, scheme), ids))
+        assert np.all(np.isfinite(got))
+        assert 0 < np.abs(got - base).max() < 0.2 * np.abs(base).max()
+    # generation (prefill + while_loop decode) on quantized params
+    out = gsm_jax.generate_tokens(quantize(p, "w8a8"), [ids[0, :5]], max_new_tokens=4)
+    assert len(out[0]) == 4
+
+
+def test_hadamard_down_is_float_exact():
+    p = _tiny_params()
+    q = quantize(p, "w8a8", hadamard_down=32)
+    w = q.weights["layers"]["down"]
+    assert w.hadamard == 32 and q.weights["layers"]["o"].hadamard == 0
+    # dequantize() undoes the rotation: the stored weight is H W
+    np.testing.assert_allclose(np.asarray(w.dequantize()), np.asarray(p.weights["layers"]["down"]),
+                               atol=float(jnp.max(w.scale)) * 8)
+    ids = np.random.default_rng(10).integers(2, TINY.vocab_size, (1, 10))
+    got = np.asarray(gsm_jax.forward(q, ids))
+    base = np.asarray(gsm_jax.forward(p, ids))
+    assert np.all(np.isfinite(got)) and np.abs(got - base).max() < 0.2 * np.abs(base).max()
+
+
+def test_orbax_round_trip(tmp_path):
+    p = _tiny_params()
+    ids = np.random.default_rng(11).integers(2, TINY.vocab_size, (2, 9))
+    for scheme in ("w8a16", "w8a8"):
+        q = quantize(p, scheme, hadamard_down=32 if scheme == "w8a8" else 0)
+        path = gsm_jax.save(q, tmp_path / scheme)
+        back = restore_quantized(gsm_jax.load(path))
+        assert back.extra == q.extra
+        leaves_q = jax.tree.leaves(q.weights)
+        leaves_b = jax.tree.leaves(back.weights)
+        assert len(leaves_q) == len(leaves_b)
+        for a, b in zip(leaves_q, leaves_b, strict=True):
+            assert a.dtype == b.dtype
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        w = back.weights["layers"]["down"]
+        assert isinstance(w, QuantizedWeight) and w.scheme == scheme
+        np.testing.assert_array_equal(np.asarray(gsm_jax.forward(back, ids)),
+                                      np.asarray(gsm_jax.forward(q, ids)))
+        assert restore_quantized(back).weights["layers"]["o"].scheme == scheme  # idempotent
+
+
+def _tiny_dsv4() -> ModelParams:
+    from gsm_jax.models import deepseek_v4 as dv
+
+    cfg = dv.DeepseekV4Config(
+        vocab_size=96, hidden_size=32, num_layers=3, num_heads=4, head_dim=16, q_lora_rank=24,
+        o_groups=2, o_lora_rank=8, layer_types=(dv.SLIDING, dv.CSA, dv.HCA),
+        mlp_layer_types=("hash_moe", "moe", "moe"), n_routed_experts=6, num_experts_per_tok=2,
+        moe_intermediate_size=16, main_rope=dv.RopeSpec(theta=10000.0, dim=8),
+        compress_rope=dv.RopeSpec(theta=50000.0, dim=8), sliding_window=4,
+        compress_rate_csa=2, compress_rate_hca=4, index_n_heads=4, index_head_dim=16,
+        index_topk=2, hc_mult=2, swiglu_limit=2.0, max_position_embeddings=128)
+    return ModelParams(dv.init_weights(cfg, jax.random.key(0)), cfg, None, source="tiny-dsv4")
+
+
+@pytest.mark.parametrize("routed", [False, True])
+def test_deepseek_v4_dense_projections_and_shared_experts(routed):
+    p = _tiny_dsv4()
+    q = quantize(p, "w8a8", routed_experts=routed)
+    layer = q.weights["layers"][1]
+    for name in ("q_a", "q_b", "kv", "o_b"):
+        assert isinstance(layer["attn"][name], QuantizedWeight)
+    assert isinstance(layer["attn"]["compressor"]["kv_gate"], QuantizedWeight)
+    assert isinstance(layer["moe"]["shared_down"], QuantizedWeight)
+    assert isinstance(layer["moe"]["experts_down"], QuantizedWeight) == routed
+    assert not isinstance(layer["moe"]["router"], QuantizedWeight)  # selection stays float
+    assert not isinstance(layer["attn"]["o_a"], QuantizedWeight)  # grouped einsum, float
+    ids = np.random.default_rng(12).integers(2, 96, (2, 10))
+    base = np.asarray(gsm_jax.forward(p, ids))
+    for params in (q, quantize(p, "w8a16", routed_experts=routed)):
+        got = np.asarray(gsm_jax.forward(params, ids))
+        assert np.all(np.isfinite(got))
+        assert np.abs(got - base).max() < 0.2 * np.abs(base).max() + 1e-3
