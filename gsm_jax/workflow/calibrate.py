@@ -199,7 +199,8 @@ class CalibrationResult:
                 f"pf={t['protect_first']} {t['scope']:<16} "
                 f"KLD {q.get('mean_kld', float('nan')):.5f}"
                 f" top1 {q.get('same_top1_pct', float('nan')):6.2f}%{lam}  "
-                + ("ok" if t["within_budget"] else "; ".join(t["violations"]) or "-"))
+                + ("ok" if t["within_budget"] else "; ".join(t["violations"])
+                   or "KLD/top-1 ok, task not measured"))
         if self.culprits:
             lines.append("  culprits: " + ", ".join(
                 f"layer {c['layer']} (alone: KLD {c['mean_kld']:.4f})" for c in self.culprits))
@@ -314,15 +315,14 @@ def calibrate(
         tr = Trial(stage=stage, strength=strength, window=window, protect_first=pf, scope=scope,
                    config=cfg.to_dict(), result=res.to_dict(), violations=viol,
                    lambada_measured=res.lambada is not None,
-                   within_budget=not viol and (res.lambada is not None or not has_task or
-                                               not task))
+                   within_budget=not viol and (res.lambada is not None or not has_task))
         trials.append(tr)
         q = res.quality
         log(f"[calibrate] {stage:<13} s={strength:<5} w={window!s:<8} pf={pf} {scope:<14} "
             f"KLD {q['mean_kld']:.5f} top1 {q['same_top1_pct']:.2f}%"
             + (f" LAMBADA drop {res.lambada['accuracy_drop_points']:+.2f}" if res.lambada
                else "") + ("  within budget" if tr.within_budget else f"  ({'; '.join(viol)})"
-                           if viol else ""))
+                           if viol else "  within the KLD/top-1 limits (task not measured)"))
         return tr
 
     pf0 = base.protect_first
@@ -373,7 +373,9 @@ def calibrate(
     s_break = s_fail
     if s_break is not None and backoff:
         w_b = chosen_w
-        full = find(s_break, w_b, pf0) or run("backoff", s_break, w_b, pf0)
+        full = find(s_break, w_b, pf0)
+        if full is None or (not full.violations and not full.within_budget):
+            full = run("backoff", s_break, w_b, pf0)  # (re)measure with the task metric
         if not full.within_budget:
             layers = sorted({layer for layer, _ in targets})
             for layer in layers:
@@ -412,7 +414,8 @@ def calibrate(
                             "p99_kld": q["p99_kld"], "ppl_ratio": q["ppl_ratio"],
                             "lambada_drop_points": (tr.result.get("lambada") or {}).get(
                                 "accuracy_drop_points"),
-                            "within_budget": tr.within_budget})
+                            "within_budget": tr.within_budget,
+                            "status": _status(tr)})
 
     # choose
     result = CalibrationResult(
@@ -465,6 +468,14 @@ def calibrate(
     result.seconds = time.perf_counter() - t_start
     log(final.summary())
     return result
+
+
+def _status(t: Trial) -> str:
+    if t.within_budget:
+        return "within budget"
+    if t.violations:
+        return "; ".join(t.violations)
+    return "KLD/top-1 ok, task not measured"
 
 
 def _as_budget(budget: Any) -> Budget:
