@@ -5,6 +5,16 @@ sites (`attn_out`: the input of the output projection; `ffn_mid`: the input of t
 down projection). Everything numeric is a runtime array, so a new GSM config
 takes effect without recompiling; only `max_window`, `precision` and `impl` are
 static.
+
+"Quantize, then smooth" (INT8 W8A8, `gsm_jax.quant`): a caller may pass the weight
+the site feeds (`next_weight`). When it is a W8A8 `QuantizedWeight`, the site
+returns the activation already smoothed *and* quantized per token, as a
+`QuantizedActivation` that `linear` multiplies as is: the filter sees the float
+activation, the per-token scale is taken after it. On GPU that is one fused
+Pallas kernel (`pallas_kernels/smooth_quant.py`); on CPU the XLA filter followed
+by the reference quantizer (the same arithmetic `linear` would apply). Without
+GSM (gsm=None) a site returns x and `linear` quantizes it, so a strength-0 config
+gives the quantized model without GSM bit for bit.
 """
 
 from __future__ import annotations
@@ -12,6 +22,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import struct
+
+from gsm_jax.models.linear import QuantizedActivation, wants_int8_input
 
 SITES = ("attn_out", "ffn_mid")
 ATTN_OUT, FFN_MID = 0, 1
@@ -43,18 +55,27 @@ def smooth_site_prefill(
     site: int,
     x: jax.Array,
     positions: jax.Array,
-) -> tuple[jax.Array, jax.Array | None]:
-    """Smooth a site over a whole prompt; also return the ring buffer decode continues from."""
+    next_weight=None,
+) -> tuple[jax.Array | QuantizedActivation, jax.Array | None]:
+    """Smooth a site over a whole prompt; also return the ring buffer decode continues from.
+
+    With a W8A8 `next_weight` the smoothed activation comes back quantized per token.
+    """
     if gsm is None:
         return x, None
     from gsm_jax.smoothing import ring_from_prefill, smooth_prefill
 
     window, strength = gsm.row_args(layer, site)
+    kw = dict(max_window=gsm.max_window, precision=gsm.precision, impl=gsm.impl)
     with jax.named_scope(f"gsm_{SITES[site]}"):
-        y = smooth_prefill(
-            x, positions, window, strength, gsm.protect_first,
-            max_window=gsm.max_window, precision=gsm.precision, impl=gsm.impl,
-        )
+        if wants_int8_input(next_weight):
+            from gsm_jax.pallas_kernels.smooth_quant import smooth_quantize_prefill
+
+            q, s = smooth_quantize_prefill(x, positions, window, strength, gsm.protect_first,
+                                           **kw)
+            y = QuantizedActivation(q, s, jnp.dtype(x.dtype).name)
+        else:
+            y = smooth_prefill(x, positions, window, strength, gsm.protect_first, **kw)
         ring = ring_from_prefill(x, positions, gsm.max_window)
     return y, ring
 
@@ -67,19 +88,30 @@ def smooth_site_decode(
     rings: jax.Array | None,
     position: jax.Array,
     active: jax.Array,
-) -> tuple[jax.Array, jax.Array | None]:
+    next_weight=None,
+) -> tuple[jax.Array | QuantizedActivation, jax.Array | None]:
     """Smooth one new token per row ([B, C]) against the ring of its recent inputs.
 
     `rings` holds every layer's ring for this site, [layers, B, max_window, C]
     (part of the decode cache); only layer `layer` is read and written.
     `position` [B] is each row's new position (its cache length); rows with
-    active=False return x unchanged (see `smooth_decode_stacked`).
+    active=False return x unchanged (see `smooth_decode_stacked`). With a W8A8
+    `next_weight` the smoothed token comes back quantized per token.
     """
     if gsm is None:
         return x, rings
     from gsm_jax.smoothing import smooth_decode_stacked
 
     window, strength = gsm.row_args(layer, site)
+    if wants_int8_input(next_weight):
+        from gsm_jax.pallas_kernels.smooth_quant import smooth_quantize_decode_stacked
+
+        with jax.named_scope(f"gsm_{SITES[site]}"):
+            q, s, rings = smooth_quantize_decode_stacked(
+                x, rings, layer, position, active, window, strength, gsm.protect_first,
+                precision=gsm.precision, impl=gsm.impl,
+            )
+        return QuantizedActivation(q, s, jnp.dtype(x.dtype).name), rings
     with jax.named_scope(f"gsm_{SITES[site]}"):
         return smooth_decode_stacked(
             x, rings, layer, position, active, window, strength, gsm.protect_first,

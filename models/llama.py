@@ -244,9 +244,11 @@ class DecoderLayer(nn.Module):
         q, k, v = self._qkv(x, jnp.maximum(positions, 0))
         with jax.named_scope("attention"):
             attn = attention(q, k, v, mask)
-        attn, ring_attn = smooth_site_prefill(gsm, layer, ATTN_OUT, attn, positions)  # GSM site
+        attn, ring_attn = smooth_site_prefill(gsm, layer, ATTN_OUT, attn, positions,  # GSM site
+                                              self.o)
         x = x + linear(attn, self.o)
-        mid, ring_ffn = smooth_site_prefill(gsm, layer, FFN_MID, self._mlp_in(x), positions)
+        mid, ring_ffn = smooth_site_prefill(gsm, layer, FFN_MID, self._mlp_in(x), positions,
+                                            self.down)
         x = x + linear(mid, self.down)
         return x, k, v, (ring_attn, ring_ffn)
 
@@ -264,11 +266,11 @@ class DecoderLayer(nn.Module):
         ring_attn, ring_ffn = rings if rings is not None else (None, None)
         # GSM site attn_out: the input of the output projection
         attn, ring_attn = smooth_site_decode(gsm, layer, ATTN_OUT, attn, ring_attn, position,
-                                             active)
+                                             active, self.o)
         x = x + linear(attn, self.o)[:, None]
         # GSM site ffn_mid: the input of the down projection
         mid, ring_ffn = smooth_site_decode(
-            gsm, layer, FFN_MID, self._mlp_in(x)[:, 0], ring_ffn, position, active
+            gsm, layer, FFN_MID, self._mlp_in(x)[:, 0], ring_ffn, position, active, self.down
         )
         x = x + linear(mid, self.down)[:, None]
         return x, None if rings is None else (ring_attn, ring_ffn)

@@ -33,9 +33,21 @@ def scale_from_absmax(absmax: jax.Array) -> jax.Array:
     return jnp.where(absmax > 0, absmax / QMAX, 1.0).astype(jnp.float32)
 
 
+def round_half_even(v: jax.Array) -> jax.Array:
+    """Round to nearest, ties to even (= jnp.round) from floor and selects only, so the
+    Triton kernels (which have no `round` primitive) round exactly like the XLA path.
+    Exact for every finite float32: v - floor(v) is exact below 2**23, and above it
+    v is already an integer (d = 0)."""
+    f = jnp.floor(v)
+    d = v - f
+    odd = (f - 2.0 * jnp.floor(f * 0.5)) != 0
+    up = (d > 0.5) | ((d == 0.5) & odd)
+    return jnp.where(up, f + 1.0, f)
+
+
 def quantize_with_scale(x: jax.Array, scale: jax.Array) -> jax.Array:
     """round(x / scale) clipped to [-127, 127], as int8 (`scale` broadcasts against x)."""
-    q = jnp.round(x.astype(jnp.float32) / scale)
+    q = round_half_even(x.astype(jnp.float32) / scale)
     return jnp.clip(q, -QMAX, QMAX).astype(jnp.int8)
 
 

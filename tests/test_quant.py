@@ -313,3 +313,13 @@ def test_deepseek_v4_dense_projections_and_shared_experts(routed):
         got = np.asarray(gsm_jax.forward(params, ids))
         assert np.all(np.isfinite(got))
         assert np.abs(got - base).max() < 0.2 * np.abs(base).max() + 1e-3
+
+
+def test_round_half_even_matches_jnp_round():
+    from gsm_jax.pallas_kernels.quant_reference import round_half_even
+
+    rng = np.random.default_rng(13)
+    v = np.concatenate([rng.uniform(-130, 130, 20000), np.arange(-130, 130, 0.5),
+                        [2.0**23 + 1, -(2.0**24), 0.49999997, -0.5, 1e30]]).astype(np.float32)
+    np.testing.assert_array_equal(np.asarray(round_half_even(jnp.asarray(v))),
+                                  np.round(v))
