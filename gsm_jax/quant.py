@@ -23,6 +23,11 @@ but stores them dequantized: a quality study of the head, not a speed path.
 runs on the float activation, then the per-token scale is taken and it is cast
 to int8 (`models/gsm_sites.py`, fused in `pallas_kernels/smooth_quant.py`).
 
+Baselines along the channel axis, in the same tooling: `smoothquant(params, alpha=0.5)`
+(SmoothQuant migration folded into the norms and weights, exact in float; then
+`quantize`), and ``quantize(..., hadamard_down=block)`` (an online block Hadamard
+rotation of the down projection's input, QuaRot-style).
+
 Quantized params are ordinary `ModelParams` (``params.extra["quantization"]``
 names the scheme) and save and load with orbax through `gsm_jax.save` /
 `gsm_jax.load` (`restore_quantized` rebuilds the int8 containers from a restored
@@ -36,6 +41,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from gsm_jax.errors import InvalidInputError, UnsupportedModelError
 from gsm_jax.models.linear import (
@@ -51,11 +57,15 @@ __all__ = [
     "SCHEMES",
     "QuantizedActivation",
     "QuantizedWeight",
+    "activation_absmax",
     "apply_quantize_option",
+    "apply_smoothquant",
     "dequantize",
     "quantization_of",
     "quantize",
     "restore_quantized",
+    "smoothquant",
+    "smoothquant_scales",
 ]
 
 QUANTIZE_CHOICES = ("none", *SCHEMES)
@@ -184,6 +194,164 @@ def dequantize(params: ModelParams, dtype: Any = jnp.float32) -> ModelParams:
                            is_leaf=lambda x: isinstance(x, QuantizedWeight))
     extra = {k: v for k, v in dict(params.extra).items() if k != "quantization"}
     return dataclasses.replace(params, weights=weights, extra=extra)
+
+
+# ----------------------------------------------------------------------------- SmoothQuant
+
+# SmoothQuant (Xiao et al., 2023): migrate activation outliers into the weights, per
+# input channel j of a linear layer: X' = X / s, W' = diag(s) W, with
+#     s_j = max|X_j|^alpha / max_k |W_jk|^(1 - alpha)
+# taken from calibration samples. The division by s is folded into whatever produces
+# X, so nothing runs at inference and, in float, the model is unchanged:
+#   qkv     <- attn_norm (X = rmsnorm(h) * attn_norm)
+#   gate_up <- ffn_norm
+#   o       <- the v columns of qkv (attention output = probs @ V is linear in V; with
+#              grouped-query attention the query heads that share a kv head share s)
+#   down    <- the up columns of gate_up (silu(gate) * up is linear in up)
+SMOOTHQUANT_LINEARS = ("qkv", "o", "gate_up", "down")
+
+
+def _capture_layer_inputs(weights: dict, cfg: Any, tokens: jax.Array,
+                          lengths: jax.Array) -> tuple[jax.Array, dict]:
+    """The model's prefill, layer by layer, returning the final hidden states and, per
+    layer, the per-channel max |x| (over real tokens) at the inputs of the four linears.
+    Built from `DecoderLayer`'s own methods, so it follows the model."""
+    from gsm_jax.models.linear import linear
+    from gsm_jax.models.llama import _embed, _layer_apply, attention, rms_norm
+
+    b, t = tokens.shape
+    steps = jnp.arange(t)
+    valid = steps[None, :] < lengths[:, None]
+    positions = jnp.where(valid, steps[None, :], -1)
+    mask = (steps[None, :, None] >= steps[None, None, :]) & valid[:, None, :]
+    x = _embed(weights, tokens)
+
+    def chan_max(a):
+        return jnp.max(jnp.where(valid[..., None], jnp.abs(a.astype(jnp.float32)), 0.0),
+                       axis=(0, 1))
+
+    def body(x, lw):
+        h = rms_norm(x, lw["attn_norm"], cfg.rms_norm_eps)
+        q, k, v = _layer_apply(cfg, lw, "_qkv", x, jnp.maximum(positions, 0))
+        attn = attention(q, k, v, mask)
+        x = x + linear(attn, lw["o"])
+        h2 = rms_norm(x, lw["ffn_norm"], cfg.rms_norm_eps)
+        mid = _layer_apply(cfg, lw, "_mlp_in", x)
+        x = x + linear(mid, lw["down"])
+        return x, {"qkv": chan_max(h), "o": chan_max(attn), "gate_up": chan_max(h2),
+                   "down": chan_max(mid)}
+
+    return jax.lax.scan(body, x, weights["layers"])
+
+
+_capture_jit = jax.jit(_capture_layer_inputs, static_argnames=("cfg",))
+
+
+def activation_absmax(params: ModelParams, tokens: Any, *, batch_size: int = 8) -> dict:
+    """Per layer and channel, max |x| at the inputs of qkv, o, gate_up and down over
+    calibration token ids [N, T] (full rows; Llama family, float params):
+    {"qkv": [L, D], "o": [L, H*hd], "gate_up": [L, D], "down": [L, d_ff]} float32."""
+    params = _check_params(params)
+    if params.config.family != "llama" or quantization_of(params) is not None:
+        raise UnsupportedModelError("activation statistics need float Llama-family params")
+    tokens = np.asarray(tokens, np.int32)
+    if tokens.ndim != 2 or tokens.shape[0] < 1:
+        raise InvalidInputError(f"calibration tokens must be [N, T], got {tokens.shape}")
+    out: dict[str, jax.Array] | None = None
+    for i in range(0, tokens.shape[0], batch_size):
+        rows = tokens[i: i + batch_size]
+        real = rows.shape[0]
+        if real < batch_size and tokens.shape[0] > batch_size:  # keep one compiled shape
+            rows = np.concatenate([rows, np.repeat(rows[-1:], batch_size - real, axis=0)])
+        lengths = jnp.full((rows.shape[0],), rows.shape[1], jnp.int32)
+        _, stats = _capture_jit(params.weights, params.config, jnp.asarray(rows), lengths)
+        out = stats if out is None else jax.tree.map(jnp.maximum, out, stats)
+    return {k: np.asarray(v, np.float32) for k, v in out.items()}
+
+
+def smoothquant_scales(params: ModelParams, act_absmax: dict, alpha: float = 0.5) -> dict:
+    """s per layer and input channel of each linear (see the section comment); the o
+    scales are shared by the query heads of one kv head, so they fold into V."""
+    if not 0.0 <= alpha <= 1.0:
+        raise InvalidInputError(f"SmoothQuant alpha must be in [0, 1], got {alpha}")
+    cfg, layers = params.config, params.weights["layers"]
+    eps = 1e-5
+
+    def scale(a, w_rows):
+        a = np.maximum(np.asarray(a, np.float64), eps)
+        w_rows = np.maximum(np.asarray(w_rows, np.float64), eps)
+        return np.clip(a**alpha / w_rows ** (1.0 - alpha), 1e-4, 1e4)
+
+    def row_max(name):
+        return np.abs(np.asarray(layers[name], np.float32)).max(axis=-1)  # [L, in]
+
+    scales = {name: scale(act_absmax[name], row_max(name))
+              for name in ("qkv", "gate_up", "down")}
+    # o: channel (head h, dim d) comes from V's (h // group, d); one s per kv channel
+    L, g = cfg.num_layers, cfg.num_heads // cfg.num_kv_heads
+    grouped = (L, cfg.num_kv_heads, g, cfg.head_dim)
+    a_o = np.asarray(act_absmax["o"]).reshape(grouped).max(axis=2)
+    w_o = row_max("o").reshape(grouped).max(axis=2)
+    s_v = scale(a_o, w_o)  # [L, K, hd]
+    scales["o"] = np.repeat(s_v[:, :, None, :], g, axis=2).reshape(L, -1)
+    scales["v"] = s_v.reshape(L, -1)
+    return {k: v.astype(np.float32) for k, v in scales.items()}
+
+
+def apply_smoothquant(params: ModelParams, scales: dict) -> ModelParams:
+    """Fold SmoothQuant scales into float Llama-family params (exact in float)."""
+    cfg = params.config
+    if quantization_of(params) is not None:
+        raise InvalidInputError("SmoothQuant migrates float params; apply it before quantize()")
+    dtype = params.weights["layers"]["qkv"].dtype
+    f32 = {k: np.asarray(v, np.float32) for k, v in params.weights["layers"].items()}
+    s_qkv, s_gu, s_o, s_down, s_v = (scales[k] for k in ("qkv", "gate_up", "o", "down", "v"))
+    qkv = f32["qkv"] * s_qkv[:, :, None]
+    v0 = cfg.q_size + cfg.kv_size
+    qkv[:, :, v0:] /= s_v[:, None, :]
+    gate_up = f32["gate_up"] * s_gu[:, :, None]
+    gate_up[:, :, cfg.intermediate_size:] /= s_down[:, None, :]
+    new = dict(params.weights["layers"])
+    new["attn_norm"] = f32["attn_norm"] / s_qkv
+    new["ffn_norm"] = f32["ffn_norm"] / s_gu
+    new["qkv"] = qkv
+    new["gate_up"] = gate_up
+    new["o"] = f32["o"] * s_o[:, :, None]
+    new["down"] = f32["down"] * s_down[:, :, None]
+    if "qkv_bias" in new:
+        bias = np.array(f32["qkv_bias"])
+        bias[:, v0:] /= s_v
+        new["qkv_bias"] = bias
+    for k in ("attn_norm", "ffn_norm", "qkv", "gate_up", "o", "down", "qkv_bias"):
+        if k in new:
+            new[k] = jnp.asarray(new[k], dtype)
+    weights = {**params.weights, "layers": new}
+    return dataclasses.replace(params, weights=weights)
+
+
+def smoothquant(params: ModelParams, tokens: Any = None, *, alpha: float = 0.5,
+                num_sequences: int = 32, seq_len: int = 256, batch_size: int = 8,
+                act_absmax: dict | None = None) -> ModelParams:
+    """SmoothQuant channel migration of float Llama-family params, ready for
+    `quantize(..., "w8a8")`. Calibration: `tokens` [N, T] int ids, or a text file, or
+    None for the first `num_sequences` x `seq_len` tokens of the shared WikiText-2 (the
+    evaluation sets take theirs from its end); or pass precomputed `act_absmax`.
+    The result is the same function in float (to fp32 rounding)."""
+    params = _check_params(params)
+    if params.config.family != "llama":
+        raise UnsupportedModelError("SmoothQuant is implemented for the Llama family only")
+    if quantization_of(params) is not None:
+        raise InvalidInputError("SmoothQuant migrates float params; apply it before quantize()")
+    if act_absmax is None:
+        if tokens is None or isinstance(tokens, str):
+            from gsm_jax.workflow.data import as_token_sequences
+
+            tokens = as_token_sequences(tokens, params.tokenizer, seq_len=seq_len,
+                                        num_sequences=num_sequences,
+                                        vocab_size=params.config.vocab_size)
+        act_absmax = activation_absmax(params, tokens, batch_size=batch_size)
+    out = apply_smoothquant(params, smoothquant_scales(params, act_absmax, alpha))
+    return dataclasses.replace(out, extra={**dict(params.extra), "smoothquant_alpha": float(alpha)})
 
 
 # ----------------------------------------------------------------------------- orbax

@@ -323,3 +323,84 @@ def test_round_half_even_matches_jnp_round():
                         [2.0**23 + 1, -(2.0**24), 0.49999997, -0.5, 1e30]]).astype(np.float32)
     np.testing.assert_array_equal(np.asarray(round_half_even(jnp.asarray(v))),
                                   np.round(v))
+
+
+# ----------------------------------------------------------------------------- SmoothQuant
+
+
+def test_capture_follows_the_model():
+    from gsm_jax.models.llama import _prefill_layers
+    from gsm_jax.quant import _capture_layer_inputs
+
+    p = _tiny_params()
+    ids = jnp.asarray(np.random.default_rng(14).integers(2, TINY.vocab_size, (2, 11)), jnp.int32)
+    lengths = jnp.array([11, 11], jnp.int32)
+    x, stats = _capture_layer_inputs(p.weights, TINY, ids, lengths)
+    ref = _prefill_layers(p.weights, TINY, ids, lengths, None)[0]
+    np.testing.assert_allclose(np.asarray(x), np.asarray(ref), rtol=1e-6, atol=1e-6)
+    assert stats["down"].shape == (TINY.num_layers, TINY.intermediate_size)
+    assert stats["o"].shape == (TINY.num_layers, TINY.num_heads * TINY.head_dim)
+
+
+@pytest.mark.parametrize("alpha", [0.5, 0.8])
+@pytest.mark.parametrize("bias", [False, True])
+def test_smoothquant_migration_leaves_float_logits_unchanged(alpha, bias):
+    import dataclasses
+
+    from gsm_jax.quant import smoothquant
+
+    cfg = dataclasses.replace(TINY, attention_bias=bias)
+    p = _tiny_params(1, cfg)
+    if bias:
+        w = dict(p.weights)
+        w["layers"] = {**w["layers"], "qkv_bias": jnp.asarray(
+            np.random.default_rng(15).standard_normal(w["layers"]["qkv_bias"].shape) * 0.3,
+            jnp.float32)}
+        p = ModelParams(w, cfg, None)
+    calib = np.random.default_rng(16).integers(2, TINY.vocab_size, (4, 16))
+    sq = smoothquant(p, calib, alpha=alpha, batch_size=2)
+    assert sq.extra["smoothquant_alpha"] == alpha and quantization_of(sq) is None
+    # the weights really moved
+    assert np.abs(np.asarray(sq.weights["layers"]["down"] - p.weights["layers"]["down"])).max() > 0
+    ids = np.random.default_rng(17).integers(2, TINY.vocab_size, (2, 13))
+    base = np.asarray(gsm_jax.forward(p, ids))
+    got = np.asarray(gsm_jax.forward(sq, ids))
+    np.testing.assert_allclose(got, base, rtol=0, atol=2e-5 * np.abs(base).max())
+    # and quantization runs on the migrated params
+    assert np.all(np.isfinite(np.asarray(gsm_jax.forward(quantize(sq, "w8a8"), ids))))
+
+
+def test_smoothquant_refuses_quantized_or_other_families():
+    from gsm_jax.errors import UnsupportedModelError
+    from gsm_jax.quant import smoothquant
+
+    p = _tiny_params()
+    calib = np.zeros((1, 4), np.int32)
+    with pytest.raises(InvalidInputError):
+        smoothquant(quantize(p, "w8a8"), calib)
+    with pytest.raises(UnsupportedModelError):
+        smoothquant(_tiny_dsv4(), calib)
+    with pytest.raises(InvalidInputError):
+        smoothquant(p, calib, alpha=1.5)
+
+
+def test_smoothquant_on_smollm2_is_exact_in_float_and_helps_w8a8(smollm2, wikitext_passages):
+    """The real model: migration keeps fp32 logits; W8A8 after it is closer to fp32."""
+    from gsm_jax.quant import smoothquant
+
+    tok = smollm2.tokenizer
+    calib = np.array([tok.encode(wikitext_passages[0])[:64], tok.encode(wikitext_passages[1])[:64]])
+    sq = smoothquant(smollm2, calib, alpha=0.5, batch_size=2)
+    ids = [tok.encode(wikitext_passages[3])[:64]]
+    base = np.asarray(gsm_jax.forward(smollm2, ids), np.float64)
+    np.testing.assert_allclose(np.asarray(gsm_jax.forward(sq, ids)), base, rtol=0,
+                               atol=1e-4 * np.abs(base).max())
+
+    def kld(logits):
+        lp = base - np.logaddexp.reduce(base, -1, keepdims=True)
+        lq = logits - np.logaddexp.reduce(logits, -1, keepdims=True)
+        return float(np.mean(np.sum(np.exp(lp) * (lp - lq), -1)))
+
+    plain = kld(np.asarray(gsm_jax.forward(quantize(smollm2, "w8a8"), ids), np.float64))
+    migrated = kld(np.asarray(gsm_jax.forward(quantize(sq, "w8a8"), ids), np.float64))
+    assert migrated < plain
