@@ -43,9 +43,13 @@ ragged rows share one layout): the sliding window is a ring of the last
 min(sliding_window, max_len) K=V vectors; compressed layers add the compressed
 entries emitted so far and a ring of the raw kv/gate projections of the block
 still being compressed (for CSA also the previous block, whose first series
-the next entry needs). Writes happen before reads, and every write is keyed by
-the row's position, so inactive rows (which do not advance) never disturb
-anything a later real step at that position would not rewrite anyway.
+the next entry needs). Writes happen before reads; an inactive row's writes are
+masked, so it neither advances nor changes its state.
+
+Layers differ by type, so the entry points loop over them in Python (one traced
+body per layer; compile time grows with depth). Prefill attention materialises
+[B, H, T, T + entries] scores: fine for the prompt lengths used here, not for
+very long contexts.
 
 GSM sites: `attn_out` is the input of the grouped output projection (all heads,
 after the inverse rotation); `ffn_mid` is the shared expert's intermediate.
@@ -549,22 +553,34 @@ def pool_entries(kv: jax.Array, gate: jax.Array, norm: jax.Array, eps: float) ->
 # - "blocks" (every backend but TPU): assignments are sorted by expert and each
 #   expert's group is padded to a multiple of b rows; a loop over the *used* blocks
 #   (a dynamic trip count) runs one [b, D] x [D, 2I] and [b, I] x [I, D] product per
-#   block. Rows computed <= A + min(E, A) * (b - 1) <= 1.5 A (b is chosen so);
-#   weights read = used blocks * 3DI <= (A / b + min(E, A)) * 3DI. Decode
-#   (A = B*k small) takes b = 1: one mat-vec per assignment, each chosen expert's
-#   weights streamed once per assignment, which is what bounds decode on CPU.
-#   Sort + scatter are O(A log A) + O(A D); nothing scales with E but two
-#   length-E vectors.
+#   block. With G = min(E, A) groups at most:
+#     rows computed = sum_e ceil(n_e / b) * b <= A + G * (b - 1)
+#     weights read  = used blocks * 3DI      <= (A / b + G) * 3DI
+#   Prefill (many rows per expert: compute-bound) takes b <= A / (2G), so at most
+#   half the rows are padding. Decode (a few rows per expert: memory-bound) takes b
+#   ~ twice the mean group size (<= 16): padded rows cost nothing next to the
+#   weight traffic, and each chosen expert's weights are read about once per step
+#   (rows <= 5A). Sort + scatter are O(A log A) + O(A D); apart from two length-E
+#   vectors nothing scales with E.
 # - "ragged" (TPU): the sorted rows go through `jax.lax.ragged_dot`, which TPU
 #   lowers to a native grouped matmul. (Elsewhere jax lowers ragged_dot to a
 #   masked dense product over all E groups, so it is not used there.)
 # - "dense": every expert on every token, A*E/k work: the test reference only.
 
 
+def _pow2_floor(n: int) -> int:
+    return 1 << (max(n, 1).bit_length() - 1)
+
+
 def _block_rows(assignments: int, experts: int) -> int:
-    """Rows per block: pads at most half of the assignments, at most 128, 1 for decode."""
-    target = max(1, assignments // (2 * min(experts, assignments)))
-    return min(128, 1 << (target.bit_length() - 1))
+    """Rows per block (a power of two) for the cost model above."""
+    groups = min(experts, assignments)
+    mean = assignments / groups
+    if mean <= 1:  # one row per expert (batch 1): mat-vecs
+        return 1
+    if mean < 16:  # memory-bound: about one block per chosen expert
+        return min(16, 1 << math.ceil(math.log2(2 * mean)))
+    return min(128, _pow2_floor(assignments // (2 * groups)))
 
 
 def _sort_assignments(idx: jax.Array, w: jax.Array):
@@ -760,7 +776,13 @@ class Compressor(nn.Module):
 
 
 def topk_select(scores: jax.Array, visible: jax.Array, k: int) -> jax.Array:
-    """[..., n] bool: the (up to) k highest-scoring visible entries."""
+    """[..., n] bool: the (up to) k highest-scoring visible entries.
+
+    Exact ties (the indexer's ReLU makes exact zeros common when few entries score
+    positive) go to the lower index here; the reference's `torch.topk` leaves the
+    order of ties unspecified, so on a tie at the k-th place the two may attend to
+    different (equally scored) entries.
+    """
     n = scores.shape[-1]
     _, idx = jax.lax.top_k(jnp.where(visible, scores, -jnp.inf), min(k, n))
     picked = jnp.take_along_axis(visible, idx, axis=-1)
