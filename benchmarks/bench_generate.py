@@ -610,6 +610,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     firsts = {b: tokens["gsm_jax"][b][0] for b in batch_sizes}
     results["gsm_jax_row0_same_across_batch_sizes"] = len({tuple(v) for v in firsts.values()}) == 1
     results["wall_s"] = time.perf_counter() - t_run
+    # other processes on the machine: 1-minute load averages seen before, during and after
+    seen = [x for x in [(machine["load_average_1_5_15"] or [None])[0],
+                        (load_after or [None])[0]] if x is not None]
+    seen += [x for s_ in sides for b in batch_sizes for x in times[s_][b]["load_1m"]
+             if x is not None]
+    cores = machine["cpu_count"] or 1
+    results["contention"] = {
+        "max_load_1m": max(seen) if seen else None, "cores": cores,
+        "contended": bool(seen) and max(seen) > cores + 1,
+        "note": "this run alone keeps the 1-minute load average near the core count (one side "
+                "computes at a time, on every core); above cores + 1, other processes competed "
+                "for the CPU. torch's OpenMP threads slow down more than XLA's under "
+                "contention, so ratios measured then are not reliable",
+    }
 
     write_json(out_dir / "results.json", results)
     write_markdown(out_dir / "results.md", render_markdown(results))
@@ -648,6 +662,10 @@ def render_markdown(res: dict[str, Any]) -> str:
         f"{s['new_tokens']} new tokens · median of {s['repeats']} repeats · "
         f"torch threads {s['torch_threads']} · jax {m['versions'].get('jax')}, "
         f"torch {m['versions'].get('torch')}, transformers {m['versions'].get('transformers')}\n",
+        (f"\n**Warning: the 1-minute load average reached {res['contention']['max_load_1m']} "
+         f"on {res['contention']['cores']} cores during the run: other processes competed for "
+         "the CPU, so these numbers (and the ratios) are contention-affected.**\n\n"
+         if res.get("contention", {}).get("contended") else "\n"),
         markdown_table(
             ["side", "batch", "decode tok/s", "e2e tok/s", "TTFT ms",
              "ratio vs transformers (decode)", "target", "pass/fail"],
