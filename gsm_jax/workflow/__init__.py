@@ -12,9 +12,9 @@
     res.save("eval.json")
 
 The public names are ``gsm_jax.profile``, ``gsm_jax.calibrate`` and
-``gsm_jax.evaluate`` (the same functions). Inside this package they carry a
-``_model`` suffix because the plain names are the submodules
-(``gsm_jax.workflow.profile`` etc.). The command line is `gsm_jax.workflow.cli`:
+``gsm_jax.evaluate`` (the same functions, imported lazily by `gsm_jax`).
+Inside this package they carry a ``_model`` suffix because the plain names are
+the submodules (``gsm_jax.workflow.profile`` etc.). The command line is `gsm_jax.workflow.cli`:
 ``gsm-jax profile | calibrate | eval | report``.
 """
 

@@ -243,6 +243,7 @@ def calibrate(
     lambada_samples: int | None = 200,
     greedy_prompts: int = 8,
     greedy_tokens: int = 64,
+    greedy_prompt_len: int = 64,
     curves: bool = True,
     curve_strengths: Sequence[float] | None = None,
     backoff: bool = True,
@@ -286,12 +287,13 @@ def calibrate(
 
     ev = Evaluator(params, data=data, lambada=lambada, num_sequences=num_sequences,
                    seq_len=seq_len, batch_size=batch_size, lambada_samples=lambada_samples,
-                   greedy_prompts=greedy_prompts, greedy_tokens=greedy_tokens, progress=progress)
+                   greedy_prompts=greedy_prompts, greedy_tokens=greedy_tokens,
+                   greedy_prompt_len=greedy_prompt_len, progress=progress)
     seq_len_eff = int(ev.sequences.shape[1])
     has_task = ev.lambada_items is not None
     trials: list[Trial] = []
 
-    from tqdm.auto import tqdm
+    from tqdm import tqdm
 
     log = tqdm.write if progress else (lambda *_: None)
     log(f"[calibrate] {len(targets)} targeted (layer, site) pairs; strengths {grid}; windows "

@@ -60,7 +60,7 @@ REFERENCE_BYTES_LIMIT = 6 * 2**30
 
 
 def _progress_bar(iterable, *, desc: str, enabled: bool, total: int | None = None):
-    from tqdm.auto import tqdm
+    from tqdm import tqdm
 
     return tqdm(iterable, desc=desc, total=total, disable=not enabled, leave=False,
                 dynamic_ncols=True)
@@ -491,6 +491,7 @@ def evaluate(
     lambada_samples: int | None = None,
     greedy_prompts: int = 8,
     greedy_tokens: int = 64,
+    greedy_prompt_len: int = 64,
     parts: Sequence[str] = PARTS,
     progress: bool = True,
 ) -> EvalResult:
@@ -503,5 +504,6 @@ def evaluate(
     """
     ev = Evaluator(params, data=data, lambada=lambada, num_sequences=num_sequences,
                    seq_len=seq_len, batch_size=batch_size, lambada_samples=lambada_samples,
-                   greedy_prompts=greedy_prompts, greedy_tokens=greedy_tokens, progress=progress)
+                   greedy_prompts=greedy_prompts, greedy_tokens=greedy_tokens,
+                   greedy_prompt_len=greedy_prompt_len, progress=progress)
     return ev.evaluate(gsm, parts=parts, label="eval")

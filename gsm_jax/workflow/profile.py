@@ -477,7 +477,7 @@ def profile(
                                                       np.int32)])
             yield rows, lengths
 
-    from tqdm.auto import tqdm
+    from tqdm import tqdm
 
     nb = -(-n // batch_size)
     for rows, lengths in tqdm(batches(), total=nb, desc="profile", disable=not progress,

@@ -170,7 +170,7 @@ def measure_overhead(params: Any, configs: dict[str, GSMConfig | None], *, batch
             times[name]["prefill"].append(t1 - t0)
             times[name]["decode"].append((t3 - t2) / steps)
 
-    from tqdm.auto import tqdm
+    from tqdm import tqdm
 
     names = list(configs)
     for name in tqdm(names, desc="overhead: compile", disable=not progress, leave=False):
