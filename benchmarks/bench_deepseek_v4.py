@@ -20,6 +20,11 @@ interleaved (alternating order) so both see the same background load. Compile ti
 is excluded from the rates and reported separately. The greedy tokens of both
 sides are compared as a sanity check.
 
+`--threads 1` pins both sides to one thread (torch.set_num_threads(1); XLA without
+its intra-op thread pool). On an oversubscribed machine this is the fairer
+comparison: a multi-threaded torch op waits at a barrier whenever one of its
+threads is descheduled, and eager decoding issues thousands of small ops per token.
+
 Outputs in `--out`: results.json, results.md (a table), results.png.
 """
 
@@ -27,14 +32,30 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
-import numpy as np
+
+def _threads_arg() -> int | None:
+    """--threads, read before jax is imported (XLA reads its flags at start-up)."""
+    for i, a in enumerate(sys.argv):
+        if a == "--threads" and i + 1 < len(sys.argv):
+            return int(sys.argv[i + 1])
+        if a.startswith("--threads="):
+            return int(a.split("=", 1)[1])
+    return None
+
+
+if _threads_arg() == 1:
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen"
+                               "=false intra_op_parallelism_threads=1").strip()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
@@ -183,7 +204,13 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=None,
+                    help="threads per side (default: the libraries' defaults, all cores)")
     args = ap.parse_args()
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
 
     info = machine_info()
     print(f"building the {args.preset} model ...", flush=True)
@@ -236,6 +263,7 @@ def main() -> None:
     out = Path(args.out)
     data = {"benchmark": "deepseek_v4 prefill/decode, gsm_jax vs transformers", "machine": info,
             "load_average_end": load_average(), "preset": args.preset, "params": n_params,
+            "threads": args.threads, "xla_flags": os.environ.get("XLA_FLAGS", ""),
             "config": PRESETS[args.preset], "results": results}
     write_json(out / "results.json", data)
     table = markdown_table(
@@ -243,8 +271,9 @@ def main() -> None:
          "decode tok/s gsm_jax", "decode tok/s transformers", "decode x", "greedy rows equal",
          "first logits max rel diff"],
         rows)
+    threads = "default threads" if args.threads is None else f"{args.threads} thread(s) per side"
     text = (f"# DeepSeek-V4 ({args.preset}, {n_params / 1e6:.0f}M params, fp32), "
-            f"{args.prompt_tokens}-token prompts, {args.new_tokens} new tokens\n\n"
+            f"{args.prompt_tokens}-token prompts, {args.new_tokens} new tokens, {threads}\n\n"
             f"{info.get('cpu_model', '')} ({info.get('cpu_count', '')} CPUs), "
             f"load average at the end {load_average()}\n\n{table}")
     write_markdown(out / "results.md", text)
