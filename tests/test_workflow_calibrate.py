@@ -20,7 +20,9 @@ from gsm_jax.workflow.calibrate import (
 from gsm_jax.workflow.evaluate import evaluate
 from gsm_jax.workflow.metrics import Budget
 
-SIZES = dict(num_sequences=6, seq_len=24, batch_size=4, greedy_prompts=2, greedy_tokens=6)
+# the same tiny model config and shapes as the other workflow tests: compiled once per session
+SIZES = dict(num_sequences=6, seq_len=24, batch_size=4, greedy_prompts=2, greedy_prompt_len=8,
+             greedy_tokens=6)
 
 
 @pytest.fixture(scope="module")

@@ -17,27 +17,29 @@ from gsm_jax.params import ModelParams
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("cli")
-    cfg = llama.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
-                            num_heads=4, num_kv_heads=2, head_dim=8,
-                            max_position_embeddings=128)
+    # the same tiny model config and shapes as the other workflow tests
+    cfg = llama.LlamaConfig(vocab_size=96, hidden_size=48, intermediate_size=96, num_layers=3,
+                            num_heads=4, num_kv_heads=2, head_dim=12,
+                            max_position_embeddings=256)
     w = jax.tree.map(lambda a: a * 20 if a.ndim > 1 else a,
                      llama.init_weights(cfg, jax.random.key(5)))
     model = gsm_jax.save(ModelParams(w, cfg, None, "tiny-cli"), root / "model")
-    tokens = np.random.default_rng(0).integers(0, 64, (6, 16)).astype(np.int32)
+    tokens = np.random.default_rng(0).integers(0, 96, (8, 24)).astype(np.int32)
     np.save(root / "tokens.npy", tokens)
     return root, str(model), str(root / "tokens.npy")
 
 
-COMMON = ["--batch-size", "2", "--quiet"]
-SMALL = ["--lambada", "none", "--greedy-prompts", "1", "--greedy-tokens", "4"]
+COMMON = ["--batch-size", "4", "--quiet"]
+SMALL = ["--lambada", "none", "--greedy-prompts", "2", "--greedy-prompt-len", "8",
+         "--greedy-tokens", "6"]
 
 
 def test_profile_calibrate_eval(setup, capsys):
     root, model, data = setup
-    assert main(["profile", "--model", model, "--data", data, "--samples", "4",
-                 "--out", str(root / "prof"), *COMMON]) == 0
+    assert main(["profile", "--model", model, "--data", data, "--samples", "5",
+                 "--out", str(root / "prof"), "--batch-size", "2", "--quiet"]) == 0
     prof = json.loads((root / "prof" / "profile.json").read_text())
-    assert prof["calibration_samples"] == 4 and len(prof["stats"]) == 4
+    assert prof["calibration_samples"] == 5 and len(prof["stats"]) == 6
     assert (root / "prof" / "profile_heatmap.png").exists()
 
     assert main(["calibrate", "--model", model, "--profile", str(root / "prof/profile.json"),

@@ -13,6 +13,10 @@ from gsm_jax.params import ModelParams
 from gsm_jax.workflow import metrics
 from gsm_jax.workflow.evaluate import EvalResult, Evaluator, evaluate
 
+# the same tiny model config and shapes as the other workflow tests: compiled once per session
+GREEDY = dict(batch_size=4, greedy_prompts=2, greedy_prompt_len=8, greedy_tokens=6,
+              progress=False)
+
 
 @pytest.fixture(scope="module")
 def tiny():
@@ -27,12 +31,11 @@ def tiny():
 
 @pytest.fixture(scope="module")
 def tokens():
-    return np.random.default_rng(0).integers(0, 96, (6, 24)).astype(np.int32)
+    return np.random.default_rng(0).integers(0, 96, (8, 24)).astype(np.int32)
 
 
 def test_baseline_and_zero_strength_have_zero_cost(tiny, tokens):
-    ev = Evaluator(tiny, data=tokens, lambada=None, num_sequences=6, batch_size=4,
-                   greedy_prompts=2, greedy_prompt_len=8, greedy_tokens=6, progress=False)
+    ev = Evaluator(tiny, data=tokens, lambada=None, num_sequences=6, **GREEDY)
     base = ev.evaluate(None)
     assert base.quality["mean_kld"] == 0 and base.quality["ppl_ratio"] == 1.0
     r = ev.evaluate(gsm_jax.GSMConfig(target_layers="all", smooth_strength=0.0))
@@ -65,8 +68,7 @@ def test_quality_matches_direct_computation(tiny, tokens):
 
 def test_eval_result_round_trip(tiny, tokens, tmp_path):
     res = evaluate(tiny, {"target_layers": "all", "smooth_strength": 0.1}, data=tokens,
-                   lambada=None, num_sequences=4, batch_size=4, greedy_prompts=1,
-                   greedy_tokens=4, progress=False)
+                   lambada=None, num_sequences=4, **GREEDY)
     path = res.save(tmp_path / "out")
     assert path.name == "eval.json"
     back = EvalResult.load(path)
@@ -81,7 +83,7 @@ def test_bad_arguments(tiny, tokens):
     with pytest.raises(InvalidInputError, match="requested"):
         Evaluator(tiny, data=tokens, lambada=None, num_sequences=99)
     ev = Evaluator(tiny, data=tokens, lambada=None, num_sequences=2, greedy_prompts=0,
-                   progress=False)
+                   batch_size=4, progress=False)
     with pytest.raises(InvalidInputError, match="unknown evaluation part"):
         ev.evaluate(gsm_jax.GSMConfig(target_layers="all"), parts=("nope",))
 
@@ -104,7 +106,7 @@ def _direct_greedy_word(params, context_ids, target, gsm, n=12):
 
 def test_lambada_scoring_equals_direct_greedy(smollm2, shared_data_dir):
     ev = Evaluator(smollm2, data=np.zeros((1, 16), np.int32), num_sequences=1, batch_size=4,
-                   lambada=shared_data_dir / "lambada_dev.jsonl", lambada_samples=5,
+                   lambada=shared_data_dir / "lambada_dev.jsonl", lambada_samples=3,
                    greedy_prompts=0, progress=False)
     cfg = gsm_jax.GSMConfig(target_layers="all", smooth_strength=0.05)
     for gsm in (None, cfg):

@@ -101,9 +101,9 @@ def test_running_sigma_rule():
 
 @pytest.fixture(scope="module")
 def tiny():
-    cfg = llama.LlamaConfig(vocab_size=80, hidden_size=32, intermediate_size=64, num_layers=3,
-                            num_heads=4, num_kv_heads=2, head_dim=8,
-                            max_position_embeddings=128)
+    cfg = llama.LlamaConfig(vocab_size=96, hidden_size=48, intermediate_size=96, num_layers=3,
+                            num_heads=4, num_kv_heads=2, head_dim=12,
+                            max_position_embeddings=256)
     return ModelParams(llama.init_weights(cfg, jax.random.key(3)), cfg, None, "tiny-llama")
 
 
@@ -130,7 +130,7 @@ def _raw_sites(params, tokens, monkeypatch):
 
 
 def test_profile_of_model_equals_numpy(tiny, monkeypatch, tmp_path):
-    tokens = np.random.default_rng(2).integers(0, 80, (5, 12)).astype(np.int32)
+    tokens = np.random.default_rng(2).integers(0, 96, (5, 24)).astype(np.int32)
     # 5 sequences in batches of 2: the last batch has a padding row, which must not count
     p = prof.profile(tiny, data=tokens, calibration_samples=5, batch_size=2,
                      sigma_mode="two_pass", progress=False)
@@ -158,8 +158,8 @@ def test_profile_of_model_equals_numpy(tiny, monkeypatch, tmp_path):
 
 
 def test_profile_threshold_and_errors(tiny):
-    tokens = np.random.default_rng(4).integers(0, 80, (3, 10)).astype(np.int32)
-    p = prof.profile(tiny, data=tokens, calibration_samples=3, batch_size=4, threshold=-10.0,
+    tokens = np.random.default_rng(4).integers(0, 96, (3, 24)).astype(np.int32)
+    p = prof.profile(tiny, data=tokens, calibration_samples=3, batch_size=2, threshold=-10.0,
                      progress=False)
     assert len(p.high_kurtosis) == 6  # every pair has excess kurtosis >= -10
     with pytest.raises(InvalidInputError, match="requested"):

@@ -46,6 +46,7 @@ def _lambada_args(p: argparse.ArgumentParser, samples_default: int | None) -> No
                    help="first N LAMBADA examples (default: "
                         + ("all" if samples_default is None else str(samples_default)) + ")")
     p.add_argument("--greedy-prompts", type=int, default=8)
+    p.add_argument("--greedy-prompt-len", type=int, default=64)
     p.add_argument("--greedy-tokens", type=int, default=64)
 
 
@@ -169,6 +170,7 @@ def _run_calibrate(args: argparse.Namespace) -> int:
                         seq_len=args.seq_len, batch_size=args.batch_size,
                         lambada_samples=args.lambada_samples,
                         greedy_prompts=args.greedy_prompts, greedy_tokens=args.greedy_tokens,
+                        greedy_prompt_len=args.greedy_prompt_len,
                         curves=not args.no_curves, backoff=not args.no_backoff,
                         progress=not args.quiet)
     except BudgetNotMetError as e:
@@ -208,7 +210,7 @@ def _run_eval(args: argparse.Namespace) -> int:
                    num_sequences=args.sequences, seq_len=args.seq_len,
                    batch_size=args.batch_size, lambada_samples=args.lambada_samples,
                    greedy_prompts=args.greedy_prompts, greedy_tokens=args.greedy_tokens,
-                   progress=not args.quiet)
+                   greedy_prompt_len=args.greedy_prompt_len, progress=not args.quiet)
     print(res.summary())
     if args.out is not None:
         print(f"[gsm-jax] wrote {res.save(args.out)}")
