@@ -1111,14 +1111,23 @@ _FP32_LEAVES = {"fn", "base", "scale", "sinks", "position_bias", "norm", "q_a_no
                 "hc_head_scale", "final_norm"}
 
 
-def _cast_tree(tree: Any, dtype: Any) -> Any:
-    def cast(path, a):
-        name = path[-1].key if hasattr(path[-1], "key") else str(path[-1])
-        if name == "tid2eid":
-            return jnp.asarray(a, jnp.int32)
-        return jnp.asarray(a, jnp.float32 if name in _FP32_LEAVES else dtype)
+def _leaf_dtype(path, dtype: Any) -> Any:
+    name = path[-1].key if hasattr(path[-1], "key") else str(path[-1])
+    if name == "tid2eid":
+        return jnp.int32
+    return jnp.float32 if name in _FP32_LEAVES else dtype
 
-    return jax.tree_util.tree_map_with_path(cast, tree)
+
+def _cast_tree(tree: Any, dtype: Any) -> Any:
+    return jax.tree_util.tree_map_with_path(
+        lambda path, a: jnp.asarray(a, _leaf_dtype(path, dtype)), tree)
+
+
+def _param_shapes(cfg: DeepseekV4Config) -> dict:
+    shapes = jax.eval_shape(
+        lambda r: DeepseekV4(cfg).init(r, method=DeepseekV4.create_params)["params"],
+        jax.random.key(0))
+    return _split_layers(dict(shapes), cfg.num_layers)
 
 
 def _split_layers(params: dict, num_layers: int) -> dict:
@@ -1129,8 +1138,7 @@ def _split_layers(params: dict, num_layers: int) -> dict:
 
 def init_weights(cfg: DeepseekV4Config, rng: jax.Array, dtype: Any = jnp.float32) -> dict:
     """Random weights (tests, benchmarks): the same tree `weights_from_hf` produces."""
-    shapes = jax.eval_shape(
-        lambda r: DeepseekV4(cfg).init(r, method=DeepseekV4.create_params)["params"], rng)
+    shapes = _param_shapes(cfg)
     # Values are drawn with numpy by each parameter's role (the same distributions as
     # the initializers declared in setup): jit-compiling a hundred threefry
     # initializers costs ~15 s of CPU, numpy takes milliseconds.
@@ -1146,8 +1154,7 @@ def init_weights(cfg: DeepseekV4Config, rng: jax.Array, dtype: Any = jnp.float32
         std = 0.5 if name in _SMALL_INIT else 0.02
         return (std * gen.standard_normal(sds.shape)).astype(np.float32)
 
-    params = jax.tree_util.tree_map_with_path(draw, shapes)
-    return _cast_tree(_split_layers(dict(params), cfg.num_layers), dtype)
+    return _cast_tree(jax.tree_util.tree_map_with_path(draw, shapes), dtype)
 
 
 _SMALL_INIT = {"sinks", "position_bias", "base", "score_bias", "hc_head_base"}
@@ -1155,7 +1162,9 @@ _SMALL_INIT = {"sinks", "position_bias", "base", "score_bias", "hc_head_base"}
 
 def weight_shapes(cfg: DeepseekV4Config, dtype: Any = jnp.float32) -> dict:
     """The weight tree as ShapeDtypeStructs, without allocating (abstract-first init)."""
-    return jax.eval_shape(lambda: init_weights(cfg, jax.random.key(0), dtype))
+    return jax.tree_util.tree_map_with_path(
+        lambda path, s: jax.ShapeDtypeStruct(s.shape, _leaf_dtype(path, dtype)),
+        _param_shapes(cfg))
 
 
 # Checkpoint names `save_pretrained` writes (the upstream layout) -> the reference's

@@ -393,6 +393,9 @@ def test_init_weights_tree_matches_loader_tree():
     _, cfg, weights = _models("csa_heavy_hc4_sigmoid")
     rand = dv.init_weights(cfg, jax.random.key(0), jnp.bfloat16)
     assert jax.tree.structure(rand) == jax.tree.structure(weights)
+    abstract = dv.weight_shapes(cfg, jnp.bfloat16)
+    assert jax.tree.map(lambda a: (a.shape, a.dtype), abstract) == \
+        jax.tree.map(lambda a: (a.shape, a.dtype), rand)
     for path, a in jax.tree_util.tree_flatten_with_path(rand)[0]:
         name = path[-1].key
         b = weights
