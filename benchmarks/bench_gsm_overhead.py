@@ -168,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     write_markdown(args.out / "results.md",
                    f"# GSM overhead ({args.model}, precision {args.precision})\n\n"
                    f"Medians of {args.repeats} interleaved runs; load average before "
-                   f"{info_before.get('load_average')}.\n\n{table}\n\n{ktable}\n")
+                   f"{info_before.get('load_average_1_5_15')}, after "
+                   f"{data['machine_after'].get('load_average_1_5_15')}.\n\n{table}\n\n{ktable}\n")
     bar_chart(args.out / "results.png", [r[0] for r in rows],
               {"GSM off": [float(r[1]) for r in rows], "GSM on": [float(r[2]) for r in rows]},
               title="GSM step time (ms, lower is better)", ylabel="ms")
