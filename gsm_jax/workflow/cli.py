@@ -231,6 +231,8 @@ def _add_report(p: argparse.ArgumentParser) -> None:
                    help="default: ../shared/data/lambada_dev.jsonl; 'none' skips")
     p.add_argument("--smoke", action="store_true",
                    help="tiny sizes: check the pipeline in minutes (numbers meaningless)")
+    p.add_argument("--render-only", action="store_true",
+                   help="rewrite the markdown from <out>/data of an earlier run (no measuring)")
     for name, kind in (("profile_samples", int), ("profile_seq_len", int),
                        ("cal_sequences", int), ("cal_lambada", int), ("final_sequences", int),
                        ("final_lambada", int), ("seq_len", int), ("batch_size", int),
@@ -247,8 +249,11 @@ def _add_report(p: argparse.ArgumentParser) -> None:
 def _run_report(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from gsm_jax.workflow.report import ReportSizes, run_report
+    from gsm_jax.workflow.report import ReportSizes, render_report, run_report
 
+    if args.render_only:
+        print(f"[gsm-jax] wrote {render_report(args.out)}")
+        return 0
     sizes = ReportSizes.smoke() if args.smoke else ReportSizes()
     changes = {f.name: getattr(args, f.name) for f in dataclasses.fields(sizes)
                if getattr(args, f.name, None) is not None}

