@@ -10,7 +10,6 @@ import pytest
 
 import gsm_jax
 from gsm_jax.errors import InvalidInputError
-from gsm_jax.models import linear as lin
 from gsm_jax.models.linear import (
     QuantizedActivation,
     QuantizedWeight,
@@ -139,8 +138,7 @@ def test_w8a8_linear_equals_product_of_dequantized_operands():
 
 @pytest.mark.parametrize("rows", [1, 3, 16])
 def test_w8a16_linear_equals_float_product_of_dequantized_weight(rows):
-    """Weight-only: activations stay float; both CPU paths (bf16 split for decode-sized
-    products, dequantized dot otherwise) give the f32 product with the dequantized weight."""
+    """Weight-only: activations stay float; the f32 product with the dequantized weight."""
     rng = np.random.default_rng(5)
     x = jnp.asarray(_spiky(rng, (rows, 96)))
     w = jnp.asarray(_spiky(rng, (96, 40), 0.05))
@@ -154,14 +152,6 @@ def test_w8a16_linear_equals_float_product_of_dequantized_weight(rows):
     bound = np.abs(np.asarray(x, np.float64)).sum(-1, keepdims=True) * np.asarray(ws) / 2
     assert np.all(np.abs(y - np.asarray(x, np.float64) @ np.asarray(w, np.float64))
                   <= bound * (1 + 1e-5) + 1e-6)
-
-
-def test_split_bf16_is_exact():
-    x = jnp.asarray(np.random.default_rng(6).standard_normal(4096) * 1e3, jnp.float32)
-    pieces = lin._split_bf16(x, 3)
-    total = (pieces[2].astype(jnp.float32) + pieces[1].astype(jnp.float32)) + pieces[0].astype(
-        jnp.float32)
-    np.testing.assert_array_equal(np.asarray(total), np.asarray(x))
 
 
 def test_linear_refuses_int8_activation_for_float_weight():
@@ -404,3 +394,15 @@ def test_smoothquant_on_smollm2_is_exact_in_float_and_helps_w8a8(smollm2, wikite
     plain = kld(np.asarray(gsm_jax.forward(quantize(smollm2, "w8a8"), ids), np.float64))
     migrated = kld(np.asarray(gsm_jax.forward(quantize(sq, "w8a8"), ids), np.float64))
     assert migrated < plain
+
+
+def test_w8a8_single_row_equals_batched_rows():
+    """The CPU one-row form (two identical rows) gives the same integers as a batch."""
+    rng = np.random.default_rng(18)
+    x = jnp.asarray(_spiky(rng, (5, 96)))
+    wq, ws = quantize_weight(jnp.asarray(_spiky(rng, (96, 40), 0.05)))
+    qw = QuantizedWeight(wq, ws, "w8a8")
+    batched = np.asarray(linear(x, qw))
+    for i in range(5):
+        np.testing.assert_array_equal(np.asarray(linear(x[i:i + 1], qw)), batched[i:i + 1])
+        np.testing.assert_array_equal(np.asarray(linear(x[i], qw)), batched[i])
