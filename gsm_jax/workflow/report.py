@@ -546,7 +546,12 @@ def _markdown(*, out: Path, model: dict, machine: dict, prof: Profile, cal: Cali
                   f"{cq['mean_kld']:.4f}, same top-1 {cq['same_top1_pct']:.2f}%, perplexity "
                   f"×{cq['ppl_ratio']:.4f}"
                   + (f", LAMBADA {cl['accuracy_pct']:.2f}% vs {cl['accuracy_base_pct']:.2f}% "
-                     f"({cl['n_examples']} examples)" if cl else "") + ".")
+                     f"({cl['n_examples']} examples)" if cl else "") + "; "
+                  + ("within the budget on these larger sets too."
+                     if not budget.violations(cq, cl) else
+                     "on these larger sets it is outside the budget ("
+                     + "; ".join(budget.violations(cq, cl)) + "): the search set was small "
+                     "and the margin is thin."))
         f32 = final.get("chosen, precision f32")
         if f32 is not None:
             k32 = f32["quality"]["mean_kld"]
