@@ -1,0 +1,397 @@
+"""Quality of INT8 variants against the fp32 model: GSM_SPEC.md section 7, question 3.
+
+"Does GSM lower the quality loss of INT8 W8A8 ('quantize, then smooth'), compared
+with W8A8 alone and with channel-axis SmoothQuant?" Every variant is compared with
+the *fp32* model on the same tokens (the workflow's evaluator compares a GSM config
+with the same params without GSM; here the reference is another model):
+
+- `ReferenceKLD`: the fp32 log-probabilities of a token set, kept on the device;
+  `(params, gsm)` -> mean KLD / same-top-1 against them (for the searches);
+- `search_smoothquant_alphas`: SmoothQuant's alpha per linear kind (qkv, o,
+  gate_up, down) by coordinate descent on a calibration set;
+- `calibrate_gsm_vs_reference`: the GSM config that minimises the quantized model's
+  KLD against fp32 on the calibration set: screen every (layer, site) pair alone,
+  combine the helpful ones greedily, then sweep strength and window. When no pair
+  helps, the answer is "smooth nothing" (`None`), and the table says so;
+- `quality_table`: the table (mean KLD, same-top-1, perplexity, LAMBADA accuracy)
+  for the variants, on evaluation sets disjoint from the calibration set.
+
+Metrics are `gsm_jax.workflow.metrics` (KLD direction KL(fp32 || variant), llama.cpp's).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from gsm_jax.config import GSMConfig
+from gsm_jax.families import family_module
+from gsm_jax.gsm_runtime import gsm_inputs_for_batch
+from gsm_jax.models.gsm_sites import SITES
+from gsm_jax.params import ModelParams
+from gsm_jax.quant import (
+    SMOOTHQUANT_LINEARS,
+    apply_smoothquant,
+    quantize,
+    smoothquant_scales,
+)
+from gsm_jax.workflow import metrics
+
+ALPHA_GRID = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+STRENGTH_GRID = (0.02, 0.05, 0.1, 0.2, 0.3)
+WINDOW_GRID = (4, 8, 16)
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def _logprobs(weights, tokens, gsm, *, config):
+    lengths = jnp.full((tokens.shape[0],), tokens.shape[1], jnp.int32)
+    logits = family_module(config.family).forward(weights, config, tokens, lengths, gsm)
+    return jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def _stats(weights, tokens, gsm, base_lp, *, config):
+    lengths = jnp.full((tokens.shape[0],), tokens.shape[1], jnp.int32)
+    logits = family_module(config.family).forward(weights, config, tokens, lengths, gsm)
+    return metrics.token_stats(base_lp, logits, jnp.roll(tokens, -1, axis=1))
+
+
+def _gsm_inputs(cfg: GSMConfig | None, num_layers: int, batch: int, seq_len: int):
+    return None if cfg is None else gsm_inputs_for_batch(cfg, num_layers, batch,
+                                                         [seq_len] * batch)
+
+
+class ReferenceKLD:
+    """fp32 reference log-probs of `tokens` [N, T] (kept), compared with any variant."""
+
+    def __init__(self, ref: ModelParams, tokens: np.ndarray, batch_size: int = 4) -> None:
+        self.ref = ref
+        self.tokens = np.asarray(tokens, np.int32)
+        self.batch_size = batch_size
+        self.batches = [self.tokens[i: i + batch_size]
+                        for i in range(0, len(self.tokens), batch_size)]
+        self.base = [_logprobs(ref.weights, jnp.asarray(b), None, config=ref.config)
+                     for b in self.batches]
+        self.evaluations = 0
+
+    def stats(self, params: ModelParams, gsm: GSMConfig | None = None) -> dict[str, np.ndarray]:
+        acc: dict[str, list[np.ndarray]] = {}
+        for rows, lp in zip(self.batches, self.base, strict=True):
+            g = _gsm_inputs(gsm, params.config.num_layers, rows.shape[0], rows.shape[1])
+            st = _stats(params.weights, jnp.asarray(rows), g, lp, config=params.config)
+            for k, v in st.items():
+                acc.setdefault(k, []).append(np.asarray(v)[:, :-1])
+        self.evaluations += 1
+        return {k: np.concatenate(v) for k, v in acc.items()}
+
+    def __call__(self, params: ModelParams, gsm: GSMConfig | None = None) -> float:
+        """Mean KLD(fp32 || variant) over every token with a next token."""
+        return float(np.mean(self.stats(params, gsm)["kld"]))
+
+
+# ----------------------------------------------------------------------------- SmoothQuant
+
+
+def search_smoothquant_alphas(ref: ModelParams, act_absmax: dict, kld: ReferenceKLD, *,
+                              start: float = 0.5, grid: Sequence[float] = ALPHA_GRID,
+                              hadamard_down: int = 0, log: Callable[[str], None] = print
+                              ) -> tuple[dict[str, float], list[dict]]:
+    """Coordinate descent of alpha per linear kind (down first: it carries the outliers),
+    minimising the W8A8 model's KLD against fp32 on the calibration tokens."""
+    def build(alphas):
+        scales = {}
+        for name in SMOOTHQUANT_LINEARS:
+            s = smoothquant_scales(ref, act_absmax, alphas[name])
+            scales[name] = s[name]
+            if name == "o":
+                scales["v"] = s["v"]
+        return quantize(apply_smoothquant(ref, scales), "w8a8", hadamard_down=hadamard_down)
+
+    alphas = {name: start for name in SMOOTHQUANT_LINEARS}
+    best = kld(build(alphas))
+    trials = [{"alphas": dict(alphas), "kld": best}]
+    log(f"  SmoothQuant alpha {start} everywhere: calibration KLD {best:.5f}")
+    for name in ("down", "qkv", "gate_up", "o"):
+        for a in grid:
+            if a == alphas[name]:
+                continue
+            trial = {**alphas, name: a}
+            k = kld(build(trial))
+            trials.append({"alphas": dict(trial), "kld": k})
+            if k < best:
+                best, alphas = k, trial
+        log(f"  alpha[{name}] = {alphas[name]} (calibration KLD {best:.5f})")
+    return alphas, trials
+
+
+def smoothquant_params(ref: ModelParams, act_absmax: dict, alphas: dict[str, float]
+                       ) -> ModelParams:
+    """Float params migrated with one alpha per linear kind."""
+    scales = {}
+    for name in SMOOTHQUANT_LINEARS:
+        s = smoothquant_scales(ref, act_absmax, alphas[name])
+        scales[name] = s[name]
+        if name == "o":
+            scales["v"] = s["v"]
+    out = apply_smoothquant(ref, scales)
+    return dataclasses.replace(out, extra={**dict(ref.extra),
+                                           "smoothquant_alphas": tuple(sorted(alphas.items()))})
+
+
+# ----------------------------------------------------------------------------- GSM
+
+
+def _config(pairs: Sequence[tuple[int, str]], base: GSMConfig, **kw) -> GSMConfig:
+    target: dict[int, list[str]] = {}
+    for layer, site in pairs:
+        target.setdefault(int(layer), []).append(site)
+    return GSMConfig(**{**base.to_dict(), "target_layers": target, **kw})
+
+
+def calibrate_gsm_vs_reference(params: ModelParams, kld: ReferenceKLD, *,
+                               base: GSMConfig | None = None, screen_strength: float = 0.1,
+                               strengths: Sequence[float] = STRENGTH_GRID,
+                               windows: Sequence[int] = WINDOW_GRID, max_candidates: int = 12,
+                               screen_kld: ReferenceKLD | None = None,
+                               log: Callable[[str], None] = print) -> dict[str, Any]:
+    """The GSM config minimising `params`' KLD against the reference (see module doc).
+
+    `screen_kld` (a smaller token set) is used for the per-pair screening, `kld` for
+    every decision after it. Returns {"config": GSMConfig | None, "kld": ..., "log": [...]}.
+    """
+    base = base or GSMConfig(window_size=8, smooth_strength=screen_strength)
+    screen = screen_kld or kld
+    t0 = time.perf_counter()
+    n_layers = params.config.num_layers
+    none_screen = screen(params)
+    none = kld(params)
+    history: list[dict] = [{"step": "no GSM", "kld": none}]
+    log(f"  GSM calibration: without GSM KLD {none:.5f} (screen set {none_screen:.5f})")
+    scored = []
+    for layer in range(n_layers):
+        for site in SITES:
+            cfg = _config([(layer, site)], base, smooth_strength=screen_strength)
+            k = screen(params, cfg)
+            scored.append((k - none_screen, layer, site))
+            history.append({"step": "screen", "layer": layer, "site": site,
+                            "strength": screen_strength, "kld": k})
+    scored.sort()
+    helpful = [(layer, site) for d, layer, site in scored if d < 0][:max_candidates]
+    log(f"  screened {len(scored)} (layer, site) pairs at strength {screen_strength}: "
+        f"{sum(d < 0 for d, *_ in scored)} lower the KLD; best single "
+        f"{scored[0][1]}/{scored[0][2]} by {-scored[0][0]:.5f}")
+    chosen: list[tuple[int, str]] = []
+    best = none
+    for pair in helpful:
+        k = kld(params, _config([*chosen, pair], base, smooth_strength=screen_strength))
+        history.append({"step": "combine", "pairs": [*chosen, pair], "kld": k})
+        if k < best:
+            best, chosen = k, [*chosen, pair]
+    if not chosen:
+        log("  no (layer, site) pair lowers the KLD: the calibrated config smooths nothing")
+        return {"config": None, "kld": none, "kld_without_gsm": none, "history": history,
+                "seconds": time.perf_counter() - t0}
+    strength, window = screen_strength, int(base.window_size)
+    for s in strengths:
+        if s == strength:
+            continue
+        k = kld(params, _config(chosen, base, smooth_strength=s, window_size=window))
+        history.append({"step": "strength", "strength": s, "kld": k})
+        if k < best:
+            best, strength = k, s
+    for w in windows:
+        if w == window:
+            continue
+        k = kld(params, _config(chosen, base, smooth_strength=strength, window_size=w))
+        history.append({"step": "window", "window": w, "kld": k})
+        if k < best:
+            best, window = k, w
+    cfg = _config(chosen, base, smooth_strength=strength, window_size=window)
+    log(f"  calibrated GSM: {len(chosen)} pairs, strength {strength}, window {window}: "
+        f"KLD {best:.5f} (without GSM {none:.5f})")
+    return {"config": cfg, "kld": best, "kld_without_gsm": none, "history": history,
+            "seconds": time.perf_counter() - t0}
+
+
+# ----------------------------------------------------------------------------- table
+
+
+@dataclasses.dataclass
+class Variant:
+    name: str
+    params: ModelParams
+    gsm: GSMConfig | None = None
+    note: str = ""
+
+
+def lambada_accuracy(params: ModelParams, gsm_list: Sequence[GSMConfig | None], *,
+                     path: Any = None, samples: int | None = None,
+                     batch_size: int = 8) -> list[float]:
+    """LAMBADA last-word accuracy (%) of `params` under each GSM config of `gsm_list`
+    (None = without GSM), scored by the workflow's evaluator (its rule, its data)."""
+    from gsm_jax.workflow.evaluate import DEFAULT, Evaluator
+
+    ev = Evaluator(params, data=np.zeros((1, 3), np.int32), lambada=path or DEFAULT,
+                   num_sequences=1, seq_len=3, batch_size=batch_size, lambada_samples=samples,
+                   greedy_prompts=0, progress=False)
+    out = []
+    for cfg in gsm_list:
+        if cfg is None:
+            out.append(ev.baseline().lambada["accuracy_pct"])
+        else:
+            out.append(ev.evaluate(cfg, parts=("lambada",)).lambada["accuracy_pct"])
+    return out
+
+
+def quality_table(ref: ModelParams, variants: Sequence[Variant], tokens: np.ndarray, *,
+                  batch_size: int = 4, lambada: Any = None, lambada_samples: int | None = 500,
+                  log: Callable[[str], None] = print) -> list[dict[str, Any]]:
+    """Per variant: quality against `ref` on `tokens` [N, T] (mean KLD and its standard
+    error, p99 KLD, same-top-1 %, perplexity and its ratio to fp32) and LAMBADA accuracy
+    (None skips it). Streams batch by batch: the fp32 log-probs of a batch are computed
+    once and compared with every variant."""
+    tokens = np.asarray(tokens, np.int32)
+    acc: dict[str, dict[str, list[np.ndarray]]] = {v.name: {} for v in variants}
+    t0 = time.perf_counter()
+    for i in range(0, len(tokens), batch_size):
+        rows = jnp.asarray(tokens[i: i + batch_size])
+        base_lp = _logprobs(ref.weights, rows, None, config=ref.config)
+        for v in variants:
+            g = _gsm_inputs(v.gsm, v.params.config.num_layers, rows.shape[0], rows.shape[1])
+            st = _stats(v.params.weights, rows, g, base_lp, config=v.params.config)
+            for k, a in st.items():
+                acc[v.name].setdefault(k, []).append(np.asarray(a)[:, :-1])
+        log(f"  quality: {min(i + batch_size, len(tokens))}/{len(tokens)} sequences "
+            f"({time.perf_counter() - t0:.0f} s)")
+    rows_out = []
+    for v in variants:
+        q = metrics.summarize_quality({k: np.concatenate(a) for k, a in acc[v.name].items()})
+        rows_out.append({"variant": v.name, "note": v.note, "quality": q,
+                         "gsm": None if v.gsm is None else v.gsm.to_dict(),
+                         "lambada_accuracy_pct": None})
+    if lambada is not False and lambada_samples != 0:
+        by_params: dict[int, list[int]] = {}
+        for j, v in enumerate(variants):
+            by_params.setdefault(id(v.params), []).append(j)
+        for idx in by_params.values():
+            t1 = time.perf_counter()
+            accs = lambada_accuracy(variants[idx[0]].params, [variants[j].gsm for j in idx],
+                                    path=lambada, samples=lambada_samples)
+            for j, a in zip(idx, accs, strict=True):
+                rows_out[j]["lambada_accuracy_pct"] = a
+            log(f"  LAMBADA {', '.join(variants[j].name for j in idx)}: "
+                f"{', '.join(f'{a:.1f}%' for a in accs)} ({time.perf_counter() - t1:.0f} s)")
+    return rows_out
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def _fmt(v: Any, digits: int = 2) -> str:
+    if v is None or (isinstance(v, float) and v != v):
+        return "—"
+    return f"{v:.{digits}f}" if isinstance(v, float) else str(v)
+
+
+def report_section(quality: dict | None, speed: dict | None) -> str:
+    """Markdown for the evidence report's section 7, question 3, from the JSON written by
+    `benchmarks/quant_quality.py` (``quality``) and `benchmarks/bench_quant.py`
+    (``speed``); either may be None (its part then says it was not run)."""
+    out = ["### Question 3: does GSM lower the W8A8 quality loss? And what is INT8 worth?\n"]
+    if quality is None:
+        out.append("_Quality table not run (`python benchmarks/quant_quality.py`)._\n")
+    else:
+        cfg = quality.get("config", {})
+        rows = []
+        for r in quality["table"]:
+            q = r["quality"]
+            rows.append(f"| {r['variant']} | {_fmt(q['mean_kld'], 5)} ± "
+                        f"{_fmt(q['mean_kld_stderr'], 5)} | {_fmt(q['same_top1_pct'])} | "
+                        f"{_fmt(q['ppl'], 3)} ({_fmt(q['ppl_ratio'], 4)}×) | "
+                        f"{_fmt(r.get('lambada_accuracy_pct'), 1)} | {r.get('note', '')} |")
+        data = quality.get("data", {})
+        out.append(
+            f"Quality against fp32 on the same tokens ({data.get('evaluation', '')}; "
+            f"LAMBADA: {data.get('lambada', '')}). KLD is KL(fp32 ‖ variant), mean ± standard "
+            "error over tokens; calibration data (SmoothQuant statistics and alphas, GSM) "
+            f"is disjoint: {data.get('calibration', '')}.\n")
+        out.append("| variant | mean KLD vs fp32 | same top-1 % | perplexity (× fp32) | "
+                   "LAMBADA acc % | configuration |\n|---|---|---|---|---|---|\n"
+                   + "\n".join(rows) + "\n")
+        by = {r["variant"]: r["quality"]["mean_kld"] for r in quality["table"]}
+        w8a8 = by.get("w8a8")
+        gsm = next((v for k, v in by.items() if k.startswith("w8a8+GSM")), None)
+        sq = by.get("w8a8+SmoothQuant")
+        sq_gsm = next((v for k, v in by.items() if k.startswith("w8a8+SmoothQuant+GSM")), None)
+        best_name = min((k for k in by if k != "fp32"), key=lambda k: by[k], default=None)
+        lines = []
+        if w8a8 is not None and gsm is not None:
+            lines.append(f"GSM (calibrated against fp32) takes W8A8 from {w8a8:.5f} to "
+                         f"{gsm:.5f} mean KLD ({(gsm / w8a8 - 1) * 100:+.1f}%).")
+        if w8a8 is not None and sq is not None:
+            lines.append(f"SmoothQuant takes it to {sq:.5f} ({(sq / w8a8 - 1) * 100:+.1f}%).")
+        if sq is not None and sq_gsm is not None:
+            lines.append(f"GSM on top of SmoothQuant: {sq_gsm:.5f} "
+                         f"({(sq_gsm / sq - 1) * 100:+.1f}% against SmoothQuant alone).")
+        if best_name is not None:
+            verdict = "meets" if by[best_name] <= 0.01 else "misses"
+            lines.append(f"Best INT8 variant: {best_name} ({by[best_name]:.5f}), which "
+                         f"{verdict} the 0.01 mean-KLD target.")
+        for name, run in quality.get("gsm_calibration", {}).items():
+            hist = run.get("history", [])
+            screened = [h for h in hist if h.get("step") == "screen"]
+            helped = [h for h in screened if h["kld"] < run.get("kld_without_gsm", 0)]
+            lines.append(f"GSM calibration on {name}: {len(screened)} (layer, site) pairs "
+                         f"screened alone, {len(helped)} lowered the calibration KLD (on the "
+                         "screening set); "
+                         + ("none survived combination, so the calibrated config smooths "
+                            "nothing." if run.get("config") is None else
+                            f"calibration KLD {run['kld_without_gsm']:.5f} -> "
+                            f"{run['kld']:.5f}."))
+        out.append(" ".join(lines) + "\n")
+        if cfg:
+            out.append(f"_Command: `python benchmarks/quant_quality.py --eval-sequences "
+                       f"{cfg.get('eval_sequences')} --lambada-samples "
+                       f"{cfg.get('lambada_samples')}`._\n")
+    if speed is None:
+        out.append("_Speed table not run (`python benchmarks/bench_quant.py`)._\n")
+        return "\n".join(out)
+    res = speed["results"]
+    names = speed["config"]["variants"]
+    header = "| case | " + " | ".join(names) + " |\n|---|" + "---|" * len(names)
+    body = []
+    for case, entry in res.items():
+        cells = []
+        for n in names:
+            e = entry.get(n, {})
+            cells.append(f"{_fmt(e.get('tokens_per_s'), 1)} "
+                         f"({_fmt(e.get('ratio_vs_fp32_median'))}×, min "
+                         f"{_fmt(e.get('ratio_vs_fp32_min'))}×)")
+        body.append(f"| {case} | " + " | ".join(cells) + " |")
+    loads = speed.get("load_average", {})
+    m = speed.get("machine_before", {})
+    out.append(f"Speed in one run, variants interleaved (tokens/s at the median step; in "
+               f"brackets the ratio to fp32 from medians and from minimums). "
+               f"{m.get('cpu_count')} CPUs ({m.get('cpu_model')}), load average at the start "
+               f"{loads.get('start')}: the machine was shared, so medians carry noise and "
+               "the minimums are the least disturbed samples.\n")
+    out.append(header + "\n" + "\n".join(body) + "\n")
+    explain = speed["config"].get("explain", {})
+    out.append("\n".join(f"- **{k}**: {v}" for k, v in explain.items()) + "\n")
+    prof = {case: {n: e.get("profile_ms") for n, e in entry.items() if e.get("profile_ms")}
+            for case, entry in res.items()}
+    if any(prof.values()):
+        cats = sorted({c for e in prof.values() for v in e.values() for c in v})
+        rows = [f"| {case} | {n} | " + " | ".join(_fmt(v.get(c), 1) for c in cats) + " |"
+                for case, e in prof.items() for n, v in e.items()]
+        out.append("Where the time goes (ms per call summed over threads, one traced pass; "
+                   "approximate):\n\n| case | variant | " + " | ".join(cats) + " |\n|---|---|"
+                   + "---|" * len(cats) + "\n" + "\n".join(rows) + "\n")
+    return "\n".join(out)
