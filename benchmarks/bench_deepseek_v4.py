@@ -2,9 +2,10 @@
 
     python benchmarks/bench_deepseek_v4.py --out runs/bench_deepseek_v4
 
-One process, one random mid-size configuration (default ~200M parameters: 8 layers
-mixing sliding / CSA / HCA attention, 8 routed experts top-2, 2 hash-routed layers,
-hc_mult 4), fp32 on both sides, the *same* weights (transformers' state dict
+One process, one random mid-size configuration (`--preset mid`: ~200M parameters, 8
+layers mixing sliding / CSA / HCA attention, 8 routed experts top-2, 2 hash-routed
+layers, hc_mult 4; `--preset mid32`: ~290M in V4's proportions, 12 layers, 32 experts
+top-4), fp32 on both sides, the *same* weights (transformers' state dict
 converted by `weights_from_hf`). For each batch size (default 1 and 8), prompts of
 exactly `--prompt-tokens` tokens (no padding), then `--new-tokens` greedy tokens:
 
@@ -82,6 +83,25 @@ PRESETS = {
                      "compressed_sparse_attention", "sliding_attention",
                      "compressed_sparse_attention", "heavily_compressed_attention"],
         mlp_layer_types=["hash_moe", "hash_moe"] + ["moe"] * 6,
+        rope_parameters={"rope_type": "yarn", "factor": 4.0,
+                         "original_max_position_embeddings": 1024},
+        max_position_embeddings=4096,
+    ),
+    # V4's proportions at ~290M parameters (~60M active): many small experts, top-4,
+    # 3 hash-routed layers, 12 layers of CSA / HCA with two sliding ones
+    "mid32": dict(
+        vocab_size=32000, hidden_size=512, moe_intermediate_size=384, num_attention_heads=8,
+        head_dim=128, q_lora_rank=256, o_groups=4, o_lora_rank=256, partial_rotary_factor=0.5,
+        n_routed_experts=32, num_experts_per_tok=4, hc_mult=4, sliding_window=128,
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 32},
+        index_n_heads=16, index_head_dim=64, index_topk=16,
+        layer_types=["heavily_compressed_attention", "heavily_compressed_attention",
+                     "compressed_sparse_attention", "heavily_compressed_attention",
+                     "sliding_attention", "heavily_compressed_attention",
+                     "compressed_sparse_attention", "heavily_compressed_attention",
+                     "compressed_sparse_attention", "sliding_attention",
+                     "compressed_sparse_attention", "heavily_compressed_attention"],
+        mlp_layer_types=["hash_moe"] * 3 + ["moe"] * 9,
         rope_parameters={"rope_type": "yarn", "factor": 4.0,
                          "original_max_position_embeddings": 1024},
         max_position_embeddings=4096,
