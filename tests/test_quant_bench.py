@@ -1,0 +1,74 @@
+"""Smoke tests of the INT8 benchmark script and the report section, on a tiny saved model."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import jax
+import pytest
+
+import gsm_jax
+from gsm_jax.models import llama
+from gsm_jax.params import ModelParams
+from gsm_jax.quant_quality import report_section
+
+BENCH_DIR = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    cfg = llama.LlamaConfig(vocab_size=96, hidden_size=48, intermediate_size=64, num_layers=2,
+                            num_heads=4, num_kv_heads=2, head_dim=12,
+                            max_position_embeddings=512, eos_token_ids=(3,))
+    params = ModelParams(llama.init_weights(cfg, jax.random.key(0)), cfg, None, "tiny")
+    return gsm_jax.save(params, tmp_path_factory.mktemp("tiny") / "model")
+
+
+def test_bench_quant_smoke(tiny_path, tmp_path):
+    sys.path.insert(0, str(BENCH_DIR))
+    try:
+        import bench_quant
+    finally:
+        sys.path.remove(str(BENCH_DIR))
+    out = tmp_path / "bq"
+    assert bench_quant.main(["--model", str(tiny_path), "--out", str(out), "--repeats", "2",
+                             "--prefill-repeats", "1", "--prefill-len", "16", "--context", "8",
+                             "--batches", "1,2", "--profile"]) == 0
+    data = json.loads((out / "results.json").read_text())
+    assert set(data["config"]["variants"]) == set(bench_quant.VARIANTS)
+    for case in ("decode, batch 1", "decode, batch 2", "prefill 16 tokens, batch 1"):
+        entry = data["results"][case]
+        assert entry["fp32"]["ratio_vs_fp32_median"] == pytest.approx(1.0)
+        assert entry["w8a8"]["tokens_per_s"] > 0
+    assert (out / "results.png").stat().st_size > 0
+    md = (out / "results.md").read_text()
+    assert "Which change made each difference" in md and "load average" in md.lower()
+    assert bench_quant.main(["--out", str(out), "--render-only"]) == 0
+    text = report_section(None, data)
+    assert "w8a16" in text and "Quality table not run" in text
+
+
+def test_report_section_from_quality_json():
+    q = {"config": {"eval_sequences": 2, "lambada_samples": 5},
+         "data": {"evaluation": "e", "calibration": "c", "lambada": "l"},
+         "table": [
+             {"variant": "fp32", "quality": {"mean_kld": 0.0, "mean_kld_stderr": 0.0,
+                                             "same_top1_pct": 100.0, "ppl": 10.0,
+                                             "ppl_ratio": 1.0}, "lambada_accuracy_pct": 40.0},
+             {"variant": "w8a8", "quality": {"mean_kld": 0.04, "mean_kld_stderr": 0.001,
+                                             "same_top1_pct": 88.0, "ppl": 10.5,
+                                             "ppl_ratio": 1.05}, "lambada_accuracy_pct": 38.0},
+             {"variant": "w8a8+GSM (calibrated)",
+              "quality": {"mean_kld": 0.04, "mean_kld_stderr": 0.001, "same_top1_pct": 88.0,
+                          "ppl": 10.5, "ppl_ratio": 1.05}, "lambada_accuracy_pct": 38.0},
+             {"variant": "w8a8+SmoothQuant",
+              "quality": {"mean_kld": 0.008, "mean_kld_stderr": 0.001, "same_top1_pct": 95.0,
+                          "ppl": 10.1, "ppl_ratio": 1.01}, "lambada_accuracy_pct": 39.0}],
+         "gsm_calibration": {"w8a8": {"config": None, "kld": 0.04, "kld_without_gsm": 0.04,
+                                      "history": [{"step": "screen", "kld": 0.05}]}}}
+    text = report_section(q, None)
+    assert "| w8a8+SmoothQuant | 0.00800" in text
+    assert "meets the 0.01 mean-KLD target" in text
+    assert "smooths nothing" in text and "Speed table not run" in text
