@@ -11,8 +11,10 @@ with the same params without GSM; here the reference is another model):
   gate_up, down) by coordinate descent on a calibration set;
 - `calibrate_gsm_vs_reference`: the GSM config that minimises the quantized model's
   KLD against fp32 on the calibration set: screen every (layer, site) pair alone,
-  combine the helpful ones greedily, then sweep strength and window. When no pair
-  helps, the answer is "smooth nothing" (`None`), and the table says so;
+  combine the helpful ones greedily, then sweep strength and window (when no single
+  pair survives, the screen-helpful pairs together and all pairs are tried at every
+  strength of the grid first). When nothing helps, the answer is "smooth nothing"
+  (`None`), and the table says so;
 - `quality_table`: the table (mean KLD, same-top-1, perplexity, LAMBADA accuracy)
   for the variants, on evaluation sets disjoint from the calibration set.
 
@@ -141,8 +143,9 @@ def smoothquant_params(ref: ModelParams, act_absmax: dict, alphas: dict[str, flo
         if name == "o":
             scales["v"] = s["v"]
     out = apply_smoothquant(ref, scales)
-    return dataclasses.replace(out, extra={**dict(ref.extra),
-                                           "smoothquant_alphas": tuple(sorted(alphas.items()))})
+    # a string: ModelParams.extra must stay hashable after a JSON round trip (gsm_jax.save)
+    text = ",".join(f"{k}={alphas[k]}" for k in SMOOTHQUANT_LINEARS)
+    return dataclasses.replace(out, extra={**dict(ref.extra), "smoothquant_alphas": text})
 
 
 # ----------------------------------------------------------------------------- GSM
@@ -194,11 +197,22 @@ def calibrate_gsm_vs_reference(params: ModelParams, kld: ReferenceKLD, *,
         history.append({"step": "combine", "pairs": [*chosen, pair], "kld": k})
         if k < best:
             best, chosen = k, [*chosen, pair]
+    strength, window = screen_strength, int(base.window_size)
+    if not chosen:
+        # No single pair survived at the screening strength: before concluding, try the
+        # screen-helpful pairs together, and every pair, at each (weaker) strength.
+        groups = [("screen-helpful pairs", helpful)] if helpful else []
+        groups.append(("all pairs", [(layer, site) for _, layer, site in scored]))
+        for label, pairs in groups:
+            for s in sorted(strengths):
+                k = kld(params, _config(pairs, base, smooth_strength=s))
+                history.append({"step": f"fallback {label}", "strength": s, "kld": k})
+                if k < best:
+                    best, chosen, strength = k, list(pairs), s
     if not chosen:
         log("  no (layer, site) pair lowers the KLD: the calibrated config smooths nothing")
         return {"config": None, "kld": none, "kld_without_gsm": none, "history": history,
                 "seconds": time.perf_counter() - t0}
-    strength, window = screen_strength, int(base.window_size)
     for s in strengths:
         if s == strength:
             continue

@@ -101,3 +101,17 @@ def test_workflow_evaluate_and_profile_run_on_quantized_params(tiny, tokens):
     assert res.quality["mean_kld"] > 0 and res.greedy is not None
     parts = capture_partials(q, tokens[:2], np.full((2,), 24, np.int32))
     assert parts[0]["max_abs"].shape[0] == tiny.config.num_layers
+
+
+def test_smoothquant_params_save_and_load(tiny, tokens, tmp_path):
+    """Migrated + quantized params round-trip through gsm_jax.save/load and still jit."""
+    import gsm_jax
+    from gsm_jax.quant import restore_quantized
+
+    absmax = activation_absmax(tiny, tokens, batch_size=2)
+    sq = quantize(smoothquant_params(tiny, absmax, {"qkv": 0.5, "o": 0.6, "gate_up": 0.7,
+                                                    "down": 0.4}), "w8a8")
+    back = restore_quantized(gsm_jax.load(gsm_jax.save(sq, tmp_path / "m")))
+    assert back.extra == sq.extra
+    np.testing.assert_array_equal(np.asarray(gsm_jax.forward(back, tokens[:1])),
+                                  np.asarray(gsm_jax.forward(sq, tokens[:1])))
