@@ -37,6 +37,10 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=256, help="tokens per sequence")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    # INT8 (gsm_jax.quant): --quantize {none,w8a16,w8a8}, applied right after loading
+    from gsm_jax.quant import add_quantize_argument
+
+    add_quantize_argument(p)
 
 
 def _lambada_args(p: argparse.ArgumentParser, samples_default: int | None) -> None:
@@ -67,6 +71,10 @@ def _load(args: argparse.Namespace):
     params = gsm_jax.load(args.model, dtype=args.dtype, progress=not args.quiet)
     print(f"[gsm-jax] loaded {params} in {time.perf_counter() - t0:.1f}s", file=sys.stderr,
           flush=True)
+    # INT8 (gsm_jax.quant): GSM then smooths before the per-token activation quantization
+    from gsm_jax.quant import apply_quantize_option
+
+    params = apply_quantize_option(params, getattr(args, "quantize", "none"))
     return params
 
 

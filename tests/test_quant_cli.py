@@ -1,0 +1,56 @@
+"""`gsm-jax profile | calibrate | eval --quantize ...` on a tiny saved model."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+import gsm_jax
+from gsm_jax.cli import main
+from gsm_jax.models import llama
+from gsm_jax.params import ModelParams
+
+SMALL = ["--lambada", "none", "--greedy-prompts", "2", "--greedy-prompt-len", "8",
+         "--greedy-tokens", "6", "--batch-size", "4", "--quiet"]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("qcli")
+    cfg = llama.LlamaConfig(vocab_size=96, hidden_size=48, intermediate_size=96, num_layers=3,
+                            num_heads=4, num_kv_heads=2, head_dim=12,
+                            max_position_embeddings=256)
+    w = jax.tree.map(lambda a: a * 20 if a.ndim > 1 else a,
+                     llama.init_weights(cfg, jax.random.key(5)))
+    model = gsm_jax.save(ModelParams(w, cfg, None, "tiny-cli"), root / "model")
+    tokens = np.random.default_rng(0).integers(0, 96, (8, 24)).astype(np.int32)
+    np.save(root / "tokens.npy", tokens)
+    return root, str(model), str(root / "tokens.npy")
+
+
+def test_eval_profile_calibrate_with_quantize(setup, capsys):
+    root, model, data = setup
+    (root / "gsm.yaml").write_text("target_layers: all\nsmooth_strength: 0.1\nwindow_size: 4\n")
+    outs = {}
+    for scheme in ("none", "w8a8"):
+        out = root / f"ev_{scheme}.json"
+        assert main(["eval", "--model", model, "--gsm", str(root / "gsm.yaml"), "--data", data,
+                     "--sequences", "4", "--quantize", scheme, "--out", str(out), *SMALL]) == 0
+        outs[scheme] = json.loads(out.read_text())
+    # GSM against the same params without GSM: float and W8A8 give different numbers
+    assert outs["w8a8"]["quality"]["mean_kld"] != outs["none"]["quality"]["mean_kld"]
+    assert main(["profile", "--model", model, "--data", data, "--samples", "4", "--quantize",
+                 "w8a16", "--out", str(root / "prof"), "--batch-size", "2", "--quiet"]) == 0
+    assert (root / "prof" / "profile.json").exists()
+    assert main(["calibrate", "--model", model, "--profile", str(root / "prof/profile.json"),
+                 "--data", data, "--sequences", "4",
+                 "--strengths", "0.01,0.05", "--windows", "4", "--protect-first", "1",
+                 "--max-kld", "1", "--min-top1", "0", "--quantize", "w8a8",
+                 "--out", str(root / "cal"), *SMALL]) == 0
+    assert (root / "cal" / "gsm.yaml").exists()
+    with pytest.raises(SystemExit):
+        main(["eval", "--model", model, "--quantize", "int4"])
+    capsys.readouterr()
