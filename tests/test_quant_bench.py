@@ -72,3 +72,31 @@ def test_report_section_from_quality_json():
     assert "| w8a8+SmoothQuant | 0.00800" in text
     assert "meets the 0.01 mean-KLD target" in text
     assert "smooths nothing" in text and "Speed table not run" in text
+
+
+def test_evidence_report_fills_q3_from_int8_runs(tmp_path):
+    """With INT8 results under <out>/data/quant the report's Q3 is filled, else kept open."""
+    import shutil
+
+    from gsm_jax.workflow import report
+
+    src = Path(__file__).resolve().parents[1] / "reports"
+    if not (src / "data" / "report_meta.json").exists():
+        pytest.skip("no recorded evidence report in reports/")
+    out = tmp_path / "reports"
+    shutil.copytree(src, out)
+    shutil.rmtree(out / "data" / "quant", ignore_errors=True)
+    text = report.render_report(out).read_text()
+    assert "Not measured in this report." in text
+    q = {"config": {}, "data": {}, "gsm_calibration": {"w8a8": {"config": None}},
+         "table": [{"variant": v, "quality": {"mean_kld": k, "mean_kld_stderr": 0.0,
+                                              "same_top1_pct": 90.0, "ppl": 10.0,
+                                              "ppl_ratio": 1.0}, "lambada_accuracy_pct": 40.0}
+                   for v, k in (("fp32", 0.0), ("w8a8", 0.04), ("w8a8+GSM (calibrated)", 0.04),
+                                ("w8a8+SmoothQuant", 0.009))]}
+    (out / "data" / "quant").mkdir(parents=True)
+    (out / "data" / "quant" / "quality.json").write_text(json.dumps(q))
+    text = report.render_report(out).read_text()
+    assert report.Q3_MARK in text and "| w8a8+SmoothQuant | 0.00900" in text
+    assert "GSM does **not** lower the W8A8 quality loss" in text
+    assert "Speed table not run" in text

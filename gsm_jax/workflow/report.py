@@ -477,6 +477,35 @@ def render_report(out: str | os.PathLike = "reports") -> Path:
     return path
 
 
+# ----------------------------------------------------------------------------- INT8 (Q3)
+# Filled from the INT8 runs (`benchmarks/quant_quality.py`, `benchmarks/bench_quant.py`),
+# whose results.json are copied to <out>/data/quant/{quality,speed}.json and their
+# PNGs to <out>/figures/quant_{quality,speed}.png. Text: `gsm_jax.quant_quality`.
+
+
+def _int8_data(out: Path) -> tuple[dict | None, dict | None]:
+    d = out / "data" / "quant"
+    return tuple(json.loads((d / n).read_text()) if (d / n).exists() else None
+                 for n in ("quality.json", "speed.json"))
+
+
+def _int8_section(out: Path) -> str | None:
+    from gsm_jax.quant_quality import report_section
+
+    quality, speed = _int8_data(out)
+    if quality is None and speed is None:
+        return None
+    figs = {k: _rel(out / "figures" / f"quant_{k}.png", out) for k in ("quality", "speed")
+            if (out / "figures" / f"quant_{k}.png").exists()}
+    return report_section(quality, speed, figures=figs)
+
+
+def _int8_summary(out: Path) -> str:
+    from gsm_jax.quant_quality import summary_line
+
+    return summary_line(*_int8_data(out))
+
+
 def _model_file(model: str) -> str | None:
     """The file behind a registered model name (e.g. the GGUF and its quantization type)."""
     from gsm_jax.loading import REGISTERED_MODELS
@@ -624,10 +653,13 @@ def _markdown(*, out: Path, model: dict, machine: dict, prof: Profile, cal: Cali
                   + "; ".join(parts) + ". A dense fp32 step does the same arithmetic whatever "
                   "the activation values, so smoothing cannot make it faster; a negative "
                   "difference here is noise, not a gain.")
-    sp.append("- **What it might buy is untested here**: the one credible route to speed is "
-              "lower precision (INT8/FP8) made safe by smoothing (question 3 below, pending "
-              "the quantization work). Until then GSM is a quality cost with no measured "
-              "benefit on this model.")
+    if _int8_section(out):  # INT8 runs recorded: their own summary line
+        sp.append("- **INT8 (question 3 below)**: " + _int8_summary(out))
+    else:
+        sp.append("- **What it might buy is untested here**: the one credible route to speed "
+                  "is lower precision (INT8/FP8) made safe by smoothing (question 3 below, "
+                  "pending the quantization work). Until then GSM is a quality cost with no "
+                  "measured benefit on this model.")
     lines += sp
     w("")
     # ---- setup
@@ -788,8 +820,13 @@ def _markdown(*, out: Path, model: dict, machine: dict, prof: Profile, cal: Cali
     w("## Q3: does GSM lower the quality loss of INT8 W8A8?")
     w("")
     w(Q3_MARK)
-    w("**Not measured in this report.** This place is reserved for the quantization issue: "
-      "W8A8 alone vs W8A8 + GSM vs channel-axis SmoothQuant, with the metrics above.")
+    int8 = _int8_section(out)  # INT8 runs, if recorded (see _int8_section)
+    if int8:
+        w(int8)
+    else:
+        w("**Not measured in this report.** This place is reserved for the quantization "
+          "issue: W8A8 alone vs W8A8 + GSM vs channel-axis SmoothQuant, with the metrics "
+          "above.")
     w("")
     # ---- Q4
     w("## Q4: step-time overhead and end-to-end speed")
@@ -809,8 +846,8 @@ def _markdown(*, out: Path, model: dict, machine: dict, prof: Profile, cal: Cali
                      f"{r['max_ms']:.1f})", f"{100 * (r['median_ms'] / ref - 1):+.1f}%"])
     w(_table(["config", "step", "ms per call", "vs off"], rows))
     w("")
-    w("W8A8 ± GSM against the full-precision baseline: pending the quantization issue "
-      "(see Q3).")
+    w("W8A8 ± GSM against the full-precision baseline: " + (
+        "see the speed table in Q3." if int8 else "pending the quantization issue (see Q3)."))
     w("")
     w("### Serving benchmark")
     w("")
