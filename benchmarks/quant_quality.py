@@ -26,8 +26,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
-    bar_chart,
-    load_average,
     machine_info,
     markdown_table,
     write_json,
@@ -66,8 +64,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--hadamard-block", type=int, default=512)
     ap.add_argument("--skip-gsm", action="store_true", help="leave out the GSM calibration")
+    ap.add_argument("--render-only", action="store_true",
+                    help="re-render results.md / results.png from OUT/results.json")
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.render_only:
+        import json
+
+        print(render(json.loads((args.out / "results.json").read_text()), args.out))
+        return 0
     t0 = time.perf_counter()
     info = machine_info()
     p = gsm_jax.load(args.model)
@@ -135,17 +140,6 @@ def main(argv: list[str] | None = None) -> int:
                           lambada_samples=args.lambada_samples, log=log)
     timings["evaluation"] = time.perf_counter() - t
 
-    headers = ["variant", "mean KLD vs fp32", "± s.e.", "p99 KLD", "same top-1 %",
-               "PPL", "PPL / fp32", "LAMBADA acc %", "note"]
-    rows = []
-    for r in table:
-        q = r["quality"]
-        rows.append([r["variant"], f"{q['mean_kld']:.5f}", f"{q['mean_kld_stderr']:.5f}",
-                     f"{q['p99_kld']:.4f}", f"{q['same_top1_pct']:.2f}", f"{q['ppl']:.3f}",
-                     f"{q['ppl_ratio']:.4f}",
-                     "—" if r["lambada_accuracy_pct"] is None
-                     else f"{r['lambada_accuracy_pct']:.1f}", r["note"]])
-    md = markdown_table(headers, rows)
     data = {
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "data": {"calibration": f"WikiText-2 test, first {args.calib_sequences} x "
@@ -160,21 +154,62 @@ def main(argv: list[str] | None = None) -> int:
         "machine_after": machine_info(), "total_seconds": time.perf_counter() - t0,
     }
     write_json(args.out / "results.json", data)
-    write_markdown(args.out / "results.md",
-                   f"# INT8 quality against fp32 ({args.model}), spec §7 question 3\n\n"
-                   f"WikiText-2: last {args.eval_sequences} x {args.seq_len} tokens; LAMBADA: "
-                   f"first {args.lambada_samples} dev examples. Calibration (SmoothQuant "
-                   f"statistics and alphas, GSM): first {args.calib_sequences} x "
-                   f"{args.seq_len} WikiText-2 tokens. Load average at the end "
-                   f"{load_average()}.\n\n{md}\n")
-    names = [r["variant"] for r in table]
-    bar_chart(args.out / "results.png", names,
-              {"mean KLD vs fp32": [r["quality"]["mean_kld"] for r in table]},
-              title=f"{args.model}: mean KLD vs fp32 (lower is better)", ylabel="KLD",
-              annotate=False)
+    md = render(data, args.out)
     print(md)
     log(f"done in {time.perf_counter() - t0:.0f} s")
     return 0
+
+
+def quality_chart(table: list[dict], path: Path, title: str) -> None:
+    """Horizontal bars of mean KLD vs fp32 (± s.e.), with the 0.01 target."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r["variant"] for r in table][::-1]
+    kld = [r["quality"]["mean_kld"] for r in table][::-1]
+    err = [r["quality"]["mean_kld_stderr"] for r in table][::-1]
+    fig, ax = plt.subplots(figsize=(8.5, 0.45 * len(names) + 1.4))
+    ax.barh(names, kld, xerr=err, color="tab:blue")
+    for y, v in enumerate(kld):
+        ax.annotate(f"{v:.4f}", (v, y), xytext=(4, 0), textcoords="offset points",
+                    va="center", fontsize=8)
+    ax.axvline(0.01, color="tab:red", ls="--", lw=1, label="target 0.01")
+    ax.set_xlabel("mean KLD vs fp32 (lower is better)")
+    ax.set_title(title, fontsize=10)
+    ax.legend(loc="lower right")
+    ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def render(data: dict, out: Path) -> str:
+    cfg, table = data["config"], data["table"]
+    headers = ["variant", "mean KLD vs fp32", "± s.e.", "p99 KLD", "same top-1 %",
+               "PPL", "PPL / fp32", "LAMBADA acc %", "note"]
+    rows = []
+    for r in table:
+        q = r["quality"]
+        rows.append([r["variant"], f"{q['mean_kld']:.5f}", f"{q['mean_kld_stderr']:.5f}",
+                     f"{q['p99_kld']:.4f}", f"{q['same_top1_pct']:.2f}", f"{q['ppl']:.3f}",
+                     f"{q['ppl_ratio']:.4f}",
+                     "—" if r["lambada_accuracy_pct"] is None
+                     else f"{r['lambada_accuracy_pct']:.1f}", r["note"]])
+    md = markdown_table(headers, rows)
+    end = data.get("machine_after", {}).get("load_average_1_5_15")
+    write_markdown(out / "results.md",
+                   f"# INT8 quality against fp32 ({cfg['model']}), spec §7 question 3\n\n"
+                   f"WikiText-2: last {cfg['eval_sequences']} x {cfg['seq_len']} tokens; "
+                   f"LAMBADA: first {cfg['lambada_samples']} dev examples. Calibration "
+                   f"(SmoothQuant statistics and alphas, GSM): first {cfg['calib_sequences']} "
+                   f"x {cfg['seq_len']} WikiText-2 tokens. Load average at the end {end}.\n\n"
+                   f"{md}\n")
+    quality_chart(table, out / "results.png",
+                  f"{cfg['model']}: INT8 quality against fp32 (WikiText-2)")
+    return md
 
 
 if __name__ == "__main__":

@@ -175,7 +175,8 @@ def calibrate_gsm_vs_reference(params: ModelParams, kld: ReferenceKLD, *,
     n_layers = params.config.num_layers
     none_screen = screen(params)
     none = kld(params)
-    history: list[dict] = [{"step": "no GSM", "kld": none}]
+    history: list[dict] = [{"step": "no GSM", "kld": none},
+                           {"step": "no GSM (screening set)", "kld": none_screen}]
     log(f"  GSM calibration: without GSM KLD {none:.5f} (screen set {none_screen:.5f})")
     scored = []
     for layer in range(n_layers):
@@ -211,7 +212,8 @@ def calibrate_gsm_vs_reference(params: ModelParams, kld: ReferenceKLD, *,
                     best, chosen, strength = k, list(pairs), s
     if not chosen:
         log("  no (layer, site) pair lowers the KLD: the calibrated config smooths nothing")
-        return {"config": None, "kld": none, "kld_without_gsm": none, "history": history,
+        return {"config": None, "kld": none, "kld_without_gsm": none,
+                "kld_without_gsm_screen": none_screen, "history": history,
                 "seconds": time.perf_counter() - t0}
     for s in strengths:
         if s == strength:
@@ -230,7 +232,8 @@ def calibrate_gsm_vs_reference(params: ModelParams, kld: ReferenceKLD, *,
     cfg = _config(chosen, base, smooth_strength=strength, window_size=window)
     log(f"  calibrated GSM: {len(chosen)} pairs, strength {strength}, window {window}: "
         f"KLD {best:.5f} (without GSM {none:.5f})")
-    return {"config": cfg, "kld": best, "kld_without_gsm": none, "history": history,
+    return {"config": cfg, "kld": best, "kld_without_gsm": none,
+            "kld_without_gsm_screen": none_screen, "history": history,
             "seconds": time.perf_counter() - t0}
 
 
@@ -349,7 +352,8 @@ def report_section(quality: dict | None, speed: dict | None, *,
         gsm = next((v for k, v in by.items() if k.startswith("w8a8+GSM")), None)
         sq = by.get("w8a8+SmoothQuant")
         sq_gsm = next((v for k, v in by.items() if k.startswith("w8a8+SmoothQuant+GSM")), None)
-        best_name = min((k for k in by if k != "fp32"), key=lambda k: by[k], default=None)
+        best_name = min((k for k in by if k.startswith("w8a8")), key=lambda k: by[k],
+                        default=None)
         lines = []
         if w8a8 is not None and gsm is not None:
             lines.append(f"GSM (calibrated against fp32) takes W8A8 from {w8a8:.5f} to "
@@ -361,19 +365,33 @@ def report_section(quality: dict | None, speed: dict | None, *,
                          f"({(sq_gsm / sq - 1) * 100:+.1f}% against SmoothQuant alone).")
         if best_name is not None:
             verdict = "meets" if by[best_name] <= 0.01 else "misses"
-            lines.append(f"Best INT8 variant: {best_name} ({by[best_name]:.5f}), which "
+            lines.append(f"Best W8A8 variant: {best_name} ({by[best_name]:.5f}), which "
                          f"{verdict} the 0.01 mean-KLD target.")
         for name, run in quality.get("gsm_calibration", {}).items():
             hist = run.get("history", [])
             screened = [h for h in hist if h.get("step") == "screen"]
-            helped = [h for h in screened if h["kld"] < run.get("kld_without_gsm", 0)]
-            lines.append(f"GSM calibration on {name}: {len(screened)} (layer, site) pairs "
-                         f"screened alone, {len(helped)} lowered the calibration KLD (on the "
-                         "screening set); "
-                         + ("none survived combination, so the calibrated config smooths "
-                            "nothing." if run.get("config") is None else
-                            f"calibration KLD {run['kld_without_gsm']:.5f} -> "
-                            f"{run['kld']:.5f}."))
+            combined = [h for h in hist if h.get("step") == "combine"]
+            curve = [h for h in hist if h.get("step") == "fallback all pairs"]
+            if curve:
+                lines.append(f"On {name}, GSM at every (layer, site) moves the calibration "
+                             f"KLD from {run['kld_without_gsm']:.4f} to "
+                             + ", ".join(f"{h['kld']:.4f} (strength {h['strength']})"
+                                         for h in curve) + ".")
+            text = f"GSM calibration on {name}: {len(screened)} (layer, site) pairs screened "
+            if "kld_without_gsm_screen" in run:
+                helped = [h for h in screened if h["kld"] < run["kld_without_gsm_screen"]]
+                text += (f"alone at strength {screened[0]['strength'] if screened else '?'}, "
+                         f"{len(helped)} lowered the KLD on the screening set")
+            else:
+                text += "alone"
+            if combined:
+                worse = sum(h["kld"] >= run["kld_without_gsm"] for h in combined)
+                text += (f"; of the {len(combined)} best, {worse} raised the KLD on the "
+                         "larger calibration set when tried")
+            text += ("; nothing survived, so the calibrated config smooths nothing."
+                     if run.get("config") is None else
+                     f"; calibration KLD {run['kld_without_gsm']:.5f} -> {run['kld']:.5f}.")
+            lines.append(text)
         out.append(" ".join(lines) + "\n")
         if cfg:
             out.append(f"_Command: `python benchmarks/quant_quality.py --eval-sequences "
@@ -404,6 +422,11 @@ def report_section(quality: dict | None, speed: dict | None, *,
     out.append(header + "\n" + "\n".join(body) + "\n")
     if figures.get("speed"):
         out.append(f"![INT8 speed]({figures['speed']})\n")
+    sc = speed["config"]
+    out.append(f"_Command: `python benchmarks/bench_quant.py --repeats {sc.get('repeats')} "
+               f"--prefill-repeats {sc.get('prefill_repeats')} --profile` (decode with "
+               f"{sc.get('context')} tokens cached; prefill of {sc.get('prefill_len')} "
+               "tokens)._\n")
     explain = speed["config"].get("explain", {})
     out.append("\n".join(f"- **{k}**: {v}" for k, v in explain.items()) + "\n")
     prof = {case: {n: e.get("profile_ms") for n, e in entry.items() if e.get("profile_ms")}
@@ -433,10 +456,11 @@ def summary_line(quality: dict | None, speed: dict | None) -> str:
         elif w8a8 is not None and gsm is not None:
             parts.append(f"calibrated GSM changes W8A8's mean KLD vs fp32 from {w8a8:.4f} "
                          f"to {gsm:.4f}")
-        best = min((k for k in by if k != "fp32"), key=lambda k: by[k], default=None)
+        best = min((k for k in by if k.startswith("w8a8")), key=lambda k: by[k],
+                   default=None)
         if w8a8 is not None and best is not None:
-            parts.append(f"W8A8 alone is at mean KLD {w8a8:.4f}; the channel-axis baselines "
-                         f"do the work (best: {best}, {by[best]:.4f}"
+            parts.append(f"W8A8 alone is at mean KLD {w8a8:.4f} vs fp32; the channel-axis "
+                         f"baselines do the work (best W8A8: {best}, {by[best]:.4f}"
                          + (", within the 0.01 target)" if by[best] <= 0.01 else ")"))
     if speed is not None:
         res = speed["results"]
