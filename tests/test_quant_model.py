@@ -114,3 +114,31 @@ def test_quantized_decode_with_gsm_follows_teacher_forcing(tiny):
     for i, (r, o) in enumerate(zip(rows, outs, strict=True)):
         ref = tf[i, len(r) - 1: len(r) - 1 + len(o)]
         np.testing.assert_allclose(logits[i], ref, atol=2e-2 * np.abs(ref).max(), rtol=0)
+
+
+def test_quantized_model_with_gsm_lowers_for_cuda_with_the_fused_kernel(tiny):
+    """The W8A8 model with GSM exports for CUDA with the fused smooth + quantize kernel at
+    the sites (prefill and decode), int8 x int8 -> int32 products in between."""
+    from jax import export
+
+    from gsm_jax.gsm_runtime import gsm_inputs_for_batch
+
+    triton = "__gpu$xla.gpu.triton"
+    q = quantize(tiny, "w8a8")
+    cfg = q.config
+    with kernel_impl("pallas"):
+        gsm = gsm_inputs_for_batch(gsm_jax.GSMConfig(**ALL), cfg.num_layers, 2, [16, 16])
+    tokens = jnp.zeros((2, 16), jnp.int32)
+    lengths = jnp.array([16, 9], jnp.int32)
+    checks = [export.DisabledSafetyCheck.custom_call(triton)]
+    fwd = export.export(jax.jit(lambda w, t, n, g: llama.forward(w, cfg, t, n, g)),
+                        platforms=["cuda"], disabled_checks=checks)(q.weights, tokens, lengths,
+                                                                     gsm)
+    text = fwd.mlir_module()
+    assert "gsm_smooth_quantize_prefill" in text
+    assert "xi8>" in text and "xi32>" in text  # int8 operands, int32 accumulators
+    cache = llama.init_cache(cfg, 2, 32, gsm_max_window=gsm.max_window)
+    dec = export.export(jax.jit(lambda w, t, c, g: llama.decode_step(w, cfg, t, c, g)),
+                        platforms=["cuda"], disabled_checks=checks)(
+        q.weights, tokens[:, 0], cache, gsm)
+    assert "gsm_smooth_quantize_decode" in dec.mlir_module()
