@@ -201,5 +201,11 @@ def _load_saved(path: Path, dtype: Any, progress: bool) -> ModelParams:
         weights = jax.tree.map(
             lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, weights
         )
-    return ModelParams(weights, cfg, _tokenizer_from_state(meta.get("tokenizer")),
-                       source=meta.get("source", str(path)), extra=meta.get("extra") or {})
+    params = ModelParams(weights, cfg, _tokenizer_from_state(meta.get("tokenizer")),
+                         source=meta.get("source", str(path)), extra=meta.get("extra") or {})
+    if params.extra.get("quantization"):
+        # orbax restores plain dicts; rebuild the int8 weight containers `linear` dispatches on
+        from gsm_jax.quant import restore_quantized
+
+        params = restore_quantized(params)
+    return params
