@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tiny_models import tiny_dsv4
 
 import gsm_jax
 from gsm_jax.errors import InvalidInputError
@@ -286,23 +287,9 @@ def test_orbax_round_trip(tmp_path):
         assert restore_quantized(back).weights["layers"]["o"].scheme == scheme  # idempotent
 
 
-def _tiny_dsv4() -> ModelParams:
-    from gsm_jax.models import deepseek_v4 as dv
-
-    cfg = dv.DeepseekV4Config(
-        vocab_size=96, hidden_size=32, num_layers=3, num_heads=4, head_dim=16, q_lora_rank=24,
-        o_groups=2, o_lora_rank=8, layer_types=(dv.SLIDING, dv.CSA, dv.HCA),
-        mlp_layer_types=("hash_moe", "moe", "moe"), n_routed_experts=6, num_experts_per_tok=2,
-        moe_intermediate_size=16, main_rope=dv.RopeSpec(theta=10000.0, dim=8),
-        compress_rope=dv.RopeSpec(theta=50000.0, dim=8), sliding_window=4,
-        compress_rate_csa=2, compress_rate_hca=4, index_n_heads=4, index_head_dim=16,
-        index_topk=2, hc_mult=2, swiglu_limit=2.0, max_position_embeddings=128)
-    return ModelParams(dv.init_weights(cfg, jax.random.key(0)), cfg, None, source="tiny-dsv4")
-
-
 @pytest.mark.parametrize("routed", [False, True])
 def test_deepseek_v4_dense_projections_and_shared_experts(routed):
-    p = _tiny_dsv4()
+    p = tiny_dsv4()
     q = quantize(p, "w8a8", routed_experts=routed)
     layer = q.weights["layers"][1]
     for name in ("q_a", "q_b", "kv", "o_b"):
@@ -384,7 +371,7 @@ def test_smoothquant_refuses_quantized_or_other_families():
     with pytest.raises(InvalidInputError):
         smoothquant(quantize(p, "w8a8"), calib)
     with pytest.raises(UnsupportedModelError):
-        smoothquant(_tiny_dsv4(), calib)
+        smoothquant(tiny_dsv4(), calib)
     with pytest.raises(InvalidInputError):
         smoothquant(p, calib, alpha=1.5)
 

@@ -142,3 +142,94 @@ def test_quantized_model_with_gsm_lowers_for_cuda_with_the_fused_kernel(tiny):
                         platforms=["cuda"], disabled_checks=checks)(
         q.weights, tokens[:, 0], cache, gsm)
     assert "gsm_smooth_quantize_decode" in dec.mlir_module()
+
+
+# ----------------------------------------------------------------------------- DeepSeek-V4
+
+
+@pytest.fixture(scope="module")
+def dsv4_w8a8():
+    from tiny_models import tiny_dsv4
+
+    return quantize(tiny_dsv4(), "w8a8")
+
+
+def test_deepseek_v4_ffn_mid_site_returns_int8_for_w8a8_shared_down(dsv4_w8a8):
+    """The shared expert's GSM site hands its W8A8 down projection the smoothed-then-
+    quantized activation; the same numbers as smoothing and letting `linear` quantize."""
+    from gsm_jax.models import deepseek_v4 as dv
+
+    q = dsv4_w8a8
+    cfg = q.config
+    moe_w = q.weights["layers"][1]["moe"]
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((2, 9, cfg.hidden_size)).astype(np.float32))
+    tokens = jnp.asarray(rng.integers(4, cfg.vocab_size, (2, 9)), jnp.int32)
+    pos = jnp.tile(jnp.arange(9, dtype=jnp.int32), (2, 1))
+    gsm = GSMInputs(strength=jnp.full((cfg.num_layers, 2), 0.3), row_enabled=jnp.ones(2),
+                    window=jnp.int32(4), protect_first=jnp.int32(1), precision="f32",
+                    impl="xla")
+    seen = []
+
+    def site(m, w):
+        y, ring = gsm_sites.smooth_site_prefill(gsm, jnp.int32(1), 1, m, pos, next_weight=w)
+        seen.append(y)
+        return y, ring
+
+    def plain_site(m, w):  # smooth only: `linear` quantizes
+        return gsm_sites.smooth_site_prefill(gsm, jnp.int32(1), 1, m, pos)
+
+    moe = dv.MoE(cfg, 1)
+    fused, _ = moe.apply({"params": moe_w}, x, tokens, site)
+    unfused, _ = moe.apply({"params": moe_w}, x, tokens, plain_site)
+    assert isinstance(seen[0], QuantizedActivation) and seen[0].values.dtype == jnp.int8
+    np.testing.assert_array_equal(np.asarray(fused), np.asarray(unfused))
+
+
+def test_deepseek_v4_quantized_gsm(dsv4_w8a8):
+    """W8A8 DeepSeek-V4 with GSM: strength 0 is bit-identical to no GSM; the Pallas
+    (interpret) sites agree with XLA; decode follows teacher forcing."""
+    q = dsv4_w8a8
+    rows = _rows([7, 13], seed=4)
+    base = np.asarray(gsm_jax.forward(q, rows))
+    zero = gsm_jax.GSMConfig(**{**ALL, "smooth_strength": 0.0})
+    np.testing.assert_array_equal(np.asarray(gsm_jax.forward(q, rows, gsm=zero)), base)
+    cfg = gsm_jax.GSMConfig(**ALL)
+    with kernel_impl("xla"):
+        ref = np.asarray(gsm_jax.forward(q, rows, gsm=cfg))
+    with kernel_impl("pallas_interpret"):
+        got = np.asarray(gsm_jax.forward(q, rows, gsm=cfg))
+    scale = np.abs(ref).max()
+    assert np.abs(ref - base).max() > 1e-4 * scale  # GSM is on
+    assert np.abs(got - ref).max() <= 2e-2 * scale  # int8 flips at rounding boundaries
+    outs, logits = gsm_jax.generate_tokens(q, rows, max_new_tokens=10, eos_ids=[], gsm=cfg,
+                                           return_logits=True)
+    full = [r + [int(t) for t in o] for r, o in zip(rows, outs, strict=True)]
+    tf = np.asarray(gsm_jax.forward(q, full, gsm=cfg))
+    for i, (r, o) in enumerate(zip(rows, outs, strict=True)):
+        want = tf[i, len(r) - 1: len(r) - 1 + len(o)]
+        np.testing.assert_allclose(logits[i], want, atol=2e-2 * np.abs(want).max(), rtol=0)
+
+
+def test_deepseek_v4_w8a8_gsm_lowers_for_cuda_with_the_fused_kernel(dsv4_w8a8):
+    from jax import export
+
+    from gsm_jax.gsm_runtime import gsm_inputs_for_batch
+    from gsm_jax.models import deepseek_v4 as dv
+
+    q = dsv4_w8a8
+    cfg = q.config
+    with kernel_impl("pallas"):
+        gsm = gsm_inputs_for_batch(gsm_jax.GSMConfig(**ALL), cfg.num_layers, 2, [16, 16])
+    tokens = jnp.zeros((2, 16), jnp.int32)
+    lengths = jnp.array([16, 9], jnp.int32)
+    checks = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    fwd = export.export(jax.jit(lambda w, t, n, g: dv.forward(w, cfg, t, n, g)),
+                        platforms=["cuda"], disabled_checks=checks)(q.weights, tokens, lengths,
+                                                                     gsm)
+    assert "gsm_smooth_quantize_prefill" in fwd.mlir_module()
+    cache = dv.init_cache(cfg, 2, 32, gsm_max_window=gsm.max_window)
+    dec = export.export(jax.jit(lambda w, t, c, g: dv.decode_step(w, cfg, t, c, g)),
+                        platforms=["cuda"], disabled_checks=checks)(
+        q.weights, tokens[:, 0], cache, gsm)
+    assert "gsm_smooth_quantize_decode" in dec.mlir_module()

@@ -1,0 +1,22 @@
+"""Small random models shared by several test modules (built in well under a second)."""
+
+from __future__ import annotations
+
+import jax
+
+from gsm_jax.params import ModelParams
+
+
+def tiny_dsv4(seed: int = 0) -> ModelParams:
+    """DeepSeek-V4 with one layer of each attention type, hash + top-k MoE, hc_mult 2."""
+    from gsm_jax.models import deepseek_v4 as dv
+
+    cfg = dv.DeepseekV4Config(
+        vocab_size=96, hidden_size=32, num_layers=3, num_heads=4, head_dim=16, q_lora_rank=24,
+        o_groups=2, o_lora_rank=8, layer_types=(dv.SLIDING, dv.CSA, dv.HCA),
+        mlp_layer_types=("hash_moe", "moe", "moe"), n_routed_experts=6, num_experts_per_tok=2,
+        moe_intermediate_size=16, main_rope=dv.RopeSpec(theta=10000.0, dim=8),
+        compress_rope=dv.RopeSpec(theta=50000.0, dim=8), sliding_window=4,
+        compress_rate_csa=2, compress_rate_hca=4, index_n_heads=4, index_head_dim=16,
+        index_topk=2, hc_mult=2, swiglu_limit=2.0, max_position_embeddings=128)
+    return ModelParams(dv.init_weights(cfg, jax.random.key(seed)), cfg, None, source="tiny-dsv4")
