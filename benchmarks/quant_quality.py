@@ -24,6 +24,8 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
     machine_info,
@@ -33,11 +35,13 @@ from common import (  # noqa: E402
 )
 
 import gsm_jax  # noqa: E402
-from gsm_jax.quant import activation_absmax, quantize  # noqa: E402
+from gsm_jax.quant import activation_absmax, activation_samples, quantize  # noqa: E402
 from gsm_jax.quant_quality import (  # noqa: E402
+    ALPHA_GRID,
     ReferenceKLD,
     Variant,
     calibrate_gsm_vs_reference,
+    local_smoothquant_alphas,
     quality_table,
     search_smoothquant_alphas,
     smoothquant_params,
@@ -59,6 +63,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="calibration sequences used for the alpha / GSM decisions")
     ap.add_argument("--screen-sequences", type=int, default=4,
                     help="calibration sequences used to screen GSM (layer, site) pairs")
+    ap.add_argument("--local-sequences", type=int, default=4,
+                    help="calibration sequences whose activations drive the per-layer alphas")
     ap.add_argument("--eval-sequences", type=int, default=32)
     ap.add_argument("--lambada-samples", type=int, default=500)
     ap.add_argument("--batch-size", type=int, default=4)
@@ -89,6 +95,16 @@ def main(argv: list[str] | None = None) -> int:
     t = time.perf_counter()
     absmax = activation_absmax(p, calib, batch_size=args.batch_size)
     alphas, alpha_trials = search_smoothquant_alphas(p, absmax, search, log=log)
+    # per layer: each linear's own W8A8 output error on a few calibration sequences;
+    # kept only if it also lowers the whole model's calibration KLD
+    local_alphas, local_errors = local_smoothquant_alphas(
+        p, absmax, activation_samples(p, calib[: args.local_sequences]), log=log)
+    kld_kind = min(t["kld"] for t in alpha_trials)
+    kld_local = search(quantize(smoothquant_params(p, absmax, local_alphas), "w8a8"))
+    log(f"  calibration KLD: alpha per kind {kld_kind:.5f}, per layer {kld_local:.5f}")
+    alpha_choice = "per layer" if kld_local < kld_kind else "per kind"
+    if kld_local < kld_kind:
+        alphas = local_alphas
     sq = smoothquant_params(p, absmax, alphas)
     timings["smoothquant"] = time.perf_counter() - t
 
@@ -122,9 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     if "w8a8" in gsm_runs:
         variants.append(Variant("w8a8+GSM (calibrated)", w8a8, gsm_runs["w8a8"]["config"],
                                 gsm_note("w8a8")))
-    variants.append(Variant("w8a8+SmoothQuant", w8a8_sq, None,
-                            "alpha per linear: " + ", ".join(f"{k} {v}"
-                                                             for k, v in alphas.items())))
+    variants.append(Variant("w8a8+SmoothQuant", w8a8_sq, None, _alpha_note(alphas)))
     if "w8a8+SmoothQuant" in gsm_runs:
         variants.append(Variant("w8a8+SmoothQuant+GSM (calibrated)", w8a8_sq,
                                 gsm_runs["w8a8+SmoothQuant"]["config"],
@@ -147,7 +161,14 @@ def main(argv: list[str] | None = None) -> int:
                  "evaluation": f"WikiText-2 test, last {args.eval_sequences} x "
                                f"{args.seq_len} tokens",
                  "lambada": f"first {args.lambada_samples} of ../shared/data/lambada_dev.jsonl"},
-        "smoothquant": {"alphas": alphas, "trials": alpha_trials},
+        "smoothquant": {
+            "alphas": {k: np.asarray(v).tolist() for k, v in alphas.items()},
+            "choice": alpha_choice, "trials": alpha_trials,
+            "calibration_kld": {"per kind": kld_kind, "per layer": kld_local},
+            "per_layer": {"alphas": {k: v.tolist() for k, v in local_alphas.items()},
+                          "grid": list(ALPHA_GRID),
+                          "relative_output_error": {k: v.tolist()
+                                                    for k, v in local_errors.items()}}},
         "gsm_calibration": {k: {**v, "config": None if v["config"] is None
                                 else v["config"].to_dict()} for k, v in gsm_runs.items()},
         "table": table, "timings_s": timings, "machine_before": info,
@@ -158,6 +179,17 @@ def main(argv: list[str] | None = None) -> int:
     print(md)
     log(f"done in {time.perf_counter() - t0:.0f} s")
     return 0
+
+
+def _alpha_note(alphas: dict) -> str:
+    parts = []
+    for k, v in alphas.items():
+        v = np.asarray(v, float)
+        parts.append(f"{k} {v:.1f}" if v.ndim == 0 else
+                     f"{k} {v.min():.1f}–{v.max():.1f} (mean {v.mean():.2f})")
+    per_layer = any(np.ndim(v) for v in alphas.values())
+    return ("alpha per layer (local W8A8 error): " if per_layer else "alpha per linear: ") + \
+        ", ".join(parts)
 
 
 def quality_chart(table: list[dict], path: Path, title: str) -> None:

@@ -58,6 +58,7 @@ __all__ = [
     "QuantizedActivation",
     "QuantizedWeight",
     "activation_absmax",
+    "activation_samples",
     "apply_quantize_option",
     "apply_smoothquant",
     "dequantize",
@@ -212,10 +213,11 @@ SMOOTHQUANT_LINEARS = ("qkv", "o", "gate_up", "down")
 
 
 def _capture_layer_inputs(weights: dict, cfg: Any, tokens: jax.Array,
-                          lengths: jax.Array) -> tuple[jax.Array, dict]:
+                          lengths: jax.Array, values: bool = False) -> tuple[jax.Array, dict]:
     """The model's prefill, layer by layer, returning the final hidden states and, per
-    layer, the per-channel max |x| (over real tokens) at the inputs of the four linears.
-    Built from `DecoderLayer`'s own methods, so it follows the model."""
+    layer, the per-channel max |x| (over real tokens) at the inputs of the four linears
+    (values=True: the inputs themselves, [L, B, T, C] each). Built from `DecoderLayer`'s
+    own methods, so it follows the model."""
     from gsm_jax.models.linear import linear
     from gsm_jax.models.llama import _embed, _layer_apply, attention, rms_norm
 
@@ -238,13 +240,13 @@ def _capture_layer_inputs(weights: dict, cfg: Any, tokens: jax.Array,
         h2 = rms_norm(x, lw["ffn_norm"], cfg.rms_norm_eps)
         mid = _layer_apply(cfg, lw, "_mlp_in", x)
         x = x + linear(mid, lw["down"])
-        return x, {"qkv": chan_max(h), "o": chan_max(attn), "gate_up": chan_max(h2),
-                   "down": chan_max(mid)}
+        inputs = {"qkv": h, "o": attn, "gate_up": h2, "down": mid}
+        return x, inputs if values else {k: chan_max(v) for k, v in inputs.items()}
 
     return jax.lax.scan(body, x, weights["layers"])
 
 
-_capture_jit = jax.jit(_capture_layer_inputs, static_argnames=("cfg",))
+_capture_jit = jax.jit(_capture_layer_inputs, static_argnames=("cfg", "values"))
 
 
 def activation_absmax(params: ModelParams, tokens: Any, *, batch_size: int = 8) -> dict:
@@ -269,18 +271,43 @@ def activation_absmax(params: ModelParams, tokens: Any, *, batch_size: int = 8) 
     return {k: np.asarray(v, np.float32) for k, v in out.items()}
 
 
-def smoothquant_scales(params: ModelParams, act_absmax: dict, alpha: float = 0.5) -> dict:
+def activation_samples(params: ModelParams, tokens: Any) -> dict:
+    """The inputs of qkv, o, gate_up and down themselves for calibration token ids
+    [N, T] (full rows; Llama family, float params): {"qkv": [L, N*T, D], "o":
+    [L, N*T, H*hd], "gate_up": [L, N*T, D], "down": [L, N*T, d_ff]} float32, for
+    layer-local searches (`gsm_jax.quant_quality.local_smoothquant_alphas`)."""
+    params = _check_params(params)
+    if params.config.family != "llama" or quantization_of(params) is not None:
+        raise UnsupportedModelError("activation samples need float Llama-family params")
+    tokens = np.asarray(tokens, np.int32)
+    if tokens.ndim != 2 or tokens.shape[0] < 1:
+        raise InvalidInputError(f"calibration tokens must be [N, T], got {tokens.shape}")
+    lengths = jnp.full((tokens.shape[0],), tokens.shape[1], jnp.int32)
+    _, inputs = _capture_jit(params.weights, params.config, jnp.asarray(tokens), lengths,
+                             values=True)
+    return {k: np.asarray(v, np.float32).reshape(v.shape[0], -1, v.shape[-1])
+            for k, v in inputs.items()}
+
+
+def smoothquant_scales(params: ModelParams, act_absmax: dict, alpha: Any = 0.5) -> dict:
     """s per layer and input channel of each linear (see the section comment); the o
-    scales are shared by the query heads of one kv head, so they fold into V."""
-    if not 0.0 <= alpha <= 1.0:
-        raise InvalidInputError(f"SmoothQuant alpha must be in [0, 1], got {alpha}")
+    scales are shared by the query heads of one kv head, so they fold into V.
+
+    alpha: one float for every layer, or one per layer ([L])."""
     cfg, layers = params.config, params.weights["layers"]
+    alpha = np.asarray(alpha, np.float64)
+    if alpha.ndim > 1 or (alpha.ndim == 1 and alpha.shape[0] != cfg.num_layers):
+        raise InvalidInputError(f"SmoothQuant alpha must be a float or one per layer "
+                                f"({cfg.num_layers}), got shape {alpha.shape}")
+    if not np.all((alpha >= 0.0) & (alpha <= 1.0)):
+        raise InvalidInputError(f"SmoothQuant alpha must be in [0, 1], got {alpha.tolist()}")
     eps = 1e-5
 
     def scale(a, w_rows):
         a = np.maximum(np.asarray(a, np.float64), eps)
         w_rows = np.maximum(np.asarray(w_rows, np.float64), eps)
-        return np.clip(a**alpha / w_rows ** (1.0 - alpha), 1e-4, 1e4)
+        al = alpha.reshape(alpha.shape + (1,) * (a.ndim - 1)) if alpha.ndim else alpha
+        return np.clip(a**al / w_rows ** (1.0 - al), 1e-4, 1e4)
 
     def row_max(name):
         return np.abs(np.asarray(layers[name], np.float32)).max(axis=-1)  # [L, in]

@@ -8,13 +8,22 @@ import numpy as np
 import pytest
 
 from gsm_jax.config import GSMConfig
+from gsm_jax.errors import InvalidInputError
 from gsm_jax.models import llama
+from gsm_jax.models.linear import linear
 from gsm_jax.params import ModelParams
-from gsm_jax.quant import activation_absmax, quantize
+from gsm_jax.quant import (
+    activation_absmax,
+    activation_samples,
+    quantize,
+    smoothquant_scales,
+)
 from gsm_jax.quant_quality import (
     ReferenceKLD,
     Variant,
+    _w8a8_relative_error,
     calibrate_gsm_vs_reference,
+    local_smoothquant_alphas,
     quality_table,
     search_smoothquant_alphas,
     smoothquant_params,
@@ -59,6 +68,69 @@ def test_smoothquant_alpha_search_never_worse_than_its_start(tiny, tokens):
     assert min(t["kld"] for t in trials) == pytest.approx(
         ref(quantize(smoothquant_params(tiny, absmax, alphas), "w8a8")), rel=1e-5)
     assert trials[0]["kld"] >= min(t["kld"] for t in trials)
+
+
+def test_activation_samples_agree_with_absmax(tiny, tokens):
+    samples = activation_samples(tiny, tokens)
+    absmax = activation_absmax(tiny, tokens, batch_size=2)
+    for k, v in samples.items():
+        assert v.shape == (2, 4 * 24, absmax[k].shape[-1])
+        # one batch of 4 rows vs batches of 2: f32 rounding differs, nothing more
+        np.testing.assert_allclose(np.abs(v).max(axis=1), absmax[k], rtol=1e-5)
+
+
+def test_per_layer_alpha_equals_each_layer_at_its_own_alpha(tiny, tokens):
+    absmax = activation_absmax(tiny, tokens, batch_size=2)
+    both = smoothquant_scales(tiny, absmax, np.array([0.3, 0.8]))
+    for layer, a in enumerate((0.3, 0.8)):
+        one = smoothquant_scales(tiny, absmax, a)
+        for k in both:
+            np.testing.assert_allclose(both[k][layer], one[k][layer], rtol=1e-6)
+    for bad in (np.array([0.5, 0.5, 0.5]), np.array([0.5, 1.2]), -0.1):
+        with pytest.raises(InvalidInputError, match="alpha"):
+            smoothquant_scales(tiny, absmax, bad)
+
+
+def test_local_w8a8_error_is_the_error_of_the_int8_linear(tiny, tokens):
+    """The float emulation the per-layer search scores equals the real W8A8 `linear`
+    (int8 x int8 -> int32) on the migrated operands."""
+    samples = activation_samples(tiny, tokens)
+    absmax = activation_absmax(tiny, tokens, batch_size=2)
+    s = smoothquant_scales(tiny, absmax, 0.6)["down"]
+    x, w = samples["down"], np.asarray(tiny.weights["layers"]["down"], np.float32)
+    got = np.asarray(_w8a8_relative_error(x, w, s))
+    q = quantize(tiny, "w8a8").weights["layers"]["down"]
+    for layer in range(2):
+        qw = quantize(ModelParams({**tiny.weights, "layers": {
+            **tiny.weights["layers"], "down": w * s[:, :, None]}}, tiny.config, None),
+            "w8a8").weights["layers"]["down"][layer]
+        y = np.asarray(linear(x[layer] / s[layer], qw))
+        ref = x[layer] @ w[layer]
+        want = np.sum((y - ref) ** 2) / np.sum(ref**2)
+        assert got[layer] == pytest.approx(want, rel=1e-3)
+        assert q[layer].values.dtype == np.int8
+
+
+def test_local_alphas_pick_the_smallest_error_and_stay_exact_in_float(tiny, tokens):
+    samples = activation_samples(tiny, tokens)
+    absmax = activation_absmax(tiny, tokens, batch_size=2)
+    grid = (0.0, 0.5, 0.9)
+    alphas, errors = local_smoothquant_alphas(tiny, absmax, samples, grid=grid,
+                                              log=lambda m: None)
+    for k, e in errors.items():
+        assert e.shape == (2, 3) and np.all(e > 0)
+        chosen = [grid.index(a) for a in alphas[k]]
+        np.testing.assert_array_equal(e[np.arange(2), chosen], e.min(axis=1))
+    # the outlier channels (x12 on the norms) make migration pay at qkv and gate_up
+    assert errors["qkv"].min(axis=1).max() < errors["qkv"][:, 0].min()
+    sq = smoothquant_params(tiny, absmax, alphas)
+    assert "[" in sq.extra["smoothquant_alphas"]  # per-layer values recorded
+    ids = tokens[:2]
+    import gsm_jax
+
+    base = np.asarray(gsm_jax.forward(tiny, ids))
+    np.testing.assert_allclose(np.asarray(gsm_jax.forward(sq, ids)), base,
+                               atol=2e-5 * np.abs(base).max(), rtol=0)
 
 
 def test_gsm_calibration_against_reference(tiny, tokens):
