@@ -246,6 +246,16 @@ def _capture_layer_inputs(weights: dict, cfg: Any, tokens: jax.Array,
     return jax.lax.scan(body, x, weights["layers"])
 
 
+def _check_calibration(params: Any, tokens: Any) -> tuple[ModelParams, np.ndarray]:
+    params = _check_params(params)
+    if params.config.family != "llama" or quantization_of(params) is not None:
+        raise UnsupportedModelError("activation statistics need float Llama-family params")
+    tokens = np.asarray(tokens, np.int32)
+    if tokens.ndim != 2 or tokens.shape[0] < 1:
+        raise InvalidInputError(f"calibration tokens must be [N, T], got {tokens.shape}")
+    return params, tokens
+
+
 _capture_jit = jax.jit(_capture_layer_inputs, static_argnames=("cfg", "values"))
 
 
@@ -253,12 +263,7 @@ def activation_absmax(params: ModelParams, tokens: Any, *, batch_size: int = 8) 
     """Per layer and channel, max |x| at the inputs of qkv, o, gate_up and down over
     calibration token ids [N, T] (full rows; Llama family, float params):
     {"qkv": [L, D], "o": [L, H*hd], "gate_up": [L, D], "down": [L, d_ff]} float32."""
-    params = _check_params(params)
-    if params.config.family != "llama" or quantization_of(params) is not None:
-        raise UnsupportedModelError("activation statistics need float Llama-family params")
-    tokens = np.asarray(tokens, np.int32)
-    if tokens.ndim != 2 or tokens.shape[0] < 1:
-        raise InvalidInputError(f"calibration tokens must be [N, T], got {tokens.shape}")
+    params, tokens = _check_calibration(params, tokens)
     out: dict[str, jax.Array] | None = None
     for i in range(0, tokens.shape[0], batch_size):
         rows = tokens[i: i + batch_size]
@@ -276,12 +281,7 @@ def activation_samples(params: ModelParams, tokens: Any) -> dict:
     [N, T] (full rows; Llama family, float params): {"qkv": [L, N*T, D], "o":
     [L, N*T, H*hd], "gate_up": [L, N*T, D], "down": [L, N*T, d_ff]} float32, for
     layer-local searches (`gsm_jax.quant_quality.local_smoothquant_alphas`)."""
-    params = _check_params(params)
-    if params.config.family != "llama" or quantization_of(params) is not None:
-        raise UnsupportedModelError("activation samples need float Llama-family params")
-    tokens = np.asarray(tokens, np.int32)
-    if tokens.ndim != 2 or tokens.shape[0] < 1:
-        raise InvalidInputError(f"calibration tokens must be [N, T], got {tokens.shape}")
+    params, tokens = _check_calibration(params, tokens)
     lengths = jnp.full((tokens.shape[0],), tokens.shape[1], jnp.int32)
     _, inputs = _capture_jit(params.weights, params.config, jnp.asarray(tokens), lengths,
                              values=True)

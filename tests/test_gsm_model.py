@@ -6,6 +6,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
+from decode_checks import decode_and_teacher_forced
 
 import gsm_jax
 from gsm_jax import generation
@@ -63,13 +64,8 @@ def test_decode_equals_teacher_forced_with_gsm(tiny, overrides):
     """Incremental decode with GSM on == one forward pass over the same tokens (f32)."""
     cfg = gsm_jax.GSMConfig(**{**ALL, **overrides})
     rows = _rows(3, [5, 23, 40])  # ragged; the adaptive window grows past 4 in the long row
-    outs, logits = gsm_jax.generate_tokens(tiny, rows, max_new_tokens=40, eos_ids=[],
-                                           gsm=cfg, return_logits=True)
-    full = [r + [int(t) for t in o] for r, o in zip(rows, outs, strict=True)]
-    tf = np.asarray(gsm_jax.forward(tiny, full, gsm=cfg))
-    for i, (r, o) in enumerate(zip(rows, outs, strict=True)):
-        ref = tf[i, len(r) - 1 : len(r) - 1 + len(o)]
-        np.testing.assert_allclose(logits[i], ref, atol=1e-4 * np.abs(ref).max(), rtol=0)
+    for _, got, ref in decode_and_teacher_forced(tiny, rows, max_new_tokens=40, gsm=cfg):
+        np.testing.assert_allclose(got, ref, atol=1e-4 * np.abs(ref).max(), rtol=0)
 
 
 def test_decode_equals_teacher_forced_bf16_precision(smollm2):
@@ -79,13 +75,9 @@ def test_decode_equals_teacher_forced_bf16_precision(smollm2):
     cfg = gsm_jax.GSMConfig(target_layers="all", window_size="adaptive", protect_first=1)
     rows = [smollm2.tokenizer.encode("The capital of France is"),
             smollm2.tokenizer.encode("Once upon a time, there was")]
-    outs, logits = gsm_jax.generate_tokens(smollm2, rows, max_new_tokens=12, gsm=cfg,
-                                           return_logits=True)
-    full = [r + [int(t) for t in o] for r, o in zip(rows, outs, strict=True)]
-    tf = np.asarray(gsm_jax.forward(smollm2, full, gsm=cfg))
-    for i, (r, o) in enumerate(zip(rows, outs, strict=True)):
-        ref = tf[i, len(r) - 1 : len(r) - 1 + len(o)]
-        np.testing.assert_allclose(logits[i], ref, atol=1e-2 * np.abs(ref).max(), rtol=0)
+    for o, got, ref in decode_and_teacher_forced(smollm2, rows, max_new_tokens=12, gsm=cfg,
+                                                 eos_ids=None):
+        np.testing.assert_allclose(got, ref, atol=1e-2 * np.abs(ref).max(), rtol=0)
         np.testing.assert_array_equal(ref.argmax(-1), o)
 
 

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from decode_checks import decode_and_teacher_forced
 
 import gsm_jax
 from gsm_jax.gsm_runtime import kernel_impl
@@ -107,13 +108,8 @@ def test_quantized_decode_with_gsm_follows_teacher_forcing(tiny):
     q = quantize(tiny, "w8a8")
     cfg = gsm_jax.GSMConfig(**ALL)
     rows = _rows([5, 14], seed=2)
-    outs, logits = gsm_jax.generate_tokens(q, rows, max_new_tokens=12, eos_ids=[], gsm=cfg,
-                                           return_logits=True)
-    full = [r + [int(t) for t in o] for r, o in zip(rows, outs, strict=True)]
-    tf = np.asarray(gsm_jax.forward(q, full, gsm=cfg))
-    for i, (r, o) in enumerate(zip(rows, outs, strict=True)):
-        ref = tf[i, len(r) - 1: len(r) - 1 + len(o)]
-        np.testing.assert_allclose(logits[i], ref, atol=2e-2 * np.abs(ref).max(), rtol=0)
+    for _, got, ref in decode_and_teacher_forced(q, rows, max_new_tokens=12, gsm=cfg):
+        np.testing.assert_allclose(got, ref, atol=2e-2 * np.abs(ref).max(), rtol=0)
 
 
 def test_quantized_model_with_gsm_lowers_for_cuda_with_the_fused_kernel(tiny):
@@ -202,13 +198,8 @@ def test_deepseek_v4_quantized_gsm(dsv4_w8a8):
     scale = np.abs(ref).max()
     assert np.abs(ref - base).max() > 1e-4 * scale  # GSM is on
     assert np.abs(got - ref).max() <= 2e-2 * scale  # int8 flips at rounding boundaries
-    outs, logits = gsm_jax.generate_tokens(q, rows, max_new_tokens=10, eos_ids=[], gsm=cfg,
-                                           return_logits=True)
-    full = [r + [int(t) for t in o] for r, o in zip(rows, outs, strict=True)]
-    tf = np.asarray(gsm_jax.forward(q, full, gsm=cfg))
-    for i, (r, o) in enumerate(zip(rows, outs, strict=True)):
-        want = tf[i, len(r) - 1: len(r) - 1 + len(o)]
-        np.testing.assert_allclose(logits[i], want, atol=2e-2 * np.abs(want).max(), rtol=0)
+    for _, got, want in decode_and_teacher_forced(q, rows, max_new_tokens=10, gsm=cfg):
+        np.testing.assert_allclose(got, want, atol=2e-2 * np.abs(want).max(), rtol=0)
 
 
 def test_deepseek_v4_w8a8_gsm_lowers_for_cuda_with_the_fused_kernel(dsv4_w8a8):
