@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import functools
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -23,7 +22,14 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import bar_chart, machine_info, markdown_table, write_json, write_markdown  # noqa: E402
+from common import (  # noqa: E402
+    bar_chart,
+    interleaved,
+    machine_info,
+    markdown_table,
+    write_json,
+    write_markdown,
+)
 
 import gsm_jax  # noqa: E402
 from gsm_jax.families import family_module  # noqa: E402
@@ -33,18 +39,6 @@ from gsm_jax.pallas_kernels.reference import (  # noqa: E402
     smooth_prefill_reference,
 )
 from gsm_jax.smoothing import ring_from_prefill, smooth_decode, smooth_prefill  # noqa: E402
-
-
-def _interleaved(fns: dict[str, callable], repeats: int) -> dict[str, list[float]]:
-    """Call each fn once per round, in alternating order; return per-fn wall times."""
-    times = {k: [] for k in fns}
-    names = list(fns)
-    for r in range(repeats):
-        for name in names if r % 2 == 0 else names[::-1]:
-            t = time.perf_counter()
-            jax.block_until_ready(fns[name]())
-            times[name].append(time.perf_counter() - t)
-    return times
 
 
 def _decode_case(params, batch: int, gsm_cfg, repeats: int, context: int = 128):
@@ -73,7 +67,7 @@ def _decode_case(params, batch: int, gsm_cfg, repeats: int, context: int = 128):
     for f in fns.values():  # compile + warm up
         f()
         f()
-    return _interleaved(fns, repeats)
+    return interleaved(fns, repeats)
 
 
 def _prefill_case(params, gsm_cfg, repeats: int, length: int = 512, batch: int = 1):
@@ -94,7 +88,7 @@ def _prefill_case(params, gsm_cfg, repeats: int, length: int = 512, batch: int =
            "off": lambda: prefill(params.weights, gsm, False)}
     for f in fns.values():
         f()
-    return _interleaved(fns, repeats)
+    return interleaved(fns, repeats)
 
 
 def _kernel_cases(repeats: int) -> dict[str, dict[str, list[float]]]:
@@ -108,7 +102,7 @@ def _kernel_cases(repeats: int) -> dict[str, dict[str, list[float]]]:
     fns = {"xla": lambda: fast(x, pos, win, s, lo), "reference": lambda: ref(x, pos, win, s, lo)}
     for f in fns.values():
         f()
-    out["prefill [1,512,1536] w8"] = _interleaved(fns, repeats)
+    out["prefill [1,512,1536] w8"] = interleaved(fns, repeats)
 
     b = 16
     xs = jnp.asarray(rng.randn(b, 200, 1536), jnp.float32)
@@ -122,7 +116,7 @@ def _kernel_cases(repeats: int) -> dict[str, dict[str, list[float]]]:
            "reference": lambda: ref_d(x1, ring, p1, wb, sb, lo)[0]}
     for f in fns.values():
         f()
-    out["decode [16,1536] ring 64, w8"] = _interleaved(fns, repeats)
+    out["decode [16,1536] ring 64, w8"] = interleaved(fns, repeats)
     return out
 
 

@@ -21,7 +21,6 @@ import functools
 import glob
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import jax
@@ -31,6 +30,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
     bar_chart,
+    interleaved,
     load_average,
     machine_info,
     markdown_table,
@@ -59,17 +59,6 @@ EXPLAIN = {
                 "projection's input (the QuaRot-style baseline; SmoothQuant folds into "
                 "the weights and costs nothing)",
 }
-
-
-def _interleaved(fns: dict, repeats: int) -> dict[str, list[float]]:
-    times = {k: [] for k in fns}
-    names = list(fns)
-    for r in range(repeats):
-        for name in names if r % 2 == 0 else names[::-1]:
-            t = time.perf_counter()
-            jax.block_until_ready(fns[name]())
-            times[name].append(time.perf_counter() - t)
-    return times
 
 
 def build_variants(params, names) -> dict:
@@ -233,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
             jax.block_until_ready(f())
             jax.block_until_ready(f())
         loads[f"{case} before"] = load_average()
-        times = _interleaved(fns, repeats)
+        times = interleaved(fns, repeats)
         loads[f"{case} after"] = load_average()
         base = times.get("fp32")
         entry = {}

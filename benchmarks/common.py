@@ -52,6 +52,22 @@ def time_call(fn: Callable[[], Any]) -> tuple[float, Any]:
     return time.perf_counter() - start, result
 
 
+def interleaved(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[str, list[float]]:
+    """Call each fn once per round, alternating the order between rounds so every fn
+    sees the same background load; per-fn wall times (results waited for with
+    `jax.block_until_ready`)."""
+    import jax
+
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    names = list(fns)
+    for r in range(repeats):
+        for name in names if r % 2 == 0 else names[::-1]:
+            t = time.perf_counter()
+            jax.block_until_ready(fns[name]())
+            times[name].append(time.perf_counter() - t)
+    return times
+
+
 def summarize(values: Sequence[float | None]) -> dict[str, Any]:
     """Median (the headline number), min, max and the raw values.
 
