@@ -4,14 +4,10 @@ from __future__ import annotations
 
 import json
 
-import jax
-import numpy as np
 import pytest
+from tiny_models import saved_workflow_setup
 
-import gsm_jax
 from gsm_jax.cli import main
-from gsm_jax.models import llama
-from gsm_jax.params import ModelParams
 
 SMALL = ["--lambada", "none", "--greedy-prompts", "2", "--greedy-prompt-len", "8",
          "--greedy-tokens", "6", "--batch-size", "4", "--quiet"]
@@ -19,16 +15,7 @@ SMALL = ["--lambada", "none", "--greedy-prompts", "2", "--greedy-prompt-len", "8
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    root = tmp_path_factory.mktemp("qcli")
-    cfg = llama.LlamaConfig(vocab_size=96, hidden_size=48, intermediate_size=96, num_layers=3,
-                            num_heads=4, num_kv_heads=2, head_dim=12,
-                            max_position_embeddings=256)
-    w = jax.tree.map(lambda a: a * 20 if a.ndim > 1 else a,
-                     llama.init_weights(cfg, jax.random.key(5)))
-    model = gsm_jax.save(ModelParams(w, cfg, None, "tiny-cli"), root / "model")
-    tokens = np.random.default_rng(0).integers(0, 96, (8, 24)).astype(np.int32)
-    np.save(root / "tokens.npy", tokens)
-    return root, str(model), str(root / "tokens.npy")
+    return saved_workflow_setup(tmp_path_factory.mktemp("qcli"))
 
 
 def test_eval_profile_calibrate_with_quantize(setup, capsys):

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import json
 
-import jax
 import numpy as np
 import pytest
+from tiny_models import tiny_workflow_llama
 
 import gsm_jax
-from gsm_jax.models import llama
-from gsm_jax.params import ModelParams
 from gsm_jax.workflow.calibrate import (
     BudgetNotMetError,
     CalibrationResult,
@@ -27,12 +25,7 @@ SIZES = dict(num_sequences=6, seq_len=24, batch_size=4, greedy_prompts=2, greedy
 
 @pytest.fixture(scope="module")
 def tiny():
-    cfg = llama.LlamaConfig(vocab_size=96, hidden_size=48, intermediate_size=96, num_layers=3,
-                            num_heads=4, num_kv_heads=2, head_dim=12,
-                            max_position_embeddings=256)
-    w = llama.init_weights(cfg, jax.random.key(1))
-    w = jax.tree.map(lambda a: a * 20 if a.ndim > 1 else a, w)
-    return ModelParams(w, cfg, None, "tiny")
+    return tiny_workflow_llama()
 
 
 @pytest.fixture(scope="module")

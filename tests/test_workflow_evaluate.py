@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import jax
 import numpy as np
 import pytest
+from tiny_models import tiny_workflow_llama
 
 import gsm_jax
 from gsm_jax.errors import InvalidInputError
-from gsm_jax.models import llama
-from gsm_jax.params import ModelParams
 from gsm_jax.workflow import metrics
 from gsm_jax.workflow.evaluate import EvalResult, Evaluator, evaluate
 
@@ -20,13 +18,7 @@ GREEDY = dict(batch_size=4, greedy_prompts=2, greedy_prompt_len=8, greedy_tokens
 
 @pytest.fixture(scope="module")
 def tiny():
-    cfg = llama.LlamaConfig(vocab_size=96, hidden_size=48, intermediate_size=96, num_layers=3,
-                            num_heads=4, num_kv_heads=2, head_dim=12,
-                            max_position_embeddings=256)
-    w = llama.init_weights(cfg, jax.random.key(1))
-    # larger weights than the default init, so smoothing visibly changes the logits
-    w = jax.tree.map(lambda a: a * 20 if a.ndim > 1 else a, w)
-    return ModelParams(w, cfg, None, "tiny")
+    return tiny_workflow_llama()
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
+
 import jax
+import numpy as np
 
 from gsm_jax.params import ModelParams
 
@@ -20,3 +24,29 @@ def tiny_dsv4(seed: int = 0) -> ModelParams:
         compress_rate_csa=2, compress_rate_hca=4, index_n_heads=4, index_head_dim=16,
         index_topk=2, hc_mult=2, swiglu_limit=2.0, max_position_embeddings=128)
     return ModelParams(dv.init_weights(cfg, jax.random.key(seed)), cfg, None, source="tiny-dsv4")
+
+
+def tiny_workflow_llama(seed: int = 1) -> ModelParams:
+    """The workflow tests' Llama (3 layers, d=48): one config and shapes for all of
+    them, so its programs compile once per session; weights x20 so that smoothing
+    visibly changes the logits."""
+    from gsm_jax.models import llama
+
+    cfg = llama.LlamaConfig(vocab_size=96, hidden_size=48, intermediate_size=96, num_layers=3,
+                            num_heads=4, num_kv_heads=2, head_dim=12,
+                            max_position_embeddings=256)
+    w = jax.tree.map(lambda a: a * 20 if a.ndim > 1 else a,
+                     llama.init_weights(cfg, jax.random.key(seed)))
+    return ModelParams(w, cfg, None, "tiny")
+
+
+def saved_workflow_setup(root: Path) -> tuple[Path, str, str]:
+    """The workflow Llama (seed 5) saved with orbax under root/model, and 8 x 24 token
+    ids in root/tokens.npy: (root, model dir, tokens path) for the CLI tests."""
+    import gsm_jax
+
+    p = tiny_workflow_llama(seed=5)
+    model = gsm_jax.save(dataclasses.replace(p, source="tiny-cli"), root / "model")
+    tokens = np.random.default_rng(0).integers(0, 96, (8, 24)).astype(np.int32)
+    np.save(root / "tokens.npy", tokens)
+    return root, str(model), str(root / "tokens.npy")
