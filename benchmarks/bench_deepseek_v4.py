@@ -64,6 +64,7 @@ from common import (  # noqa: E402
     load_average,
     machine_info,
     markdown_table,
+    profile_breakdown,
     write_json,
     write_markdown,
 )
@@ -176,6 +177,21 @@ class JaxSide:
         jax.block_until_ready(self.step(self.weights, tok, cache))
         return {"prefill_compile_s": t_prefill, "decode_compile_s": time.perf_counter() - t}
 
+    def decode_profile(self, tokens: np.ndarray, steps: int = 5) -> dict[str, dict]:
+        """ms per decode step by named scope (layers merged) and by kind of op, from
+        profiler traces."""
+        lengths = jnp.full((tokens.shape[0],), tokens.shape[1], jnp.int32)
+        tok, cache, _ = self.prefill(self.weights, jnp.asarray(tokens), lengths)
+        hlo = self.step.lower(self.weights, tok, cache).compile().as_text()
+        state = {"tok": tok, "cache": cache}
+
+        def step():
+            state["tok"], state["cache"] = self.step(self.weights, state["tok"], state["cache"])
+            return state["tok"]
+
+        return {"by_scope": profile_breakdown(step, steps, hlo_text=hlo),
+                "by_kind": profile_breakdown(step, steps)}
+
     def run(self, tokens: np.ndarray, new_tokens: int):
         lengths = jnp.full((tokens.shape[0],), tokens.shape[1], jnp.int32)
         tokens = jnp.asarray(tokens)
@@ -224,6 +240,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--profile", action="store_true",
+                    help="also split gsm_jax's decode step by named scope (one traced pass)")
     ap.add_argument("--threads", type=int, default=None,
                     help="threads per side (default: the libraries' defaults, all cores)")
     args = ap.parse_args()
@@ -272,6 +290,13 @@ def main() -> None:
                 "decode_tok_s": batch * (args.new_tokens - 1) / t_dec,
                 "raw": [{"prefill_s": a, "decode_s": b} for a, b in ts],
             }
+        if args.profile:
+            prof = jax_side.decode_profile(tokens)
+            entry["gsm_jax"]["decode_profile_ms"] = prof["by_scope"]
+            entry["gsm_jax"]["decode_profile_kind_ms"] = prof["by_kind"]
+            top = list(prof["by_scope"].items())[:6] + list(prof["by_kind"].items())[:3]
+            print("  decode step by scope (ms): "
+                  + ", ".join(f"{k} {v:.2f}" for k, v in top), flush=True)
         for kind in ("prefill_tok_s", "decode_tok_s"):
             entry[kind.replace("tok_s", "speedup")] = (entry["gsm_jax"][kind]
                                                        / entry["transformers"][kind])
@@ -296,6 +321,22 @@ def main() -> None:
             f"{args.prompt_tokens}-token prompts, {args.new_tokens} new tokens, {threads}\n\n"
             f"{info.get('cpu_model', '')} ({info.get('cpu_count', '')} CPUs), "
             f"load average at the end {load_average()}\n\n{table}")
+    profiled = [r for r in results if "decode_profile_ms" in r["gsm_jax"]]
+    if profiled:
+        scopes = list(dict.fromkeys(k for r in profiled for k, v in
+                                    r["gsm_jax"]["decode_profile_ms"].items()
+                                    if v >= 0.01 * sum(r["gsm_jax"]["decode_profile_ms"].values())))
+        text += ("\n\n## gsm_jax decode step by named scope (ms per step, layers merged; "
+                 "scopes under 1% left out)\n\n")
+        text += markdown_table(["scope", *[f"batch {r['batch']}" for r in profiled]],
+                               [[s, *[r["gsm_jax"]["decode_profile_ms"].get(s) for r in profiled]]
+                                for s in scopes])
+        kinds = list(dict.fromkeys(k for r in profiled
+                                   for k in r["gsm_jax"]["decode_profile_kind_ms"]))
+        text += "\n\nThe same steps by kind of op (ms per step):\n\n"
+        text += markdown_table(["kind", *[f"batch {r['batch']}" for r in profiled]],
+                               [[k, *[r["gsm_jax"]["decode_profile_kind_ms"].get(k)
+                                      for r in profiled]] for k in kinds])
     write_markdown(out / "results.md", text)
     try:
         bar_chart(out / "results.png", [f"batch {r[0]}" for r in rows],

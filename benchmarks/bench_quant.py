@@ -16,11 +16,8 @@ matmuls, ...), which is what says where each difference comes from.
 from __future__ import annotations
 
 import argparse
-import collections
 import functools
-import glob
 import sys
-import tempfile
 from pathlib import Path
 
 import jax
@@ -34,6 +31,7 @@ from common import (  # noqa: E402
     load_average,
     machine_info,
     markdown_table,
+    profile_breakdown,
     summarize,
     write_json,
     write_markdown,
@@ -125,55 +123,6 @@ def prefill_fns(variants: dict, batch: int, length: int, gsm_cfg) -> dict:
 
 
 # ----------------------------------------------------------------------------- profile
-
-
-def _category(name: str) -> str:
-    n = name.lower()
-    if "dynamic-slice" in n or "dynamic_slice" in n:
-        return "weight slice copy"
-    if n.startswith("dot") or "ynn_fusion" in n or "xnn" in n:
-        return "matmul (dot / library fusion)"
-    if n.startswith("convert"):
-        return "convert"
-    if "transpose" in n or n.startswith("copy"):
-        return "copy / transpose"
-    if n.startswith(("fusion", "loop", "input", "reduce", "multiply", "add", "select",
-                     "scatter", "gather", "concatenate", "broadcast", "exponential",
-                     "divide", "subtract", "rsqrt", "wrapped", "bitcast", "negate",
-                     "compare", "maximum", "minimum", "round", "clamp", "slice", "pad",
-                     "iota", "sort", "and", "or", "log", "sine", "cosine", "tanh")):
-        return "elementwise / other fusions"
-    return "other"
-
-
-_SKIP = ("ThunkExecutor", "while", "PjitFunction", "Execute", "$")
-
-
-def profile_breakdown(fn, steps: int = 3) -> dict[str, float]:
-    """ms per call by op category, from a jax.profiler trace of `steps` calls."""
-    from jax.profiler import ProfileData
-
-    jax.block_until_ready(fn())
-    with tempfile.TemporaryDirectory() as d:
-        with jax.profiler.trace(d):
-            for _ in range(steps):
-                jax.block_until_ready(fn())
-        files = glob.glob(f"{d}/**/*.xplane.pb", recursive=True)
-        if not files:
-            return {}
-        data = ProfileData.from_file(files[-1])
-        totals: dict[str, float] = collections.Counter()
-        for plane in data.planes:
-            if not plane.name.startswith("/host:CPU") and not plane.name.startswith("/device"):
-                continue
-            for line in plane.lines:
-                if line.name.startswith("python"):
-                    continue
-                for ev in line.events:
-                    if ev.name.startswith(_SKIP):
-                        continue
-                    totals[_category(ev.name)] += ev.duration_ns / 1e6 / steps
-    return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
 
 
 # ----------------------------------------------------------------------------- main

@@ -10,11 +10,13 @@
 
 from __future__ import annotations
 
+import collections
 import datetime as _dt
 import importlib.metadata
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -66,6 +68,76 @@ def interleaved(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[str, li
             jax.block_until_ready(fns[name]())
             times[name].append(time.perf_counter() - t)
     return times
+
+
+def _category(name: str) -> str:
+    n = name.lower()
+    if "dynamic-slice" in n or "dynamic_slice" in n:
+        return "weight slice copy"
+    if n.startswith("dot") or "ynn_fusion" in n or "xnn" in n:
+        return "matmul (dot / library fusion)"
+    if n.startswith("convert"):
+        return "convert"
+    if "transpose" in n or n.startswith("copy"):
+        return "copy / transpose"
+    if n.startswith(("fusion", "loop", "input", "reduce", "multiply", "add", "select",
+                     "scatter", "gather", "concatenate", "broadcast", "exponential",
+                     "divide", "subtract", "rsqrt", "wrapped", "bitcast", "negate",
+                     "compare", "maximum", "minimum", "round", "clamp", "slice", "pad",
+                     "iota", "sort", "and", "or", "log", "sine", "cosine", "tanh")):
+        return "elementwise / other fusions"
+    return "other"
+
+
+_SKIP = ("ThunkExecutor", "while", "PjitFunction", "Execute", "$")
+
+
+def _scope_of(hlo_text: str) -> Callable[[str], str]:
+    """Event name (an HLO instruction of the compiled program) -> its named scope, with
+    per-layer indices and module method names stripped, two levels deep."""
+    scopes: dict[str, str] = {}
+    for m in re.finditer(r"^\s*%?([\w.\-]+) = [^\n]*?op_name=\"([^\"]*)\"", hlo_text, re.M):
+        path = re.sub(r"^jit\([^)]*\)/", "", m.group(2))
+        path = re.sub(r"(^|/)layer_\d+(?=/)", r"\1", path)
+        parts = [p for p in path.split("/")[:-1]  # the last part names the primitive
+                 if p and not re.match(r"^([A-Z]\w*\.\w+|jit\(.*\))$", p)]
+        scopes[m.group(1)] = "/".join(parts[:2]) or "(top level)"
+    return lambda name: scopes.get(name, "(runtime, outside the program)")
+
+
+def profile_breakdown(fn: Callable[[], Any], steps: int = 3, *,
+                      hlo_text: str | None = None) -> dict[str, float]:
+    """ms per call from a jax.profiler trace of `steps` calls of fn, by kind of op; or,
+    given the compiled program's text (`jitted.lower(...).compile().as_text()`), by
+    `jax.named_scope` (layers merged)."""
+    import glob
+    import tempfile
+
+    import jax
+    from jax.profiler import ProfileData
+
+    key = _category if hlo_text is None else _scope_of(hlo_text)
+    jax.block_until_ready(fn())
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d):
+            for _ in range(steps):
+                jax.block_until_ready(fn())
+        files = glob.glob(f"{d}/**/*.xplane.pb", recursive=True)
+        if not files:
+            return {}
+        data = ProfileData.from_file(files[-1])
+        totals: dict[str, float] = collections.Counter()
+        for plane in data.planes:
+            if not plane.name.startswith("/host:CPU") and not plane.name.startswith("/device"):
+                continue
+            for line in plane.lines:
+                if line.name.startswith("python"):
+                    continue
+                for ev in line.events:
+                    if ev.name.startswith(_SKIP):
+                        continue
+                    totals[key(ev.name)] += ev.duration_ns / 1e6 / steps
+    return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
 
 
 def summarize(values: Sequence[float | None]) -> dict[str, Any]:
