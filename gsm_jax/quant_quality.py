@@ -448,9 +448,11 @@ def report_section(quality: dict | None, speed: dict | None, *,
             lines.append(text)
         out.append(" ".join(lines) + "\n")
         if cfg:
-            out.append(f"_Command: `python benchmarks/quant_quality.py --eval-sequences "
-                       f"{cfg.get('eval_sequences')} --lambada-samples "
-                       f"{cfg.get('lambada_samples')}`._\n")
+            opts = {"eval_sequences": 32, "lambada_samples": None, "screen_sequences": 4,
+                    "local_sequences": 4}
+            flags = " ".join(f"--{k.replace('_', '-')} {cfg[k]}" for k, default in opts.items()
+                             if k in cfg and (default is None or cfg[k] != default))
+            out.append(f"_Command: `python benchmarks/quant_quality.py {flags}`._\n")
     if speed is None:
         out.append("_Speed table not run (`python benchmarks/bench_quant.py`)._\n")
         return "\n".join(out)
