@@ -102,7 +102,7 @@ def _scope_of(hlo_text: str) -> Callable[[str], str]:
         parts = [p for p in path.split("/")[:-1]  # the last part names the primitive
                  if p and not re.match(r"^([A-Z]\w*\.\w+|jit\(.*\))$", p)]
         scopes[m.group(1)] = "/".join(parts[:2]) or "(top level)"
-    return lambda name: scopes.get(name, "(runtime, outside the program)")
+    return lambda name: scopes.get(name, "(events not matched to a scope)")
 
 
 def profile_breakdown(fn: Callable[[], Any], steps: int = 3, *,

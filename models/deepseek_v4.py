@@ -880,9 +880,13 @@ class Attention(nn.Module):
         attn = apply_rope(attn, cos[:, :, None], -sin[:, :, None])
         b, t = attn.shape[:2]
         flat, ring = smooth(attn.reshape(b, t, -1))  # GSM site attn_out
-        grouped = flat.reshape(b, t, cfg.o_groups, -1)
-        low = jnp.einsum("btgi,gio->btgo", grouped, self.o_a.astype(flat.dtype))
-        return linear(low.reshape(b, t, -1), self.o_b), ring
+        grouped = flat.reshape(b * t, cfg.o_groups, -1)
+        # per group g: [B*T, I] @ o_a[g]; as a dot_general with g as the batch dimension
+        # of both operands XLA:CPU ran it 2.8x faster at batch-8 decode than the einsum
+        low = jax.lax.dot_general(grouped, self.o_a.astype(flat.dtype),
+                                  (((2,), (1,)), ((1,), (0,))))  # [G, B*T, O]
+        low = jnp.swapaxes(low, 0, 1).reshape(b, t, -1)
+        return linear(low, self.o_b), ring
 
     def prefill(self, x, positions, smooth):
         """Whole right-padded prompts x [B,T,D] -> (out [B,T,D], cache sequences, GSM ring).
