@@ -473,8 +473,11 @@ def report_section(quality: dict | None, speed: dict | None, *,
     out.append(f"Speed in one run, variants interleaved (tokens/s at the median step; in "
                f"brackets the ratio to fp32 from medians and from minimums). "
                f"{m.get('cpu_count')} CPUs ({m.get('cpu_model')}), load average at the start "
-               f"{loads.get('start')}: the machine was shared, so medians carry noise and "
-               "the minimums are the least disturbed samples.\n")
+               f"{loads.get('start')}"
+               + (": otherwise idle; the minimums are the least disturbed samples.\n"
+                  if loads.get("start") and loads["start"][0] < 1.5 else
+                  ": the machine was shared, so medians carry noise and the minimums are the "
+                  "least disturbed samples.\n"))
     out.append(header + "\n" + "\n".join(body) + "\n")
     if figures.get("speed"):
         out.append(f"![INT8 speed]({figures['speed']})\n")
