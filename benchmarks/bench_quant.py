@@ -46,9 +46,9 @@ VARIANTS = ("fp32", "w8a16", "w8a8", "w8a8+gsm", "w8a8+had")
 EXPLAIN = {
     "fp32": "baseline: f32 weights (4 bytes/weight read every decode step)",
     "w8a16": "int8 weights, per-channel scale; activations f32 (1 byte/weight from memory). "
-             "Batch 1 on CPU: the f32 activation is expanded into three exact int8 digits so "
-             "the int8 GEMM reads the stored int8 weight directly; larger products convert "
-             "each layer's weight to f32 in cache before an f32 dot",
+             "XLA:CPU converts each layer's int8 weight to f32 in cache (fused with the "
+             "copy of the layer's slice that f32 weights pay at 4x the bytes) before an f32 "
+             "dot",
     "w8a8": "int8 weights and per-token int8 activations; int8 x int8 -> int32 dot, "
             "rescaled (1 byte/weight, integer dot)",
     "w8a8+gsm": "w8a8 with the GSM filter at both sites of every layer (window 8, "

@@ -32,10 +32,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from gsm_jax.pallas_kernels.quant_reference import int8_dot, quantize_rows, quantize_with_scale
+from gsm_jax.pallas_kernels.quant_reference import int8_dot, quantize_rows
 
 SCHEMES = ("w8a16", "w8a8")
-DIGIT_RATIO = 252.0  # scale ratio of successive int8 digits (see `_int8_digits`)
 
 
 @struct.dataclass
@@ -147,49 +146,18 @@ def hadamard_rotate(x: jax.Array, block: int, axis: int = -1) -> jax.Array:
 # ----------------------------------------------------------------------------- products
 
 
-def _int8_digits(x: jax.Array, digits: int = 3) -> tuple[jax.Array, jax.Array]:
-    """x [..., K] as sum_k q_k * s_k per token with int8 q_k and s_k = s_0 / 252**k,
-    s_0 = absmax / 127: (q [digits, ..., K], s [digits, ...]). Every residual is at
-    most half a step of its digit (a little more after float rounding), which the next
-    digit covers without clipping since 252 < 254; 3 digits leave an error of at most
-    absmax / 127 / 2 / 252**2 = 6.2e-8 * absmax per element: float32 precision,
-    measured against the token's largest element."""
-    r = x.astype(jnp.float32)
-    _, s = quantize_rows(r)
-    qs, ss = [], []
-    for _ in range(digits):
-        q = quantize_with_scale(r, s[..., None])
-        qs.append(q)
-        ss.append(s)
-        r = r - q.astype(jnp.float32) * s[..., None]
-        s = s / DIGIT_RATIO
-    return jnp.stack(qs), jnp.stack(ss)
-
-
 def _w8a16_matmul(x: jax.Array, w: QuantizedWeight) -> jax.Array:
     """(x @ values) * scale: the product with the dequantized weight, activations float.
 
-    Generic form: the int8 values converted to x's dtype for the product, the
-    per-channel scale applied after it. XLA:GPU fuses the convert into the GEMM.
-    XLA:CPU writes the converted layer weight to a temporary (fused with the layer's
-    slice of the stacked weights) and runs its dot on that.
-
-    CPU, one row (decode at batch 1): that convert pass costs about as much as the
-    product itself, so x is instead expanded into three int8 digits (`_int8_digits`,
-    float32 precision) and multiplied by the int8 weight as stored, on the int8 GEMM
-    (the Ozaki-scheme idea: a wide product from exact narrow ones); the three exact
-    int32 results are recombined in float32. Measured on the shared 2-core CPU
-    (SmolLM2-shaped linears, 30 layers, batch 1): 18.8 ms -> 16.2 ms (fp32 32.8 ms).
-    Three rows instead of one cost nothing in a memory-bound product; from a few rows
-    on they do, so larger products keep the generic form.
+    The int8 values are converted to x's dtype for the product and the per-channel
+    scale is applied after it. XLA:GPU fuses the convert into the GEMM; XLA:CPU
+    fuses it with the copy of the layer's slice out of the stacked weights (which a
+    float weight pays too, at four times the bytes) and runs its dot on the result.
+    Tried for one row (decode at batch 1) and dropped: x expanded into three int8
+    digits on the int8 GEMM kernel (f32 precision) was slower on an idle machine,
+    21.6 vs 19.4 ms per SmolLM2 step (fp32 28.5 ms): at 3 rows that kernel is
+    compute-limited (~48 GMAC/s), not memory-bound.
     """
-    rows = int(np.prod(x.shape[:-1], dtype=np.int64))
-    if rows == 1 and jax.default_backend() == "cpu":
-        q, s = _int8_digits(x.reshape(1, x.shape[-1]))
-        acc = int8_dot(q.reshape(-1, x.shape[-1]), w.values).astype(jnp.float32)
-        acc = acc * s.reshape(-1, 1)  # [digits, out]
-        y = ((acc[2] + acc[1]) + acc[0]).reshape(x.shape[:-1] + (acc.shape[-1],))
-        return (y * w.scale).astype(x.dtype)
     y = x @ w.values.astype(x.dtype)
     return y * w.scale.astype(x.dtype)
 
