@@ -3,26 +3,21 @@ per-request decisions, and no recompilation when the config changes."""
 
 from __future__ import annotations
 
-import jax
 import numpy as np
 import pytest
 from decode_checks import decode_and_teacher_forced
+from tiny_models import tiny_gsm_llama
 
 import gsm_jax
 from gsm_jax import generation
 from gsm_jax.config import rollout_value
-from gsm_jax.models import llama
-from gsm_jax.params import ModelParams
 
 ALL = dict(target_layers="all", smooth_strength=0.3, precision="f32")
 
 
 @pytest.fixture(scope="module")
 def tiny():
-    cfg = llama.LlamaConfig(vocab_size=96, hidden_size=48, intermediate_size=80, num_layers=3,
-                            num_heads=4, num_kv_heads=2, head_dim=12,
-                            max_position_embeddings=512, eos_token_ids=(3,))
-    return ModelParams(llama.init_weights(cfg, jax.random.key(7)), cfg, None, "tiny")
+    return tiny_gsm_llama()
 
 
 def _rows(n: int, lengths, seed: int = 0, vocab: int = 96):

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from decode_checks import decode_and_teacher_forced
+from tiny_models import tiny_gsm_llama
 
 import gsm_jax
 from gsm_jax.gsm_runtime import kernel_impl
@@ -15,7 +16,6 @@ from gsm_jax.models import gsm_sites, llama
 from gsm_jax.models.gsm_sites import ATTN_OUT, GSMInputs
 from gsm_jax.models.linear import QuantizedActivation, linear
 from gsm_jax.pallas_kernels.quant_reference import quantize_rows
-from gsm_jax.params import ModelParams
 from gsm_jax.quant import quantize
 from gsm_jax.smoothing import smooth_prefill
 
@@ -24,10 +24,7 @@ ALL = dict(target_layers="all", smooth_strength=0.3, precision="f32", window_siz
 
 @pytest.fixture(scope="module")
 def tiny():
-    cfg = llama.LlamaConfig(vocab_size=96, hidden_size=48, intermediate_size=80, num_layers=3,
-                            num_heads=4, num_kv_heads=2, head_dim=12,
-                            max_position_embeddings=512, eos_token_ids=(3,))
-    return ModelParams(llama.init_weights(cfg, jax.random.key(7)), cfg, None, "tiny")
+    return tiny_gsm_llama()
 
 
 def _rows(lengths, seed: int = 0, vocab: int = 96):

@@ -50,3 +50,13 @@ def saved_workflow_setup(root: Path) -> tuple[Path, str, str]:
     tokens = np.random.default_rng(0).integers(0, 96, (8, 24)).astype(np.int32)
     np.save(root / "tokens.npy", tokens)
     return root, str(model), str(root / "tokens.npy")
+
+
+def tiny_gsm_llama(seed: int = 7) -> ModelParams:
+    """The GSM and INT8 model tests' Llama (3 layers, d=48, EOS 3), default init scale."""
+    from gsm_jax.models import llama
+
+    cfg = llama.LlamaConfig(vocab_size=96, hidden_size=48, intermediate_size=80, num_layers=3,
+                            num_heads=4, num_kv_heads=2, head_dim=12,
+                            max_position_embeddings=512, eos_token_ids=(3,))
+    return ModelParams(llama.init_weights(cfg, jax.random.key(seed)), cfg, None, "tiny")
