@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gsm_jax.config import GSMConfig
+from gsm_jax.errors import InvalidInputError
 from gsm_jax.families import family_module
 from gsm_jax.gsm_runtime import gsm_inputs_for_batch
 from gsm_jax.models.gsm_sites import SITES
@@ -163,6 +164,13 @@ def local_smoothquant_alphas(ref: ModelParams, act_absmax: dict, samples: dict, 
     scales. Returns ({kind: alphas [L]}, {kind: relative errors [L, len(grid)]}).
     """
     w = ref.weights["layers"]
+    for k in SMOOTHQUANT_LINEARS:
+        want = (ref.config.num_layers, w[k].shape[-2])
+        got = np.shape(samples.get(k)) if k in samples else None
+        if got is None or len(got) != 3 or (got[0], got[2]) != want:
+            raise InvalidInputError(
+                f"activation samples for {k!r} must be [layers, tokens, in] with layers, in = "
+                f"{want} (gsm_jax.quant.activation_samples), got {got}")
     errors = {k: np.zeros((ref.config.num_layers, len(grid))) for k in SMOOTHQUANT_LINEARS}
     for j, a in enumerate(grid):
         scales = smoothquant_scales(ref, act_absmax, a)
@@ -262,20 +270,22 @@ def calibrate_gsm_vs_reference(params: ModelParams, kld: ReferenceKLD, *,
         return {"config": None, "kld": none, "kld_without_gsm": none,
                 "kld_without_gsm_screen": none_screen, "history": history,
                 "seconds": time.perf_counter() - t0}
-    for s in strengths:
-        if s == strength:
-            continue
-        k = kld(params, _config(chosen, base, smooth_strength=s, window_size=window))
-        history.append({"step": "strength", "strength": s, "kld": k})
-        if k < best:
-            best, strength = k, s
-    for w in windows:
-        if w == window:
-            continue
-        k = kld(params, _config(chosen, base, smooth_strength=strength, window_size=w))
-        history.append({"step": "window", "window": w, "kld": k})
-        if k < best:
-            best, window = k, w
+
+    def sweep(step: str, key: str, values: Sequence[Any], current: Any, **fixed) -> Any:
+        """Try config `key` at each value (the others fixed); keep the best; history
+        records each trial as {"step": step, step: value, "kld": ...}."""
+        nonlocal best
+        for v in values:
+            if v == current:
+                continue
+            k = kld(params, _config(chosen, base, **fixed, **{key: v}))
+            history.append({"step": step, step: v, "kld": k})
+            if k < best:
+                best, current = k, v
+        return current
+
+    strength = sweep("strength", "smooth_strength", strengths, strength, window_size=window)
+    window = sweep("window", "window_size", windows, window, smooth_strength=strength)
     cfg = _config(chosen, base, smooth_strength=strength, window_size=window)
     log(f"  calibrated GSM: {len(chosen)} pairs, strength {strength}, window {window}: "
         f"KLD {best:.5f} (without GSM {none:.5f})")

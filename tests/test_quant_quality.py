@@ -187,3 +187,14 @@ def test_smoothquant_params_save_and_load(tiny, tokens, tmp_path):
     assert back.extra == sq.extra
     np.testing.assert_array_equal(np.asarray(gsm_jax.forward(back, tokens[:1])),
                                   np.asarray(gsm_jax.forward(sq, tokens[:1])))
+
+
+def test_local_alphas_refuse_samples_of_the_wrong_shape(tiny, tokens):
+    absmax = activation_absmax(tiny, tokens, batch_size=2)
+    samples = activation_samples(tiny, tokens)
+    with pytest.raises(InvalidInputError, match="'down'"):
+        local_smoothquant_alphas(tiny, absmax, {**samples, "down": samples["down"][:1]},
+                                 log=lambda m: None)
+    with pytest.raises(InvalidInputError, match="'o'"):
+        local_smoothquant_alphas(tiny, absmax, {k: v for k, v in samples.items() if k != "o"},
+                                 log=lambda m: None)
