@@ -147,6 +147,13 @@ def _tokenizer_from_state(state: dict | None) -> Any:
     return tok
 
 
+def _storage_layout(params: ModelParams) -> dict:
+    """The weights as saved: a family with two layouts (Llama: per-layer arrays at run
+    time, stacked [L, ...]) saves them stacked, so files do not depend on the layout."""
+    stack = getattr(family_module(params.config.family), "stack_layers", None)
+    return params.weights if stack is None else stack(params.weights)
+
+
 def save(params: ModelParams, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
     """Write weights (orbax) plus config and tokenizer (JSON) to a new directory."""
     import orbax.checkpoint as ocp
@@ -158,7 +165,7 @@ def save(params: ModelParams, path: str | os.PathLike, *, overwrite: bool = Fals
         raise InvalidInputError(f"{path} exists and is not empty; pass overwrite=True")
     path.mkdir(parents=True, exist_ok=True)
     ckpt = ocp.StandardCheckpointer()
-    ckpt.save(path / "weights", params.weights, force=True)
+    ckpt.save(path / "weights", _storage_layout(params), force=True)
     ckpt.wait_until_finished()
     meta = {
         "format": "gsm-jax/checkpoint/v1",
@@ -201,6 +208,9 @@ def _load_saved(path: Path, dtype: Any, progress: bool) -> ModelParams:
         weights = jax.tree.map(
             lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, weights
         )
+    unstack = getattr(family, "unstack_layers", None)
+    if unstack is not None:
+        weights = unstack(weights)
     params = ModelParams(weights, cfg, _tokenizer_from_state(meta.get("tokenizer")),
                          source=meta.get("source", str(path)), extra=meta.get("extra") or {})
     if params.extra.get("quantization"):

@@ -115,6 +115,21 @@ def _fake_quant_cols(w: jax.Array) -> jax.Array:
     return dequantize_weight(values, scale).astype(w.dtype)
 
 
+def stacked_weights(params: ModelParams) -> tuple[dict, bool]:
+    """Llama-family weights with stacked [L, ...] layers (what quantization and
+    SmoothQuant compute on), and whether params held per-layer arrays instead."""
+    from gsm_jax.models.llama import is_per_layer, stack_layers
+
+    return stack_layers(dict(params.weights)), is_per_layer(params.weights)
+
+
+def _in_layout(weights: dict, per_layer: bool) -> dict:
+    """`weights` (stacked) back in the layout `stacked_weights` found."""
+    from gsm_jax.models.llama import unstack_layers
+
+    return unstack_layers(weights) if per_layer else weights
+
+
 # ----------------------------------------------------------------------------- quantize
 
 
@@ -136,6 +151,7 @@ def quantize(params: ModelParams, scheme: str = "w8a8", *, head: bool = False,
     family = params.config.family
     w = dict(params.weights)
     if family == "llama":
+        w, per_layer = stacked_weights(params)
         layers = dict(w["layers"])
         for name in LLAMA_LINEARS:
             block = hadamard_down if name == "down" else 0
@@ -144,7 +160,7 @@ def quantize(params: ModelParams, scheme: str = "w8a8", *, head: bool = False,
                     f"hadamard_down={block} must be a power of two dividing "
                     f"intermediate_size={layers[name].shape[-2]}")
             layers[name] = _q(layers[name], scheme, block)
-        w["layers"] = layers
+        w = _in_layout({**w, "layers": layers}, per_layer)
     elif family == "deepseek_v4":
         if hadamard_down:
             raise UnsupportedModelError("hadamard_down is implemented for the Llama family only")
@@ -264,6 +280,7 @@ def activation_absmax(params: ModelParams, tokens: Any, *, batch_size: int = 8) 
     calibration token ids [N, T] (full rows; Llama family, float params):
     {"qkv": [L, D], "o": [L, H*hd], "gate_up": [L, D], "down": [L, d_ff]} float32."""
     params, tokens = _check_calibration(params, tokens)
+    weights, _ = stacked_weights(params)
     out: dict[str, jax.Array] | None = None
     for i in range(0, tokens.shape[0], batch_size):
         rows = tokens[i: i + batch_size]
@@ -271,7 +288,7 @@ def activation_absmax(params: ModelParams, tokens: Any, *, batch_size: int = 8) 
         if real < batch_size and tokens.shape[0] > batch_size:  # keep one compiled shape
             rows = np.concatenate([rows, np.repeat(rows[-1:], batch_size - real, axis=0)])
         lengths = jnp.full((rows.shape[0],), rows.shape[1], jnp.int32)
-        _, stats = _capture_jit(params.weights, params.config, jnp.asarray(rows), lengths)
+        _, stats = _capture_jit(weights, params.config, jnp.asarray(rows), lengths)
         out = stats if out is None else jax.tree.map(jnp.maximum, out, stats)
     return {k: np.asarray(v, np.float32) for k, v in out.items()}
 
@@ -283,8 +300,8 @@ def activation_samples(params: ModelParams, tokens: Any) -> dict:
     layer-local searches (`gsm_jax.quant_quality.local_smoothquant_alphas`)."""
     params, tokens = _check_calibration(params, tokens)
     lengths = jnp.full((tokens.shape[0],), tokens.shape[1], jnp.int32)
-    _, inputs = _capture_jit(params.weights, params.config, jnp.asarray(tokens), lengths,
-                             values=True)
+    weights, _ = stacked_weights(params)
+    _, inputs = _capture_jit(weights, params.config, jnp.asarray(tokens), lengths, values=True)
     return {k: np.asarray(v, np.float32).reshape(v.shape[0], -1, v.shape[-1])
             for k, v in inputs.items()}
 
@@ -294,7 +311,7 @@ def smoothquant_scales(params: ModelParams, act_absmax: dict, alpha: Any = 0.5) 
     scales are shared by the query heads of one kv head, so they fold into V.
 
     alpha: one float for every layer, or one per layer ([L])."""
-    cfg, layers = params.config, params.weights["layers"]
+    cfg, layers = params.config, stacked_weights(params)[0]["layers"]
     alpha = np.asarray(alpha, np.float64)
     if alpha.ndim > 1 or (alpha.ndim == 1 and alpha.shape[0] != cfg.num_layers):
         raise InvalidInputError(f"SmoothQuant alpha must be a float or one per layer "
@@ -330,15 +347,16 @@ def apply_smoothquant(params: ModelParams, scales: dict) -> ModelParams:
     cfg = params.config
     if quantization_of(params) is not None:
         raise InvalidInputError("SmoothQuant migrates float params; apply it before quantize()")
-    dtype = params.weights["layers"]["qkv"].dtype
-    f32 = {k: np.asarray(v, np.float32) for k, v in params.weights["layers"].items()}
+    stacked, per_layer = stacked_weights(params)
+    dtype = stacked["layers"]["qkv"].dtype
+    f32 = {k: np.asarray(v, np.float32) for k, v in stacked["layers"].items()}
     s_qkv, s_gu, s_o, s_down, s_v = (scales[k] for k in ("qkv", "gate_up", "o", "down", "v"))
     qkv = f32["qkv"] * s_qkv[:, :, None]
     v0 = cfg.q_size + cfg.kv_size
     qkv[:, :, v0:] /= s_v[:, None, :]
     gate_up = f32["gate_up"] * s_gu[:, :, None]
     gate_up[:, :, cfg.intermediate_size:] /= s_down[:, None, :]
-    new = dict(params.weights["layers"])
+    new = dict(stacked["layers"])
     new["attn_norm"] = f32["attn_norm"] / s_qkv
     new["ffn_norm"] = f32["ffn_norm"] / s_gu
     new["qkv"] = qkv
@@ -352,7 +370,7 @@ def apply_smoothquant(params: ModelParams, scales: dict) -> ModelParams:
     for k in ("attn_norm", "ffn_norm", "qkv", "gate_up", "o", "down", "qkv_bias"):
         if k in new:
             new[k] = jnp.asarray(new[k], dtype)
-    weights = {**params.weights, "layers": new}
+    weights = _in_layout({**stacked, "layers": new}, per_layer)
     return dataclasses.replace(params, weights=weights)
 
 

@@ -44,22 +44,24 @@ from gsm_jax.quant import (
     apply_smoothquant,
     quantize,
     smoothquant_scales,
+    stacked_weights,
 )
 from gsm_jax.workflow import metrics
+from gsm_jax.xla_options import model_jit
 
 ALPHA_GRID = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 STRENGTH_GRID = (0.02, 0.05, 0.1, 0.2, 0.3)
 WINDOW_GRID = (4, 8, 16)
 
 
-@functools.partial(jax.jit, static_argnames=("config",))
+@functools.partial(model_jit, static_argnames=("config",))
 def _logprobs(weights, tokens, gsm, *, config):
     lengths = jnp.full((tokens.shape[0],), tokens.shape[1], jnp.int32)
     logits = family_module(config.family).forward(weights, config, tokens, lengths, gsm)
     return jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
 
 
-@functools.partial(jax.jit, static_argnames=("config",))
+@functools.partial(model_jit, static_argnames=("config",))
 def _stats(weights, tokens, gsm, base_lp, *, config):
     lengths = jnp.full((tokens.shape[0],), tokens.shape[1], jnp.int32)
     logits = family_module(config.family).forward(weights, config, tokens, lengths, gsm)
@@ -163,7 +165,7 @@ def local_smoothquant_alphas(ref: ModelParams, act_absmax: dict, samples: dict, 
     columns (v for o, up for down) is invisible to their per-output-channel int8
     scales. Returns ({kind: alphas [L]}, {kind: relative errors [L, len(grid)]}).
     """
-    w = ref.weights["layers"]
+    w = stacked_weights(ref)[0]["layers"]
     for k in SMOOTHQUANT_LINEARS:
         want = (ref.config.num_layers, w[k].shape[-2])
         got = np.shape(samples.get(k)) if k in samples else None

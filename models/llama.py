@@ -9,9 +9,17 @@ generation code calls:
   by the jitted callers, so XLA updates it in place).
 
 Positions are per sequence and equal the cache slot, so ragged batches and rows
-at different stages (continuous batching) share one cache layout. Layers run
-under `lax.scan` over stacked weights: one compiled layer body keeps cold start
-short. The GSM sites are the two `smooth_site_*` calls in `DecoderLayer`.
+at different stages (continuous batching) share one cache layout. The GSM sites
+are the two `smooth_site_*` calls in `DecoderLayer`.
+
+Two weight layouts run the same layer code. `gsm_jax.load` gives one array per
+layer ("layers" a tuple of dicts) and the layers run as an unrolled loop: XLA:CPU
+cannot point a dot at one layer's slice of a stacked [L, ...] weight, so under
+`lax.scan` it copies every layer's weights out first, which at batch-1 decode of
+SmolLM2 costs more than the products (fp32 54 -> 36 ms per step per layer arrays).
+Stacked weights ("layers" a dict of [L, ...] arrays: `init_weights`, and what
+SmoothQuant and the activation captures work on) run under `lax.scan`, one
+compiled layer body. `stack_layers` / `unstack_layers` convert.
 """
 
 from __future__ import annotations
@@ -317,6 +325,34 @@ def weight_shapes(cfg: LlamaConfig, dtype: Any = jnp.float32) -> dict:
     return jax.eval_shape(lambda: init_weights(cfg, jax.random.key(0), dtype))
 
 
+def is_per_layer(weights: dict) -> bool:
+    """True when weights["layers"] is a tuple of per-layer trees (see `unstack_layers`)."""
+    return isinstance(weights["layers"], tuple | list)
+
+
+def unstack_layers(weights: dict) -> dict:
+    """The same weights with "layers" as a tuple of per-layer trees.
+
+    The model then runs its layers as an unrolled loop over separate arrays instead of
+    `lax.scan` over stacked [L, ...] arrays. On XLA:CPU a dot cannot read a layer's
+    slice of a stacked weight in place, so under scan every layer's weights are copied
+    out first (in a SmolLM2 decode step that copy outweighs the products themselves).
+    """
+    if is_per_layer(weights):
+        return weights
+    stacked = weights["layers"]
+    n = jax.tree.leaves(stacked)[0].shape[0]
+    layers = tuple(jax.tree.map(lambda a, i=i: a[i], stacked) for i in range(n))
+    return {**weights, "layers": layers}
+
+
+def stack_layers(weights: dict) -> dict:
+    """The inverse of `unstack_layers`: "layers" as one tree of stacked [L, ...] arrays."""
+    if not is_per_layer(weights):
+        return weights
+    return {**weights, "layers": jax.tree.map(lambda *a: jnp.stack(a), *weights["layers"])}
+
+
 def _layer_apply(cfg: LlamaConfig, layer_weights: dict, method: str, *args):
     return DecoderLayer(cfg).apply({"params": layer_weights}, *args, method=method)
 
@@ -353,8 +389,15 @@ def _prefill_layers(weights, cfg, tokens, lengths, gsm):
             )
         return x, (k, v, rings)
 
-    layers = (weights["layers"], jnp.arange(cfg.num_layers))
-    x, (k, v, rings) = jax.lax.scan(body, x, layers)
+    if is_per_layer(weights):
+        outs = []
+        for layer, layer_weights in enumerate(weights["layers"]):
+            x, out = body(x, (layer_weights, layer))
+            outs.append(out)
+        k, v, rings = jax.tree.map(lambda *a: jnp.stack(a), *outs)
+    else:
+        layers = (weights["layers"], jnp.arange(cfg.num_layers))
+        x, (k, v, rings) = jax.lax.scan(body, x, layers)
     return x, k, v, rings, positions
 
 
@@ -414,10 +457,13 @@ def decode_step(weights: dict, cfg: LlamaConfig, tokens: jax.Array, cache: KVCac
             )
         return (x, k_all, v_all, rings_all), None
 
-    gsm_rings = cache.rings if gsm is not None else None
-    (x, k_all, v_all, rings_all), _ = jax.lax.scan(
-        body, (x, cache.k, cache.v, gsm_rings), (weights["layers"], jnp.arange(cfg.num_layers))
-    )
+    carry = (x, cache.k, cache.v, cache.rings if gsm is not None else None)
+    if is_per_layer(weights):
+        for layer, layer_weights in enumerate(weights["layers"]):
+            carry, _ = body(carry, (layer_weights, layer))
+    else:
+        carry, _ = jax.lax.scan(body, carry, (weights["layers"], jnp.arange(cfg.num_layers)))
+    x, k_all, v_all, rings_all = carry
     logits = _logits(weights, cfg, x[:, 0])
     new_rings = rings_all if gsm is not None else cache.rings
     new_cache = KVCache(
@@ -427,10 +473,11 @@ def decode_step(weights: dict, cfg: LlamaConfig, tokens: jax.Array, cache: KVCac
 
 
 def weights_from_hf(cfg: LlamaConfig, tensors: dict[str, Any], dtype: Any = jnp.float32) -> dict:
-    """Hugging Face state-dict names and [out, in] shapes -> this module's stacked tree.
+    """Hugging Face state-dict names and [out, in] shapes -> this module's per-layer tree.
 
-    Fuses q/k/v and gate/up, transposes to [in, out] and stacks layers on axis 0.
-    Raises UnsupportedModelError naming any tensor that is missing.
+    Fuses q/k/v and gate/up and transposes to [in, out]; "layers" is a tuple of one
+    dict per layer (the layout `unstack_layers` gives, built directly so loading never
+    holds the weights twice). Raises UnsupportedModelError naming any missing tensor.
     """
     import numpy as np
 
@@ -439,26 +486,23 @@ def weights_from_hf(cfg: LlamaConfig, tensors: dict[str, Any], dtype: Any = jnp.
             raise UnsupportedModelError(f"weight {name!r} is missing from the checkpoint")
         return np.asarray(tensors[name], dtype=np.float32)
 
-    def stack(fn) -> jax.Array:
-        return jnp.asarray(np.stack([fn(f"model.layers.{i}.") for i in range(cfg.num_layers)]),
-                           dtype=dtype)
+    def layer(p: str) -> dict:
+        lw = {
+            "attn_norm": get(p + "input_layernorm.weight"),
+            "qkv": np.concatenate([get(p + f"self_attn.{n}_proj.weight") for n in "qkv"]).T,
+            "o": get(p + "self_attn.o_proj.weight").T,
+            "ffn_norm": get(p + "post_attention_layernorm.weight"),
+            "gate_up": np.concatenate([get(p + "mlp.gate_proj.weight"),
+                                       get(p + "mlp.up_proj.weight")]).T,
+            "down": get(p + "mlp.down_proj.weight").T,
+        }
+        if cfg.attention_bias:
+            lw["qkv_bias"] = np.concatenate([get(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
+        return {k: jnp.asarray(v, dtype=dtype) for k, v in lw.items()}
 
-    layers = {
-        "attn_norm": stack(lambda p: get(p + "input_layernorm.weight")),
-        "qkv": stack(lambda p: np.concatenate(
-            [get(p + f"self_attn.{n}_proj.weight") for n in "qkv"], axis=0).T),
-        "o": stack(lambda p: get(p + "self_attn.o_proj.weight").T),
-        "ffn_norm": stack(lambda p: get(p + "post_attention_layernorm.weight")),
-        "gate_up": stack(lambda p: np.concatenate(
-            [get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")], axis=0).T),
-        "down": stack(lambda p: get(p + "mlp.down_proj.weight").T),
-    }
-    if cfg.attention_bias:
-        layers["qkv_bias"] = stack(lambda p: np.concatenate(
-            [get(p + f"self_attn.{n}_proj.bias") for n in "qkv"], axis=0))
     weights = {
         "embed": jnp.asarray(get("model.embed_tokens.weight"), dtype=dtype),
-        "layers": layers,
+        "layers": tuple(layer(f"model.layers.{i}.") for i in range(cfg.num_layers)),
         "final_norm": jnp.asarray(get("model.norm.weight"), dtype=dtype),
     }
     if not cfg.tie_word_embeddings:
