@@ -11,6 +11,7 @@ from tiny_models import tiny_dsv4
 
 import gsm_jax
 from gsm_jax.errors import InvalidInputError
+from gsm_jax.models import llama
 from gsm_jax.models.linear import (
     QuantizedActivation,
     QuantizedWeight,
@@ -260,17 +261,22 @@ def test_orbax_round_trip(tmp_path):
         path = gsm_jax.save(q, tmp_path / scheme)
         back = restore_quantized(gsm_jax.load(path))
         assert back.extra == q.extra
+        # saved stacked, loaded as per-layer arrays (the run-time layout)
+        assert llama.is_per_layer(back.weights) and not llama.is_per_layer(q.weights)
         leaves_q = jax.tree.leaves(q.weights)
-        leaves_b = jax.tree.leaves(back.weights)
+        leaves_b = jax.tree.leaves(llama.stack_layers(back.weights))
         assert len(leaves_q) == len(leaves_b)
         for a, b in zip(leaves_q, leaves_b, strict=True):
             assert a.dtype == b.dtype
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-        w = back.weights["layers"]["down"]
-        assert isinstance(w, QuantizedWeight) and w.scheme == scheme
-        np.testing.assert_array_equal(np.asarray(gsm_jax.forward(back, ids)),
-                                      np.asarray(gsm_jax.forward(q, ids)))
-        assert restore_quantized(back).weights["layers"]["o"].scheme == scheme  # idempotent
+        for lw in back.weights["layers"]:
+            w = lw["down"]
+            assert isinstance(w, QuantizedWeight) and w.scheme == scheme
+            assert w.values.ndim == 2 and w.hadamard == q.weights["layers"]["down"].hadamard
+        np.testing.assert_allclose(np.asarray(gsm_jax.forward(back, ids)),
+                                   np.asarray(gsm_jax.forward(q, ids)), rtol=0, atol=1e-5)
+        again = restore_quantized(back).weights["layers"][0]["o"]  # idempotent
+        assert again.scheme == scheme
 
 
 @pytest.mark.parametrize("routed", [False, True])
