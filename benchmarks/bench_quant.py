@@ -16,6 +16,7 @@ matmuls, ...), which is what says where each difference comes from.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import sys
 from pathlib import Path
@@ -41,14 +42,19 @@ import gsm_jax  # noqa: E402
 from gsm_jax.families import family_module  # noqa: E402
 from gsm_jax.gsm_runtime import gsm_inputs_for_batch  # noqa: E402
 from gsm_jax.quant import quantize  # noqa: E402
+from gsm_jax.xla_options import model_jit  # noqa: E402
 
-VARIANTS = ("fp32", "w8a16", "w8a8", "w8a8+gsm", "w8a8+had")
+VARIANTS = ("fp32", "fp32-stacked", "w8a16", "w8a8", "w8a8+gsm", "w8a8+had")
 EXPLAIN = {
-    "fp32": "baseline: f32 weights (4 bytes/weight read every decode step)",
+    "fp32": "baseline: f32 weights, one array per layer (what gsm_jax.load gives; 4 "
+            "bytes/weight read every decode step)",
+    "fp32-stacked": "the same f32 weights stacked [L, ...] and run under lax.scan: "
+                    "XLA:CPU copies each layer's weight slice out before its dots (the "
+                    "layout before per-layer arrays)",
     "w8a16": "int8 weights, per-channel scale; activations f32 (1 byte/weight from memory). "
-             "XLA:CPU converts each layer's int8 weight to f32 in cache (fused with the "
-             "copy of the layer's slice that f32 weights pay at 4x the bytes) before an f32 "
-             "dot",
+             "Decode (<= 16 rows): x as three int8 digits on the int8 GEMM, exact int32 "
+             "products recombined in f32 (f32 precision); prefill: the weight converted "
+             "to f32 for an f32 dot (XLA:CPU cannot fuse the convert into its GEMM)",
     "w8a8": "int8 weights and per-token int8 activations; int8 x int8 -> int32 dot, "
             "rescaled (1 byte/weight, integer dot)",
     "w8a8+gsm": "w8a8 with the GSM filter at both sites of every layer (window 8, "
@@ -64,6 +70,9 @@ def build_variants(params, names) -> dict:
     for name in names:
         if name == "fp32":
             out[name] = (params, False)
+        elif name == "fp32-stacked":
+            weights = family_module(params.config.family).stack_layers(params.weights)
+            out[name] = (dataclasses.replace(params, weights=weights), False)
         elif name == "w8a16":
             out[name] = (quantize(params, "w8a16"), False)
         elif name == "w8a8":
@@ -83,7 +92,7 @@ def decode_fns(variants: dict, batch: int, context: int, gsm_cfg) -> dict:
     for name, (p, with_gsm) in variants.items():
         cfg = p.config
         fam = family_module(cfg.family)
-        step = jax.jit(functools.partial(fam.decode_step, cfg=cfg), donate_argnames=("cache",))
+        step = model_jit(functools.partial(fam.decode_step, cfg=cfg), donate_argnames=("cache",))
         gsm = (gsm_inputs_for_batch(gsm_cfg, cfg.num_layers, batch, [context + 64] * batch)
                if with_gsm else None)
         cache = fam.init_cache(cfg, batch, 2 * context, dtype=jnp.float32,
@@ -112,7 +121,7 @@ def prefill_fns(variants: dict, batch: int, length: int, gsm_cfg) -> dict:
         gsm = gsm_inputs_for_batch(gsm_cfg, cfg.num_layers, batch, [length] * batch) \
             if with_gsm else None
 
-        @functools.partial(jax.jit, static_argnames=("cfg",))
+        @functools.partial(model_jit, static_argnames=("cfg",))
         def run(weights, tokens, lengths, gsm, cfg, fam=fam):
             cache = fam.init_cache(cfg, tokens.shape[0], tokens.shape[1], dtype=jnp.float32,
                                    gsm_max_window=None if gsm is None else gsm.max_window)
@@ -220,26 +229,22 @@ def attribution(results: dict) -> list[str]:
         def get(name, cat, prof=prof):
             return prof.get(name, {}).get(cat, 0.0) or 0.0
 
-        slice_fp32 = get("fp32", "weight slice copy")
         mm = {n: get(n, "matmul (dot / library fusion)") for n in prof}
-        conv = {n: get(n, "convert") for n in prof}
-        parts = [f"**{case}**: fp32 spends {slice_fp32:.1f} ms copying each layer's weight "
-                 f"slice out of the stacked weights before its dot and {mm['fp32']:.1f} ms in "
-                 "the dots"]
+        parts = [f"**{case}**: fp32 spends {mm['fp32']:.1f} ms in its dots"]
         for n in prof:
             if n == "fp32":
                 continue
-            parts.append(f"{n}: slice copies {get(n, 'weight slice copy'):.1f}, converts "
-                         f"{conv[n]:.1f}, matmuls {mm[n]:.1f}")
+            parts.append(f"{n}: weight slice copies {get(n, 'weight slice copy'):.1f}, "
+                         f"converts {get(n, 'convert'):.1f}, matmuls {mm[n]:.1f}")
         lines.append("; ".join(parts) + ".")
     if lines:
         lines.append(
-            "Reading: at decode the weights dominate. XLA:CPU copies each layer's slice "
-            "of the stacked [L, in, out] weights out before a library dot; the int8 "
-            "variants read a quarter of the bytes, so that copy and the dot's own reads "
-            "shrink with them (in w8a16 at batch 16 the slice fuses into the f32 convert "
-            "instead). w8a16 gains little where it must convert the weight to f32 for an "
-            "f32 dot (batch 16, prefill: compute-bound, the same f32 flops plus a convert). "
+            "Reading: at decode the weights dominate. With stacked [L, in, out] weights "
+            "under lax.scan, XLA:CPU copies each layer's slice out before a library dot "
+            "(fp32-stacked's slice copies); per-layer arrays remove that copy for every "
+            "variant. w8a16 cannot hand int8 weights to an f32 dot: at decode it runs "
+            "three exact int8 digit products on the int8 GEMM (reading int8), in prefill "
+            "it converts the weight to f32 first (the same f32 flops plus a convert). "
             "The int8 x int8 -> int32 product is the one compute gain (the int8 GEMM "
             "kernel vs the f32 one), visible at batch 16 and in prefill. GSM adds its "
             "filter at every site; Hadamard adds a [.., 512] x [512, 512] product per "
