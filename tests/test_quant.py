@@ -141,7 +141,7 @@ def test_w8a8_linear_equals_product_of_dequantized_operands():
 @pytest.mark.parametrize("rows", [1, 3, 16])
 def test_w8a16_linear_equals_float_product_of_dequantized_weight(rows):
     """Weight-only: activations stay float; the product with the dequantized weight to f32
-    precision (one row on CPU runs as three exact int8 digit products, see linear.py)."""
+    precision (decode-sized inputs on CPU run as exact int8 digit products, see linear.py)."""
     rng = np.random.default_rng(5)
     x = jnp.asarray(_spiky(rng, (rows, 96)))
     w = jnp.asarray(_spiky(rng, (96, 40), 0.05))
@@ -151,24 +151,31 @@ def test_w8a16_linear_equals_float_product_of_dequantized_weight(rows):
     xf = np.asarray(x, np.float64)
     ref = xf @ w_hat
     scale = np.abs(xf) @ np.abs(w_hat)
-    digits = np.abs(xf).max(-1, keepdims=True) * 1e-7 * np.abs(w_hat).sum(0)
+    digits = np.abs(xf).max(-1, keepdims=True) * 4.8e-7 * np.abs(w_hat).sum(0)
     assert np.all(np.abs(y - ref) <= 2e-6 * scale + digits + 1e-9)
     # and within the weight-quantization bound of the float product
     bound = np.abs(xf).sum(-1, keepdims=True) * np.asarray(ws) / 2
     assert np.all(np.abs(y - xf @ np.asarray(w, np.float64)) <= bound * (1 + 1e-5) + 1e-6)
 
 
-def test_int8_digit_expansion_is_float32_precise():
+@pytest.mark.parametrize("digits", [3, 4])
+def test_int8_digit_expansion_is_exact_to_its_bound(digits):
+    """Power-of-two digit scales: the expansion's error is the last residual only,
+    < absmax / 127 / 128**(digits - 1) (no float rounding on the way)."""
     from gsm_jax.models.linear import _int8_digits
 
     rng = np.random.default_rng(6)
-    x = _spiky(rng, (3, 512), 3.0)
-    q, s = _int8_digits(jnp.asarray(x))
-    assert q.dtype == jnp.int8 and q.shape == (3, 3, 512) and s.shape == (3, 3)
-    back = sum(np.asarray(q[k], np.float64) * np.asarray(s[k], np.float64)[:, None]
-               for k in range(3))
-    err = np.abs(back - x)
-    assert np.all(err <= np.abs(x).max(-1, keepdims=True) * 1e-7)
+    x = _spiky(rng, (3, 512), 3.0).astype(np.float32)
+    x[2] = 0.0  # an all-zero row stays zero
+    q, s = _int8_digits(jnp.asarray(x), digits)
+    x = x.astype(np.float64)
+    assert q.dtype == jnp.int8 and q.shape == (digits, 3, 512) and s.shape == (digits, 3)
+    s = np.asarray(s, np.float64)
+    assert np.all(np.log2(s[:, :2]) == np.round(np.log2(s[:, :2])))  # powers of two
+    back = sum(np.asarray(q[k], np.float64) * s[k][:, None] for k in range(digits))
+    absmax = np.abs(x).max(-1, keepdims=True)
+    assert np.all(np.abs(back - x)[:2] < absmax[:2] / 127 / 128.0 ** (digits - 1))
+    np.testing.assert_array_equal(back[2], 0.0)
 
 
 def test_linear_refuses_int8_activation_for_float_weight():
