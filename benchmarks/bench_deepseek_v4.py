@@ -70,7 +70,6 @@ from common import (  # noqa: E402
 )
 
 from gsm_jax.models import deepseek_v4 as dv  # noqa: E402
-from gsm_jax.xla_options import model_jit  # noqa: E402
 
 PRESETS = {
     # ~200M parameters, ~90M active per token
@@ -155,13 +154,13 @@ class JaxSide:
     def __init__(self, cfg, weights, batch: int, max_len: int):
         self.cfg, self.weights = cfg, weights
 
-        @model_jit
+        @jax.jit
         def prefill(weights, tokens, lengths):
             cache = dv.init_cache(cfg, batch, max_len)
             logits, cache = dv.prefill(weights, cfg, tokens, lengths, cache)
             return jnp.argmax(logits, -1).astype(jnp.int32), cache, logits
 
-        @functools.partial(model_jit, donate_argnums=(2,))
+        @functools.partial(jax.jit, donate_argnums=(2,))
         def step(weights, tokens, cache):
             logits, cache = dv.decode_step(weights, cfg, tokens, cache)
             return jnp.argmax(logits, -1).astype(jnp.int32), cache

@@ -39,13 +39,12 @@ from gsm_jax.pallas_kernels.reference import (  # noqa: E402
     smooth_prefill_reference,
 )
 from gsm_jax.smoothing import ring_from_prefill, smooth_decode, smooth_prefill  # noqa: E402
-from gsm_jax.xla_options import model_jit  # noqa: E402
 
 
 def _decode_case(params, batch: int, gsm_cfg, repeats: int, context: int = 128):
     cfg = params.config
     fam = family_module(cfg.family)
-    step = model_jit(functools.partial(fam.decode_step, cfg=cfg), donate_argnames=("cache",))
+    step = jax.jit(functools.partial(fam.decode_step, cfg=cfg), donate_argnames=("cache",))
     max_len = 256
     gsm = gsm_inputs_for_batch(gsm_cfg, cfg.num_layers, batch, [context + 64] * batch)
     caches = {}
@@ -79,7 +78,7 @@ def _prefill_case(params, gsm_cfg, repeats: int, length: int = 512, batch: int =
     lengths = jnp.full((batch,), length, jnp.int32)
     gsm = gsm_inputs_for_batch(gsm_cfg, cfg.num_layers, batch, [length] * batch)
 
-    @functools.partial(model_jit, static_argnames=("with_gsm",))
+    @functools.partial(jax.jit, static_argnames=("with_gsm",))
     def prefill(weights, g, with_gsm):
         cache = fam.init_cache(cfg, batch, length, dtype=jnp.float32,
                                gsm_max_window=g.max_window if with_gsm else None)

@@ -42,7 +42,6 @@ import gsm_jax  # noqa: E402
 from gsm_jax.families import family_module  # noqa: E402
 from gsm_jax.gsm_runtime import gsm_inputs_for_batch  # noqa: E402
 from gsm_jax.quant import quantize  # noqa: E402
-from gsm_jax.xla_options import model_jit  # noqa: E402
 
 VARIANTS = ("fp32", "fp32-stacked", "w8a16", "w8a8", "w8a8+gsm", "w8a8+had")
 EXPLAIN = {
@@ -92,7 +91,7 @@ def decode_fns(variants: dict, batch: int, context: int, gsm_cfg) -> dict:
     for name, (p, with_gsm) in variants.items():
         cfg = p.config
         fam = family_module(cfg.family)
-        step = model_jit(functools.partial(fam.decode_step, cfg=cfg), donate_argnames=("cache",))
+        step = jax.jit(functools.partial(fam.decode_step, cfg=cfg), donate_argnames=("cache",))
         gsm = (gsm_inputs_for_batch(gsm_cfg, cfg.num_layers, batch, [context + 64] * batch)
                if with_gsm else None)
         cache = fam.init_cache(cfg, batch, 2 * context, dtype=jnp.float32,
@@ -121,7 +120,7 @@ def prefill_fns(variants: dict, batch: int, length: int, gsm_cfg) -> dict:
         gsm = gsm_inputs_for_batch(gsm_cfg, cfg.num_layers, batch, [length] * batch) \
             if with_gsm else None
 
-        @functools.partial(model_jit, static_argnames=("cfg",))
+        @functools.partial(jax.jit, static_argnames=("cfg",))
         def run(weights, tokens, lengths, gsm, cfg, fam=fam):
             cache = fam.init_cache(cfg, tokens.shape[0], tokens.shape[1], dtype=jnp.float32,
                                    gsm_max_window=None if gsm is None else gsm.max_window)

@@ -28,7 +28,6 @@ from gsm_jax.errors import InvalidInputError
 from gsm_jax.families import family_module
 from gsm_jax.models.gsm_sites import GSMInputs
 from gsm_jax.params import ModelParams
-from gsm_jax.xla_options import model_jit
 
 MIN_PROMPT_BUCKET = 16
 MIN_NEW_TOKEN_BUCKET = 16
@@ -73,7 +72,7 @@ def sample_tokens(logits: jax.Array, key: jax.Array, temperature: jax.Array,
 
 
 @functools.partial(
-    model_jit,
+    jax.jit,
     static_argnames=("config", "max_steps", "cache_len", "filtered", "return_logits"),
 )
 def _generate_loop(weights, tokens, lengths, max_new, key, temperature, top_k, top_p, eos_ids,
@@ -126,7 +125,7 @@ def _generate_loop(weights, tokens, lengths, max_new, key, temperature, top_k, t
     return out, n_out, logits_out
 
 
-@functools.partial(model_jit, static_argnames=("config",))
+@functools.partial(jax.jit, static_argnames=("config",))
 def _forward_jit(weights, tokens, lengths, gsm, *, config):
     return family_module(config.family).forward(weights, config, tokens, lengths, gsm)
 

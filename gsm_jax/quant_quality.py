@@ -47,21 +47,20 @@ from gsm_jax.quant import (
     stacked_weights,
 )
 from gsm_jax.workflow import metrics
-from gsm_jax.xla_options import model_jit
 
 ALPHA_GRID = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 STRENGTH_GRID = (0.02, 0.05, 0.1, 0.2, 0.3)
 WINDOW_GRID = (4, 8, 16)
 
 
-@functools.partial(model_jit, static_argnames=("config",))
+@functools.partial(jax.jit, static_argnames=("config",))
 def _logprobs(weights, tokens, gsm, *, config):
     lengths = jnp.full((tokens.shape[0],), tokens.shape[1], jnp.int32)
     logits = family_module(config.family).forward(weights, config, tokens, lengths, gsm)
     return jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
 
 
-@functools.partial(model_jit, static_argnames=("config",))
+@functools.partial(jax.jit, static_argnames=("config",))
 def _stats(weights, tokens, gsm, base_lp, *, config):
     lengths = jnp.full((tokens.shape[0],), tokens.shape[1], jnp.int32)
     logits = family_module(config.family).forward(weights, config, tokens, lengths, gsm)

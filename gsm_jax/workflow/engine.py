@@ -57,7 +57,6 @@ from gsm_jax.families import family_module
 from gsm_jax.generation import MIN_PROMPT_BUCKET, bucket, sample_tokens
 from gsm_jax.models.gsm_sites import GSMInputs
 from gsm_jax.params import ModelParams
-from gsm_jax.xla_options import model_jit
 
 __all__ = ["Engine", "Request", "RequestRecord"]
 
@@ -160,7 +159,7 @@ def _pick(logits, step, temperature, *, seed_key, sample: bool):
                          filtered=False)
 
 
-@functools.partial(model_jit, static_argnames=("config", "max_len", "sample"),
+@functools.partial(jax.jit, static_argnames=("config", "max_len", "sample"),
                    donate_argnames=("cache",))
 def _prefill_insert(weights, tokens, lengths, cache, slots, gsm, seed_key, step, temperature, *,
                     config, max_len: int, sample: bool):
@@ -175,7 +174,7 @@ def _prefill_insert(weights, tokens, lengths, cache, slots, gsm, seed_key, step,
     return _pick(logits, step, temperature, seed_key=seed_key, sample=sample), cache
 
 
-@functools.partial(model_jit, static_argnames=("config", "sample"), donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("config", "sample"), donate_argnames=("cache",))
 def _decode(weights, tokens, cache, gsm, active, seed_key, step, temperature, *,
             config, sample: bool):
     """One decode step over every slot; returns the next token per slot and the cache."""

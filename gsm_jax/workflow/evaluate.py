@@ -49,7 +49,6 @@ from gsm_jax.params import ModelParams
 from gsm_jax.workflow import data as data_mod
 from gsm_jax.workflow import metrics
 from gsm_jax.workflow.metrics import Budget
-from gsm_jax.xla_options import model_jit
 
 PARTS = ("quality", "lambada", "greedy")
 LAMBADA_BUCKET = 32  # LAMBADA batches are padded to a multiple of this many tokens
@@ -78,7 +77,7 @@ def check_params(params: Any) -> ModelParams:
 # ----------------------------------------------------------------------------- jitted kernels
 
 
-@functools.partial(model_jit, static_argnames=("config",))
+@functools.partial(jax.jit, static_argnames=("config",))
 def _base_pass(weights, tokens, *, config):
     """Base log-probs [B, T, V] and per-token NLL of the next token [B, T]."""
     lengths = jnp.full((tokens.shape[0],), tokens.shape[1], jnp.int32)
@@ -89,20 +88,20 @@ def _base_pass(weights, tokens, *, config):
     return lp, nll
 
 
-@functools.partial(model_jit, static_argnames=("config",))
+@functools.partial(jax.jit, static_argnames=("config",))
 def _compare_pass(weights, tokens, gsm, base_lp, *, config):
     lengths = jnp.full((tokens.shape[0],), tokens.shape[1], jnp.int32)
     logits = family_module(config.family).forward(weights, config, tokens, lengths, gsm)
     return metrics.token_stats(base_lp, logits, jnp.roll(tokens, -1, axis=1))
 
 
-@functools.partial(model_jit, static_argnames=("config",))
+@functools.partial(jax.jit, static_argnames=("config",))
 def _compare_recompute(weights, tokens, gsm, *, config):
     base_lp, _ = _base_pass(weights, tokens, config=config)
     return _compare_pass(weights, tokens, gsm, base_lp, config=config)
 
 
-@functools.partial(model_jit, static_argnames=("config",))
+@functools.partial(jax.jit, static_argnames=("config",))
 def _greedy_at(weights, tokens, lengths, positions, gsm, *, config):
     """argmax of the next-token logits at `positions` [B, K] only (no full-vocab logits
     elsewhere): the hidden states are gathered before the LM head."""

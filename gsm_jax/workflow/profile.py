@@ -60,7 +60,6 @@ from gsm_jax.errors import InvalidInputError, UnsupportedModelError
 from gsm_jax.families import family_module
 from gsm_jax.params import ModelParams
 from gsm_jax.workflow import data as data_mod
-from gsm_jax.xla_options import model_jit
 
 SIGMA_MODES = ("running", "two_pass")
 OUTLIER_SIGMA = 6.0
@@ -171,7 +170,7 @@ def _stack_rings(rings: Any, num_layers: int) -> list[dict[str, jax.Array] | Non
     raise UnsupportedModelError("cannot read the site captures of this model family")
 
 
-@functools.partial(model_jit, static_argnames=("config", "sigmas"))
+@functools.partial(jax.jit, static_argnames=("config", "sigmas"))
 def _capture_jit(weights, tokens, lengths, center, scale, *, config, sigmas):
     fam = family_module(config.family)
     out = fam._prefill_layers(weights, config, tokens, lengths, _Capture(center, scale, sigmas))

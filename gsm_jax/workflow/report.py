@@ -56,7 +56,6 @@ from gsm_jax.workflow.calibrate import (
 from gsm_jax.workflow.evaluate import DEFAULT, Evaluator, _jsonable
 from gsm_jax.workflow.metrics import Budget
 from gsm_jax.workflow.profile import Profile, profile
-from gsm_jax.xla_options import model_jit
 
 REPORT_NAME = "gsm_smollm2.md"
 Q3_MARK = "<!-- GSM-REPORT: Q3 INT8 (filled by the quantization issue) -->"
@@ -139,12 +138,12 @@ def measure_overhead(params: Any, configs: dict[str, GSMConfig | None], *, batch
     cache_len = prompt + steps
     dtype = jax.tree.leaves(params.weights)[0].dtype
 
-    @functools.partial(model_jit, static_argnames=("max_window",))
+    @functools.partial(jax.jit, static_argnames=("max_window",))
     def prefill(weights, tokens, lengths, gsm, *, max_window):
         cache = fam.init_cache(cfg, batch, cache_len, dtype=dtype, gsm_max_window=max_window)
         return fam.prefill(weights, cfg, tokens, lengths, cache, gsm)
 
-    @functools.partial(model_jit, donate_argnums=(2,))
+    @functools.partial(jax.jit, donate_argnums=(2,))
     def step(weights, tok, cache, gsm):
         logits, cache = fam.decode_step(weights, cfg, tok, cache, gsm)
         return jnp.argmax(logits, axis=-1).astype(jnp.int32), cache
