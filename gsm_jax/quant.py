@@ -120,6 +120,9 @@ def stacked_weights(params: ModelParams) -> tuple[dict, bool]:
     SmoothQuant compute on), and whether params held per-layer arrays instead."""
     from gsm_jax.models.llama import is_per_layer, stack_layers
 
+    if params.config.family != "llama":
+        raise UnsupportedModelError(f"this weight transform is implemented for the Llama "
+                                    f"family only, not {params.config.family!r}")
     return stack_layers(dict(params.weights)), is_per_layer(params.weights)
 
 

@@ -153,15 +153,16 @@ def hadamard_rotate(x: jax.Array, block: int, axis: int = -1) -> jax.Array:
 
 def _int8_digits(x: jax.Array, digits: int | None = None) -> tuple[jax.Array, jax.Array]:
     """x [..., K] as sum_k q_k * s_k per token with int8 q_k and power-of-two scales:
-    s_0 the smallest power of two >= absmax / 127, s_k = s_0 / 128**k. Returns
-    (q [digits, ..., K], s [digits, ...]).
+    absmax / 127 < s_0 <= 2 * absmax / 127, s_k = s_0 / 128**k. Returns
+    (q [digits, ..., K], s [digits, ...]); a row holding NaN or inf gets NaN scales,
+    so the product stays non-finite as the float one would be.
 
     Powers of two make every step exact: x / s_k only shifts exponents, and each
     residual r - q_k * s_k (at most s_k / 2) is representable, so no rounding happens
     anywhere and the digits do not depend on whether the compiler contracts the
     multiply-subtract into an FMA, which differs between fusions (a GSM site at
     strength 0 must leave the model bit-identical). The residual after the last digit
-    is at most s_0 / 2 / 128**(digits-1) < absmax / 127 / 128**(digits-1): 4.8e-7 *
+    is at most s_0 / 2 / 128**(digits-1) <= absmax / 127 / 128**(digits-1): 4.8e-7 *
     absmax for the default 3 digits (21 bits of the token's largest element: more than
     the 16 the scheme's name promises, a little under float32's 24; 4 digits give
     3.8e-9 but cost 13% more per decode step at batch 16)."""
@@ -169,7 +170,8 @@ def _int8_digits(x: jax.Array, digits: int | None = None) -> tuple[jax.Array, ja
     r = x.astype(jnp.float32)
     absmax = jnp.max(jnp.abs(r), axis=-1)
     _, exponent = jnp.frexp(absmax / 127.0)  # absmax / 127 = m * 2**e with m < 1
-    s = jnp.ldexp(jnp.ones_like(absmax), exponent)
+    # NaN or inf anywhere in the row: NaN scales (frexp alone would give a finite one)
+    s = jnp.ldexp(jnp.ones_like(absmax), exponent) + absmax * 0.0
     qs, ss = [], []
     for _ in range(digits):
         q = quantize_with_scale(r, s[..., None])
@@ -189,14 +191,15 @@ def _w8a16_matmul(x: jax.Array, w: QuantizedWeight) -> jax.Array:
     XLA:CPU cannot: it writes the converted f32 weight out and its dot reads it back,
     which costs more than reading an f32 weight in the first place.
 
-    CPU, up to `W8A16_DIGIT_MAX_ROWS` rows (decode): x is instead expanded into
+    CPU, up to `W8A16_DIGIT_MAX_ROWS` rows (decode; also DeepSeek-V4's per-expert
+    blocks of routed tokens when those are quantized): x is instead expanded into
     `W8A16_DIGITS` int8 digits with power-of-two scales (`_int8_digits`: exact, error
     below 4.8e-7 of the row's largest element) and multiplied by the int8 weight as
     stored, on the int8 GEMM (the Ozaki-scheme idea: a wide product from exact narrow
     ones); the exact int32 results are recombined in float32. SmolLM2 decode steps
-    with per-layer weights, ms, digits vs converted weight (fp32 in the same run):
-    batch 1 29.1 vs 42.3 (33-37), batch 4 47.8 vs 67.1 (71-74), batch 16 101.2 vs
-    130.0 (122-132). Prefill-sized products (hundreds of rows, three times the int8
+    with per-layer weights, ms, digits vs the converted-weight form (fp32 in the same
+    runs): batch 1 ~29 vs ~42 (33-37), batch 4 47.8 vs 67.1 (71-74), batch 16 ~101 vs
+    ~130 (122-132). Prefill-sized products (hundreds of rows, three times the int8
     work) keep the generic form.
     """
     rows = int(np.prod(x.shape[:-1], dtype=np.int64))
@@ -223,6 +226,8 @@ def _after(x: jax.Array, values: jax.Array) -> jax.Array:
     select on a condition that is always true but computed from x (NaN included: x0
     == x0 or x0 != x0) costs one scalar test inside the convert loop.
     """
+    if x.size == 0 or jax.default_backend() != "cpu":
+        return values
     x0 = x.reshape(-1)[0]
     live = (x0 == x0) | (x0 != x0)
     return jnp.where(live, values, jnp.zeros((), values.dtype))

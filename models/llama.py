@@ -16,7 +16,8 @@ Two weight layouts run the same layer code. `gsm_jax.load` gives one array per
 layer ("layers" a tuple of dicts) and the layers run as an unrolled loop: XLA:CPU
 cannot point a dot at one layer's slice of a stacked [L, ...] weight, so under
 `lax.scan` it copies every layer's weights out first, which at batch-1 decode of
-SmolLM2 costs more than the products (fp32 54 -> 36 ms per step per layer arrays).
+SmolLM2 costs more than the products (fp32 52.8 -> 34.7 ms per step with per-layer
+arrays, `benchmarks/bench_quant.py`: fp32-stacked vs fp32).
 Stacked weights ("layers" a dict of [L, ...] arrays: `init_weights`, and what
 SmoothQuant and the activation captures work on) run under `lax.scan`, one
 compiled layer body. `stack_layers` / `unstack_layers` convert.
@@ -32,7 +33,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from gsm_jax.errors import UnsupportedModelError
+from gsm_jax.errors import InvalidInputError, UnsupportedModelError
 from gsm_jax.models.gsm_sites import (
     ATTN_OUT,
     FFN_MID,
@@ -287,9 +288,10 @@ class DecoderLayer(nn.Module):
 class Llama(nn.Module):
     """Embedding + stacked decoder layers + final norm + LM head (for `init` only).
 
-    The entry points below apply `DecoderLayer` under `lax.scan`; this module
-    exists so `Llama(cfg).init` gives the parameter tree (abstract-first with
-    `jax.eval_shape`) and random models for tests.
+    The entry points below apply `DecoderLayer` themselves (under `lax.scan` or as
+    an unrolled loop, by weight layout); this module exists so `Llama(cfg).init`
+    gives the (stacked) parameter tree (abstract-first with `jax.eval_shape`) and
+    random models for tests.
     """
 
     cfg: LlamaConfig
@@ -346,6 +348,14 @@ def unstack_layers(weights: dict) -> dict:
     return {**weights, "layers": layers}
 
 
+def _per_layer_weights(weights: dict, cfg: LlamaConfig) -> tuple:
+    layers = weights["layers"]
+    if len(layers) != cfg.num_layers:  # lax.scan fails on this by itself; a loop would not
+        raise InvalidInputError(f"the weights hold {len(layers)} layers but the config "
+                                f"says num_layers={cfg.num_layers}")
+    return tuple(layers)
+
+
 def stack_layers(weights: dict) -> dict:
     """The inverse of `unstack_layers`: "layers" as one tree of stacked [L, ...] arrays."""
     if not is_per_layer(weights):
@@ -391,7 +401,7 @@ def _prefill_layers(weights, cfg, tokens, lengths, gsm):
 
     if is_per_layer(weights):
         outs = []
-        for layer, layer_weights in enumerate(weights["layers"]):
+        for layer, layer_weights in enumerate(_per_layer_weights(weights, cfg)):
             x, out = body(x, (layer_weights, layer))
             outs.append(out)
         k, v, rings = jax.tree.map(lambda *a: jnp.stack(a), *outs)
@@ -459,7 +469,7 @@ def decode_step(weights: dict, cfg: LlamaConfig, tokens: jax.Array, cache: KVCac
 
     carry = (x, cache.k, cache.v, cache.rings if gsm is not None else None)
     if is_per_layer(weights):
-        for layer, layer_weights in enumerate(weights["layers"]):
+        for layer, layer_weights in enumerate(_per_layer_weights(weights, cfg)):
             carry, _ = body(carry, (layer_weights, layer))
     else:
         carry, _ = jax.lax.scan(body, carry, (weights["layers"], jnp.arange(cfg.num_layers)))

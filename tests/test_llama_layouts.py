@@ -125,3 +125,19 @@ def test_w8a16_converts_of_per_layer_weights_do_not_pile_up(monkeypatch):
     untied = _prefill_temp_bytes(w, cfg)
     if untied < cfg.num_layers * one_layer_f32 / 2:
         pytest.skip(f"this XLA does not hoist the converts ({untied} bytes): nothing to guard")
+
+
+def test_per_layer_weights_must_match_the_layer_count():
+    p = per_layer(tiny_gsm_llama())
+    short = dataclasses.replace(p, weights={**p.weights, "layers": p.weights["layers"][:2]})
+    with pytest.raises(gsm_jax.InvalidInputError, match="2 layers but the config says"):
+        gsm_jax.forward(short, [[5, 6, 7]])
+
+
+def test_transforms_refuse_other_families():
+    from tiny_models import tiny_dsv4
+
+    from gsm_jax.quant import stacked_weights
+
+    with pytest.raises(gsm_jax.UnsupportedModelError, match="Llama family only"):
+        stacked_weights(tiny_dsv4())

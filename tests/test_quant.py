@@ -178,6 +178,20 @@ def test_int8_digit_expansion_is_exact_to_its_bound(digits):
     np.testing.assert_array_equal(back[2], 0.0)
 
 
+def test_w8a16_digit_path_keeps_non_finite_rows_non_finite():
+    """A NaN or inf in a decode row must not vanish into int8 digits: that row's
+    output is NaN like the float product's, the other rows are untouched."""
+    rng = np.random.default_rng(8)
+    w = jnp.asarray(_spiky(rng, (64, 24), 0.05))
+    qw = QuantizedWeight(*quantize_weight(w), "w8a16")
+    x = _spiky(rng, (3, 64)).astype(np.float32)
+    clean = np.asarray(linear(jnp.asarray(x), qw))
+    x[0, 5], x[2, 9] = np.nan, np.inf
+    y = np.asarray(linear(jnp.asarray(x), qw))
+    assert np.isnan(y[0]).all() and not np.isfinite(y[2]).any()
+    np.testing.assert_array_equal(y[1], clean[1])
+
+
 def test_linear_refuses_int8_activation_for_float_weight():
     xa = quantize_activation(jnp.ones((2, 8)))
     with pytest.raises(TypeError):

@@ -16,7 +16,7 @@ model's own prefill (``_prefill_layers`` of the family module) is traced with
 its ``smooth_site_prefill`` hook temporarily replaced by `_capture_hook`: at
 each site the hook returns the input unchanged plus the partial moments of
 that site, which the layer loop already hands back as its per-layer "GSM ring"
-output (stacked over layers by the ``lax.scan``). The replacement is active
+output (stacked over layers, by the ``lax.scan`` or the per-layer loop). The replacement is active
 only while the capture function is traced, it delegates every other caller to
 the real hook, and the compiled function is reused for every batch.
 
