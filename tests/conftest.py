@@ -78,3 +78,14 @@ def wikitext_passages(shared_data_dir: Path) -> list[str]:
     lines = (shared_data_dir / "wikitext2_test.txt").read_text().splitlines()
     long_lines = [ln.strip() for ln in lines if len(ln.strip()) > 300]
     return [long_lines[i][:600] for i in (0, 7, 19, 42)]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drop every compiled program when a test module finishes. The whole suite runs in
+    one process; SmolLM2's per-layer programs (30 unrolled layers) are large, and
+    keeping every module's executables alive only grows that process."""
+    yield
+    import jax
+
+    jax.clear_caches()
