@@ -390,6 +390,11 @@ def smoothquant(params: ModelParams, tokens: Any = None, *, alpha: float = 0.5,
         raise UnsupportedModelError("SmoothQuant is implemented for the Llama family only")
     if quantization_of(params) is not None:
         raise InvalidInputError("SmoothQuant migrates float params; apply it before quantize()")
+    # one stacked view for the capture, the scales and the migration (each would stack
+    # per-layer weights on its own), back to the caller's layout at the end
+    weights, per_layer = stacked_weights(params)
+    layout = params
+    params = dataclasses.replace(params, weights=weights)
     if act_absmax is None:
         if tokens is None or isinstance(tokens, str):
             from gsm_jax.workflow.data import as_token_sequences
@@ -399,7 +404,8 @@ def smoothquant(params: ModelParams, tokens: Any = None, *, alpha: float = 0.5,
                                         vocab_size=params.config.vocab_size)
         act_absmax = activation_absmax(params, tokens, batch_size=batch_size)
     out = apply_smoothquant(params, smoothquant_scales(params, act_absmax, alpha))
-    return dataclasses.replace(out, extra={**dict(params.extra), "smoothquant_alpha": float(alpha)})
+    return dataclasses.replace(out, weights=_in_layout(out.weights, per_layer),
+                               extra={**dict(layout.extra), "smoothquant_alpha": float(alpha)})
 
 
 # ----------------------------------------------------------------------------- orbax
