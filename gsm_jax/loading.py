@@ -18,7 +18,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from gsm_jax.errors import InvalidInputError, ModelLoadError, ModelNotFoundError
 from gsm_jax.families import family_for_model_type, family_module
@@ -47,10 +46,19 @@ def _progress(message: str, progress: bool) -> None:
         print(f"[gsm-jax] {message}", flush=True)
 
 
-def load(source: str | os.PathLike = DEFAULT_MODEL, *, dtype: Any = "float32",
-         progress: bool = False) -> ModelParams:
-    """Load a model and its tokenizer. `dtype`: "float32" (default) or "bfloat16"."""
-    jdtype = _resolve_dtype(dtype)
+def load(source: str | os.PathLike = DEFAULT_MODEL, *, dtype: Any = None,
+         keep_quantized: bool | None = None, progress: bool = False) -> ModelParams:
+    """Load a model and its tokenizer.
+
+    dtype: the float dtype of the weights ("float32" or "bfloat16"). Left unset, it is
+    float32, except for a block-quantized (FP8 / FP4) DeepSeek-V4 checkpoint, which
+    then keeps its low-precision weights as stored and its other tensors in bfloat16
+    (as stored). Given, a quantized checkpoint is dequantized to it at load, unless
+    `keep_quantized=True` (low-precision weights as stored, the rest in `dtype`).
+    """
+    if keep_quantized is None:
+        keep_quantized = dtype is None
+    jdtype = _resolve_dtype("float32" if dtype is None else dtype)
     src = os.fspath(source)
     if src in REGISTERED_MODELS:
         from gsm_jax.models.gguf_reader import default_gguf_path
@@ -69,7 +77,7 @@ def load(source: str | os.PathLike = DEFAULT_MODEL, *, dtype: Any = "float32",
     if (path / _SAVE_META).exists():
         return _load_saved(path, jdtype, progress)
     if (path / "config.json").exists():
-        return _load_hf_dir(path, jdtype, progress)
+        return _load_hf_dir(path, None if dtype is None else jdtype, keep_quantized, progress)
     raise ModelLoadError(
         f"{src}: directory has neither config.json (Hugging Face) nor {_SAVE_META} (gsm_jax.save)"
     )
@@ -89,24 +97,10 @@ def _load_gguf(path: str, dtype: Any, progress: bool, *, name: str) -> ModelPara
     return ModelParams(weights, cfg, contents.tokenizer, source=name)
 
 
-def _read_safetensors(path: Path) -> dict[str, np.ndarray]:
-    from safetensors.numpy import load_file
-
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ModelLoadError(f"{path}: no *.safetensors files next to config.json")
-    tensors: dict[str, np.ndarray] = {}
-    for f in files:
-        try:
-            loaded = load_file(str(f))
-        except Exception as e:  # safetensors raises its own types for corrupt headers
-            raise ModelLoadError(f"{f}: cannot read safetensors file ({e})") from e
-        for k, v in loaded.items():
-            tensors[k] = v.astype(np.float32) if v.dtype != np.float32 else v
-    return tensors
-
-
-def _load_hf_dir(path: Path, dtype: Any, progress: bool) -> ModelParams:
+def _load_hf_dir(path: Path, dtype: Any, keep_quantized: bool, progress: bool) -> ModelParams:
+    """config.json + safetensors (sharded with model.safetensors.index.json or not), read
+    tensor by tensor through memory maps (models/safetensors_io.py)."""
+    from gsm_jax.models.safetensors_io import SafetensorsStore
     from gsm_jax.tokenizer import Tokenizer
 
     try:
@@ -115,13 +109,43 @@ def _load_hf_dir(path: Path, dtype: Any, progress: bool) -> ModelParams:
         raise ModelLoadError(f"{path / 'config.json'}: not valid JSON ({e})") from e
     family = family_module(family_for_model_type(hf_config.get("model_type")))
     cfg = family.CONFIG_CLASS.from_hf_config(hf_config)
-    _progress(f"reading safetensors from {path}", progress)
-    tensors = _read_safetensors(path)
-    weights = family.weights_from_hf(cfg, tensors, dtype)
+    _progress(f"indexing safetensors in {path}", progress)
+    store = SafetensorsStore(path)
+    extra: dict[str, Any] = {}
+    try:
+        if family.CONFIG_CLASS.family == "deepseek_v4":
+            from gsm_jax.models.deepseek_v4_checkpoint import (
+                check_quantization_config,
+                checkpoint_tensors,
+            )
+
+            quant = check_quantization_config(hf_config)
+            keep = keep_quantized and quant is not None
+            if dtype is None:  # as stored: low precision kept, the other tensors bf16
+                dtype = jnp.bfloat16 if quant is not None else jnp.float32
+            unused: list[str] = []
+            _progress(f"converting {len(store.tensors)} tensors "
+                      f"({'FP8/FP4 kept as stored' if keep else jnp.dtype(dtype).name})", progress)
+            weights = family.weights_from_hf(cfg, checkpoint_tensors(store, quant), dtype,
+                                             keep_quantized=keep, unused=unused)
+            if quant is not None:
+                extra["checkpoint_quantization"] = "fp8-e4m3+" + quant["expert_dtype"] + (
+                    " (kept)" if keep else " (dequantized)")
+            if unused:
+                log.warning("%s: %d checkpoint tensor(s) are not used by the model: %s",
+                            path, len(unused), ", ".join(unused[:10]))
+                extra["unused_tensors"] = tuple(unused)
+        else:
+            _progress(f"reading {len(store.tensors)} tensors", progress)
+            tensors = {name: store.read(name) for name in store}
+            weights = family.weights_from_hf(cfg, tensors, jnp.float32 if dtype is None
+                                             else dtype)
+    finally:
+        store.close()
     tokenizer = Tokenizer.from_hf_dir(path) if (path / "tokenizer.json").exists() else None
     if tokenizer is not None and tokenizer.eos_ids:
         cfg = dataclasses.replace(cfg, eos_token_ids=tuple(tokenizer.eos_ids))
-    return ModelParams(weights, cfg, tokenizer, source=str(path))
+    return ModelParams(weights, cfg, tokenizer, source=str(path), extra=extra)
 
 
 # ----------------------------------------------------------------------------- orbax

@@ -41,7 +41,15 @@ class ModelParams:
         return jax.tree.leaves(self.weights)[0].dtype
 
     def num_parameters(self) -> int:
-        return sum(int(a.size) for a in jax.tree.leaves(self.weights))
+        """Logical parameter count (a packed FP4 byte holds two; scales are not counted)."""
+        from gsm_jax.models.block_quant import BlockQuantWeight
+
+        leaves = jax.tree.leaves(self.weights, is_leaf=lambda a: isinstance(a, BlockQuantWeight))
+        return sum(int(a.size) for a in leaves)
+
+    def nbytes(self) -> int:
+        """Bytes the weights occupy in memory (values and scales)."""
+        return sum(int(a.nbytes) for a in jax.tree.leaves(self.weights))
 
     def __repr__(self) -> str:
         name = type(self.config).__name__

@@ -70,6 +70,7 @@ import numpy as np
 from flax import struct
 
 from gsm_jax.errors import UnsupportedModelError
+from gsm_jax.models.block_quant import BlockQuantWeight
 from gsm_jax.models.gsm_sites import (
     ATTN_OUT,
     FFN_MID,
@@ -249,9 +250,10 @@ class DeepseekV4Config:
              "only one shared expert (the reference's layout) is supported"),
             ("scoring_func", hf.get("scoring_func", "sqrtsoftplus") in SCORING_FUNCS,
              f"supported: {SCORING_FUNCS}"),
-            ("quantization_config", not hf.get("quantization_config"),
-             "quantized (e.g. FP8) checkpoints are not supported; use a dequantized one"),
         ]
+        from gsm_jax.models.deepseek_v4_checkpoint import check_quantization_config
+
+        check_quantization_config(hf)  # FP8 / FP4 checkpoints: refused only when unknown
         for key, ok, why in checks:
             if not ok:
                 raise UnsupportedModelError(f"config field {key}={hf.get(key)!r}: {why}")
@@ -660,6 +662,24 @@ _init = nn.initializers.normal(0.02)
 _small = nn.initializers.normal(0.5)  # sinks, biases: random so tests exercise them
 
 
+def _weight(module: nn.Module, name: str, shape: tuple[int, ...]) -> Any:
+    """A projection weight [..., in, out]: a float array, or a `BlockQuantWeight` (FP8 /
+    packed FP4 as stored, see models/block_quant.py).
+
+    Flax checks a parameter's shape against its first leaf; a block-quantized weight's
+    first leaf is its stored [..., out, in(/2)] values, so its logical shape is checked
+    here instead.
+    """
+    if module.has_variable("params", name):
+        value = module.get_variable("params", name)
+        if isinstance(value, BlockQuantWeight):
+            if value.shape != tuple(shape):
+                raise ValueError(f"{module.name}.{name}: a block-quantized weight of logical "
+                                 f"shape {value.shape} where {tuple(shape)} is expected")
+            return value
+    return module.param(name, _init, shape)
+
+
 class HyperConnection(nn.Module):
     """mHC weights from the N streams: (post [B,T,N], comb [B,T,N,N], collapsed [B,T,D])."""
 
@@ -734,7 +754,7 @@ class Compressor(nn.Module):
 
     def setup(self) -> None:
         d, f = self.cfg.hidden_size, self.series * self.dim
-        self.kv_gate = self.param("kv_gate", _init, (d, 2 * f))  # [kv | gate]
+        self.kv_gate = _weight(self, "kv_gate", (d, 2 * f))  # [kv | gate]
         self.position_bias = self.param("position_bias", _small, (self.rate, f), jnp.float32)
         self.norm = self.param("norm", nn.initializers.ones, (self.dim,), jnp.float32)
 
@@ -810,9 +830,8 @@ class Indexer(nn.Module):
     def setup(self) -> None:
         cfg = self.cfg
         self.compressor = Compressor(cfg, cfg.compress_rate_csa, cfg.index_head_dim, True)
-        self.q_b = self.param("q_b", _init,
-                              (cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim))
-        self.weights_proj = self.param("weights_proj", _init, (cfg.hidden_size, cfg.index_n_heads))
+        self.q_b = _weight(self, "q_b", (cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim))
+        self.weights_proj = _weight(self, "weights_proj", (cfg.hidden_size, cfg.index_n_heads))
 
     def scores(self, x, q_res, positions, keys):
         """x [B,T,D], q_res [B,T,q_lora], keys [B,n,ci] -> index scores [B,T,n] (f32)."""
@@ -839,14 +858,14 @@ class Attention(nn.Module):
     def setup(self) -> None:
         cfg = self.cfg
         d, h, hd, g = cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.o_groups
-        self.q_a = self.param("q_a", _init, (d, cfg.q_lora_rank))
+        self.q_a = _weight(self, "q_a", (d, cfg.q_lora_rank))
         self.q_a_norm = self.param("q_a_norm", nn.initializers.ones, (cfg.q_lora_rank,),
                                    jnp.float32)
-        self.q_b = self.param("q_b", _init, (cfg.q_lora_rank, h * hd))
-        self.kv = self.param("kv", _init, (d, hd))
+        self.q_b = _weight(self, "q_b", (cfg.q_lora_rank, h * hd))
+        self.kv = _weight(self, "kv", (d, hd))
         self.kv_norm = self.param("kv_norm", nn.initializers.ones, (hd,), jnp.float32)
-        self.o_a = self.param("o_a", _init, (g, h * hd // g, cfg.o_lora_rank))
-        self.o_b = self.param("o_b", _init, (g * cfg.o_lora_rank, d))
+        self.o_a = _weight(self, "o_a", (g, h * hd // g, cfg.o_lora_rank))
+        self.o_b = _weight(self, "o_b", (g * cfg.o_lora_rank, d))
         self.sinks = self.param("sinks", _small, (h,), jnp.float32)
         if self.kind != SLIDING:
             rate = cfg.compress_rate(self.layer)
@@ -975,7 +994,7 @@ class MoE(nn.Module):
     def setup(self) -> None:
         cfg = self.cfg
         d, e, i = cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size
-        self.router = self.param("router", _init, (d, e))
+        self.router = _weight(self, "router", (d, e))
         if self.is_hash:
             def table(rng, shape):
                 keys = jax.random.split(rng, shape[0])
@@ -984,10 +1003,10 @@ class MoE(nn.Module):
             self.tid2eid = self.param("tid2eid", table, (cfg.vocab_size, cfg.num_experts_per_tok))
         else:
             self.score_bias = self.param("score_bias", _small, (e,), jnp.float32)
-        self.experts_gate_up = self.param("experts_gate_up", _init, (e, d, 2 * i))
-        self.experts_down = self.param("experts_down", _init, (e, i, d))
-        self.shared_gate_up = self.param("shared_gate_up", _init, (d, 2 * i))
-        self.shared_down = self.param("shared_down", _init, (i, d))
+        self.experts_gate_up = _weight(self, "experts_gate_up", (e, d, 2 * i))
+        self.experts_down = _weight(self, "experts_down", (e, i, d))
+        self.shared_gate_up = _weight(self, "shared_gate_up", (d, 2 * i))
+        self.shared_down = _weight(self, "shared_down", (i, d))
 
     def route(self, x: jax.Array, tokens: jax.Array):
         """x [M, D], tokens [M] -> (experts [M, k], weights [M, k] f32)."""
@@ -1138,8 +1157,11 @@ def _leaf_dtype(path, dtype: Any) -> Any:
 
 
 def _cast_tree(tree: Any, dtype: Any) -> Any:
+    """Every float leaf to `dtype` (f32 leaves stay f32); block-quantized weights as they are."""
     return jax.tree_util.tree_map_with_path(
-        lambda path, a: jnp.asarray(a, _leaf_dtype(path, dtype)), tree)
+        lambda path, a: a if isinstance(a, BlockQuantWeight)
+        else jnp.asarray(a, _leaf_dtype(path, dtype)),
+        tree, is_leaf=lambda a: isinstance(a, BlockQuantWeight))
 
 
 def _param_shapes(cfg: DeepseekV4Config) -> dict:
@@ -1218,66 +1240,148 @@ _RENAMES = [
     (r"\.shared_experts\.w3\.", ".shared_experts.up_proj."),
 ]
 _EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.w([123])\.weight$")
+MTP_PREFIX = "mtp."
+
+
+def _canonical_name(name: str) -> str:
+    if not name.startswith(("model.", "lm_head.", "head.")):
+        name = "model." + name
+    for pattern, repl in _RENAMES:
+        name = re.sub(pattern, repl, name)
+    return name
+
+
+@dataclasses.dataclass(frozen=True)
+class _MergedExperts:
+    """The reference's merged expert tensor, built from per-expert checkpoint tensors when
+    it is asked for (so loading holds one layer's experts at a time, not the model's)."""
+
+    prefix: str
+    kind: str  # "gate_up" (w1 | w3 along the output axis) or "down" (w2)
+    per_expert: dict[int, dict[str, Any]]
+
+    def load(self) -> Any:
+        parts = []
+        for e in sorted(self.per_expert):
+            ws = self.per_expert[e]
+            try:
+                names = ("1", "3") if self.kind == "gate_up" else ("2",)
+                parts.append([_resolve(ws[n]) for n in names])
+            except KeyError as exc:
+                raise UnsupportedModelError(
+                    f"expert weight w{exc.args[0]} of expert {e} missing under {self.prefix}"
+                ) from exc
+        return _stack_out(parts, f"{self.prefix}.{self.kind}")
+
+
+def _resolve(value: Any) -> Any:
+    """A tensor as numpy (or a StoredQuant), reading it if it is a lazy reference."""
+    if hasattr(value, "load"):
+        value = value.load()
+    if hasattr(value, "detach"):  # a torch tensor
+        value = value.detach().float().cpu().numpy() if value.is_floating_point() \
+            else value.detach().cpu().numpy()
+    return value
+
+
+def _stack_out(parts: list[list[Any]], what: str) -> Any:
+    """[[w, ...] per expert] -> [E, sum(out), in]: concatenated along the output axis,
+    stacked over experts. Block-quantized parts stay quantized when the block grid allows."""
+    from gsm_jax.models.deepseek_v4_checkpoint import StoredQuant
+
+    flat = [w for ws in parts for w in ws]
+    if all(isinstance(w, StoredQuant) for w in flat):
+        f, blk = flat[0].fmt, flat[0].block
+        aligned = all(w.fmt == f and w.block == blk and w.values.shape[-2] % blk[0] == 0
+                      for w in flat)
+        if aligned:
+            return StoredQuant(np.stack([np.concatenate([w.values for w in ws]) for ws in parts]),
+                               np.stack([np.concatenate([w.scale for w in ws]) for ws in parts]),
+                               f, blk)
+    dense = [[w.dequantize() if isinstance(w, StoredQuant) else np.asarray(w, np.float32)
+              for w in ws] for ws in parts]
+    return np.stack([np.concatenate(ws) for ws in dense])
 
 
 def canonical_hf_names(tensors: dict[str, Any]) -> dict[str, Any]:
     """Accept both the module names and the checkpoint names; return module names.
 
-    Per-expert w1/w3/w2 matrices are merged into the reference's
-    `experts.gate_up_proj` [E, 2I, D] and `experts.down_proj` [E, D, I].
-    Multi-token-prediction weights (`mtp.*`) are dropped, as the reference does.
+    Per-expert w1/w3/w2 matrices become the reference's merged `experts.gate_up_proj`
+    [E, 2I, D] and `experts.down_proj` [E, D, I] (built lazily, see `_MergedExperts`).
+    Multi-token-prediction tensors (`mtp.*`) keep their checkpoint names.
+    Values may be arrays, torch tensors or lazy references (`.load()`).
     """
     out: dict[str, Any] = {}
     experts: dict[str, dict[int, dict[str, Any]]] = {}
     for name, value in tensors.items():
-        if name.startswith("mtp.") or ".mtp." in name:
+        if name.startswith(MTP_PREFIX):
+            out[name] = value
             continue
-        if not name.startswith(("model.", "lm_head.", "head.")):
-            name = "model." + name
-        for pattern, repl in _RENAMES:
-            name = re.sub(pattern, repl, name)
+        name = _canonical_name(name)
         m = _EXPERT.match(name)
         if m:
             experts.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = value
         else:
             out[name] = value
     for prefix, per_expert in experts.items():
-        ids = sorted(per_expert)
-        try:
-            out[prefix + ".gate_up_proj"] = np.stack(
-                [np.concatenate([np.asarray(per_expert[e]["1"]), np.asarray(per_expert[e]["3"])])
-                 for e in ids])
-            out[prefix + ".down_proj"] = np.stack([np.asarray(per_expert[e]["2"]) for e in ids])
-        except KeyError as exc:
-            raise UnsupportedModelError(
-                f"expert weight w{exc.args[0]} missing under {prefix}") from exc
+        out[prefix + ".gate_up_proj"] = _MergedExperts(prefix, "gate_up", per_expert)
+        out[prefix + ".down_proj"] = _MergedExperts(prefix, "down", per_expert)
     return out
 
 
+def _block_weight(q: Any) -> BlockQuantWeight:
+    return BlockQuantWeight(jnp.asarray(q.values), jnp.asarray(q.scale), q.fmt, q.block)
+
+
+def _dense(w: Any) -> np.ndarray:
+    """A float [..., in, out] numpy weight, whatever form `lin` gave."""
+    return np.asarray(w.dequantize()) if isinstance(w, BlockQuantWeight) else w
+
+
+def _cat_out(a: Any, b: Any) -> Any:
+    """Two [in, out] weights side by side ([a | b] along the output axis)."""
+    if (isinstance(a, BlockQuantWeight) and isinstance(b, BlockQuantWeight)
+            and (a.fmt, a.block) == (b.fmt, b.block)
+            and a.stored_shape[-2] % a.block[0] == 0):
+        return a.replace(values=jnp.concatenate([a.values, b.values], axis=-2),
+                         scale=jnp.concatenate([a.scale, b.scale], axis=-2))
+    return np.concatenate([_dense(a), _dense(b)], axis=-1)
+
+
 def weights_from_hf(cfg: DeepseekV4Config, tensors: dict[str, Any],
-                    dtype: Any = jnp.float32) -> dict:
-    """Hugging Face names ([out, in] linears) -> this module's tree ([in, out], per layer).
+                    dtype: Any = jnp.float32, *, keep_quantized: bool = False,
+                    unused: list[str] | None = None) -> dict:
+    """Hugging Face or DeepSeek names ([out, in] linears) -> this module's tree ([in, out],
+    per layer), converted to device arrays one layer at a time.
 
-    Takes either `DeepseekV4ForCausalLM.state_dict()` names or the names
-    `save_pretrained` writes. Raises UnsupportedModelError naming a missing tensor.
+    `tensors` maps names to arrays, torch tensors or lazy references (the loader's
+    `deepseek_v4_checkpoint.checkpoint_tensors`). Block-scaled FP8 / FP4 weights become
+    `BlockQuantWeight`s kept as stored when `keep_quantized`, otherwise they are
+    dequantized (to float32, then `dtype`). `mtp.*` tensors are kept under
+    `weights["mtp"]` as stored. Names nothing asked for are appended to `unused`.
+    Raises UnsupportedModelError naming a missing tensor.
     """
-    tensors = canonical_hf_names(tensors)
+    from gsm_jax.models.deepseek_v4_checkpoint import StoredQuant
 
-    def get(name: str) -> np.ndarray:
+    tensors = canonical_hf_names(tensors)
+    used: set[str] = set()
+
+    def get(name: str) -> Any:
         if name not in tensors:
             raise UnsupportedModelError(f"weight {name!r} is missing from the checkpoint")
-        value = tensors[name]
-        if hasattr(value, "detach"):  # a torch tensor
-            value = value.detach().float().cpu().numpy() if value.is_floating_point() \
-                else value.detach().cpu().numpy()
+        used.add(name)
+        value = _resolve(tensors[name])
+        if isinstance(value, StoredQuant):
+            return value if keep_quantized else value.dequantize()
         value = np.asarray(value)
         return value if value.dtype.kind in "iu" else value.astype(np.float32)
 
-    def lin(name: str) -> np.ndarray:
-        return get(name).T
+    def lin(name: str) -> Any:
+        value = get(name)
+        return _block_weight(value) if isinstance(value, StoredQuant) else value.T
 
-    def kv_gate(p: str) -> np.ndarray:
-        return np.concatenate([lin(p + "kv_proj.weight"), lin(p + "gate_proj.weight")], axis=1)
+    def kv_gate(p: str) -> Any:
+        return _cat_out(lin(p + "kv_proj.weight"), lin(p + "gate_proj.weight"))
 
     def compressor(p: str) -> dict:
         return {"kv_gate": kv_gate(p), "position_bias": get(p + "position_bias"),
@@ -1286,17 +1390,30 @@ def weights_from_hf(cfg: DeepseekV4Config, tensors: dict[str, Any],
     def hc(p: str) -> dict:
         return {"fn": lin(p + "fn"), "base": get(p + "base"), "scale": get(p + "scale")}
 
+    def experts(name: str) -> Any:  # [E, out, in] -> [E, in, out]
+        value = get(name)
+        return _block_weight(value) if isinstance(value, StoredQuant) \
+            else value.transpose(0, 2, 1)
+
+    def o_a_weight(name: str) -> Any:  # [G * O, I] -> [G, I, O]
+        value = get(name)
+        if isinstance(value, StoredQuant):
+            if o_rank % value.block[0] == 0:
+                return _block_weight(StoredQuant(
+                    value.values.reshape(g, o_rank, -1),
+                    value.scale.reshape(g, o_rank // value.block[0], -1), value.fmt, value.block))
+            value = value.dequantize()
+        return value.reshape(g, o_rank, -1).transpose(0, 2, 1)
+
     g, o_rank = cfg.o_groups, cfg.o_lora_rank
     layers = []
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
         a = p + "self_attn."
-        o_a = get(a + "o_a_proj.weight")
         attn = {
             "q_a": lin(a + "q_a_proj.weight"), "q_a_norm": get(a + "q_a_norm.weight"),
             "q_b": lin(a + "q_b_proj.weight"), "kv": lin(a + "kv_proj.weight"),
-            "kv_norm": get(a + "kv_norm.weight"),
-            "o_a": o_a.reshape(g, o_rank, -1).transpose(0, 2, 1),
+            "kv_norm": get(a + "kv_norm.weight"), "o_a": o_a_weight(a + "o_a_proj.weight"),
             "o_b": lin(a + "o_b_proj.weight"), "sinks": get(a + "sinks"),
         }
         if cfg.layer_types[i] != SLIDING:
@@ -1308,22 +1425,22 @@ def weights_from_hf(cfg: DeepseekV4Config, tensors: dict[str, Any],
         m = p + "mlp."
         moe = {
             "router": lin(m + "gate.weight"),
-            "experts_gate_up": get(m + "experts.gate_up_proj").transpose(0, 2, 1),
-            "experts_down": get(m + "experts.down_proj").transpose(0, 2, 1),
-            "shared_gate_up": np.concatenate([lin(m + "shared_experts.gate_proj.weight"),
-                                              lin(m + "shared_experts.up_proj.weight")], axis=1),
+            "experts_gate_up": experts(m + "experts.gate_up_proj"),
+            "experts_down": experts(m + "experts.down_proj"),
+            "shared_gate_up": _cat_out(lin(m + "shared_experts.gate_proj.weight"),
+                                       lin(m + "shared_experts.up_proj.weight")),
             "shared_down": lin(m + "shared_experts.down_proj.weight"),
         }
         if cfg.mlp_layer_types[i] == "hash_moe":
             moe["tid2eid"] = get(m + "gate.tid2eid")
         else:
             moe["score_bias"] = get(m + "gate.e_score_correction_bias")
-        layers.append({
+        layers.append(_cast_tree({  # on the device now: host memory holds one layer at most
             "attn_hc": hc(p + "attn_hc."), "attn_norm": get(p + "input_layernorm.weight"),
             "attn": attn,
             "ffn_hc": hc(p + "ffn_hc."), "ffn_norm": get(p + "post_attention_layernorm.weight"),
             "moe": moe,
-        })
+        }, dtype))
     weights = {
         "embed": get("model.embed_tokens.weight"),
         "layers": tuple(layers),
@@ -1334,7 +1451,28 @@ def weights_from_hf(cfg: DeepseekV4Config, tensors: dict[str, Any],
     }
     if not cfg.tie_word_embeddings:
         weights["lm_head"] = lin("lm_head.weight")
+    mtp = _mtp_weights({n: get(n) for n in tensors if n.startswith(MTP_PREFIX)}, dtype)
+    if mtp:
+        weights["mtp"] = mtp
+    if unused is not None:
+        unused.extend(sorted(n for n in tensors if n not in used))
     return _cast_tree(weights, dtype)
+
+
+def _mtp_weights(flat: dict[str, Any], dtype: Any) -> dict:
+    """The multi-token-prediction block, nested by its checkpoint name ("mtp.0.e_proj.weight"
+    -> ["0"]["e_proj"]["weight"]), as stored (torch [out, in]; FP8/FP4 kept when loaded so).
+    Loaded and kept for speculative decoding; no entry point runs it yet."""
+    from gsm_jax.models.deepseek_v4_checkpoint import StoredQuant
+
+    tree: dict = {}
+    for name, value in flat.items():
+        *path, leaf = name.removeprefix(MTP_PREFIX).split(".")
+        node = tree
+        for part in path:
+            node = node.setdefault(part, {})
+        node[leaf] = _block_weight(value) if isinstance(value, StoredQuant) else value
+    return tree
 
 
 # ----------------------------------------------------------------------------- entry points

@@ -1,9 +1,11 @@
 """Every projection of the model families goes through `linear`.
 
-A weight is either a float array stored [in, out], or a `QuantizedWeight`
+A weight is either a float array stored [in, out], a `QuantizedWeight`
 (int8 values [in, out] + one float32 scale per output channel, see
-`gsm_jax.quant.quantize`). Model files never change when a scheme arrives:
-`linear` dispatches on what it is given.
+`gsm_jax.quant.quantize`), or a `BlockQuantWeight` (FP8 e4m3 / packed FP4 e2m1
+with block scales, as DeepSeek-V4 checkpoints store them: `models/block_quant.py`).
+Model files never change when a scheme arrives: `linear` dispatches on what it is
+given.
 
 - float weight: x @ w in x's dtype.
 - "w8a16" (weight-only): activations stay float; y = (x @ values) * scale, the
@@ -32,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from gsm_jax.models.block_quant import BlockQuantWeight, quantize_activation_e4m3
 from gsm_jax.pallas_kernels.quant_reference import int8_dot, quantize_rows, quantize_with_scale
 
 SCHEMES = ("w8a16", "w8a8")
@@ -254,6 +257,20 @@ def _w8a8_matmul(xq: QuantizedActivation, w: QuantizedWeight) -> jax.Array:
     return y.astype(xq.dtype)
 
 
+def _block_quant_matmul(x: jax.Array, w: BlockQuantWeight) -> jax.Array:
+    """x @ an FP8 / FP4 block-scaled weight kept as stored (models/block_quant.py).
+
+    The weight is dequantized per block right before the product, contracting its
+    stored [out, in] orientation directly (no transpose); with `act="e4m3"` x is first
+    rounded to FP8 per token and 128-channel block, as V4's runtime does. The dequantize
+    is tied to x (`_after`) so XLA:CPU does not run every layer's converts up front.
+    """
+    if w.act == "e4m3":
+        x = quantize_activation_e4m3(x)
+    stored = w.replace(values=_after(x, w.values)).dequantize_stored(x.dtype)
+    return jax.lax.dot_general(x, stored, (((x.ndim - 1,), (1,)), ((), ())))
+
+
 def linear(x, w) -> jax.Array:
     """x [..., in] @ w [in, out] -> [..., out] in x's dtype, whatever form w takes.
 
@@ -264,6 +281,8 @@ def linear(x, w) -> jax.Array:
             raise TypeError("an int8 activation can only multiply a W8A8 QuantizedWeight "
                             f"without rotation, got {type(w).__name__}")
         return _w8a8_matmul(x, w)
+    if isinstance(w, BlockQuantWeight):
+        return _block_quant_matmul(x, w)
     if not isinstance(w, QuantizedWeight):
         return x @ w.astype(x.dtype)
     if w.scheme == "w8a16":
