@@ -44,6 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gsm_jax.errors import InvalidInputError, UnsupportedModelError
+from gsm_jax.models.block_quant import BlockQuantWeight, quantize_np
 from gsm_jax.models.linear import (
     SCHEMES,
     QuantizedActivation,
@@ -69,7 +70,8 @@ __all__ = [
     "smoothquant_scales",
 ]
 
-QUANTIZE_CHOICES = ("none", *SCHEMES)
+ALL_SCHEMES = (*SCHEMES, "fp8")
+QUANTIZE_CHOICES = ("none", *ALL_SCHEMES)
 LLAMA_LINEARS = ("qkv", "o", "gate_up", "down")
 DSV4_ATTN_LINEARS = ("q_a", "q_b", "kv", "o_b")
 
@@ -78,8 +80,9 @@ DSV4_ATTN_LINEARS = ("q_a", "q_b", "kv", "o_b")
 
 
 def _check_scheme(scheme: Any) -> str:
-    if scheme not in SCHEMES:
-        raise InvalidInputError(f"quantization scheme {scheme!r} is unknown; choose from {SCHEMES}")
+    if scheme not in ALL_SCHEMES:
+        raise InvalidInputError(
+            f"quantization scheme {scheme!r} is unknown; choose from {ALL_SCHEMES}")
     return scheme
 
 
@@ -96,7 +99,22 @@ def quantization_of(params: ModelParams) -> str | None:
     return dict(params.extra).get("quantization")
 
 
-def _q(w: jax.Array, scheme: str, hadamard: int = 0) -> QuantizedWeight:
+def _fp8(w: Any) -> BlockQuantWeight:
+    """A float [..., in, out] weight as FP8 e4m3 in 128 x 128 blocks with E8M0 scales (the
+    DeepSeek-V4 format), with per-token FP8 activations; an FP8 / FP4 weight already
+    stored so only switches its activations to FP8."""
+    if isinstance(w, BlockQuantWeight):
+        return w.replace(act="e4m3")
+    stored = np.swapaxes(np.asarray(w, np.float32), -1, -2)
+    values, scale = quantize_np(stored, "e4m3", (128, 128))
+    return BlockQuantWeight(jnp.asarray(values), jnp.asarray(scale), "e4m3", (128, 128), "e4m3")
+
+
+def _q(w: Any, scheme: str, hadamard: int = 0) -> QuantizedWeight | BlockQuantWeight:
+    if scheme == "fp8":
+        return _fp8(w)
+    if isinstance(w, BlockQuantWeight):  # an FP8 / FP4 checkpoint re-quantized to int8
+        w = w.dequantize()
     w = jnp.asarray(w, jnp.float32)
     if hadamard:  # y = (x H)(H W): store H W, rotate x online (H is its own inverse)
         w = hadamard_rotate(w, hadamard, axis=-2)
@@ -140,7 +158,11 @@ def quantize(params: ModelParams, scheme: str = "w8a8", *, head: bool = False,
              routed_experts: bool = False, hadamard_down: int = 0) -> ModelParams:
     """Return params with the family's linear layers as int8 `QuantizedWeight`s.
 
-    scheme: "w8a16" (weight-only) or "w8a8" (plus per-token int8 activations).
+    scheme: "w8a16" (weight-only), "w8a8" (plus per-token int8 activations) or "fp8"
+    (FP8 e4m3 weights in 128 x 128 blocks with power-of-two scales, plus activations
+    rounded to e4m3 per token and 128-channel block, as DeepSeek-V4 runs; on a loaded
+    FP8 / FP4 checkpoint it keeps the stored weights, routed experts included, and
+    switches their activations to FP8).
     head: also round the embedding / LM head to the int8 grid (stored float).
     routed_experts: DeepSeek-V4 only, quantize the routed experts too.
     hadamard_down: > 0 (a power of two dividing d_ff): rotate the down
@@ -153,6 +175,11 @@ def quantize(params: ModelParams, scheme: str = "w8a8", *, head: bool = False,
         raise InvalidInputError(f"params are already quantized ({quantization_of(params)})")
     family = params.config.family
     w = dict(params.weights)
+    if scheme == "fp8" and hadamard_down:
+        raise InvalidInputError("hadamard_down goes with the int8 schemes, not fp8")
+    if scheme == "fp8" and family == "deepseek_v4":
+        routed_experts = routed_experts or isinstance(
+            w["layers"][0]["moe"]["experts_gate_up"], BlockQuantWeight)
     if family == "llama":
         w, per_layer = stacked_weights(params)
         layers = dict(w["layers"])

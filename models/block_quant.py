@@ -28,6 +28,7 @@ in float32 gives the FP8 GEMM's result up to summation order.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -52,7 +53,8 @@ ACT_MIN_AMAX = 1e-4  # V4 act_quant clamps the block absmax from below
 def e8m0_to_float(b: np.ndarray) -> np.ndarray:
     """E8M0 bytes -> float32 2 ** (b - 127); 0xFF (NaN) stays NaN."""
     b = np.asarray(b, np.uint8)
-    out = np.ldexp(np.float32(1.0), b.astype(np.int32) - 127).astype(np.float32)
+    with np.errstate(over="ignore"):  # 0xFF would be 2 ** 128: replaced by NaN below
+        out = np.ldexp(np.float32(1.0), b.astype(np.int32) - 127).astype(np.float32)
     return np.where(b == E8M0_NAN, np.float32(np.nan), out)
 
 
@@ -225,6 +227,24 @@ class BlockQuantWeight:
 
 def is_block_quantized(w) -> bool:
     return isinstance(w, BlockQuantWeight)
+
+
+def projection_param(module: Any, name: str, init: Any, shape: tuple[int, ...]) -> Any:
+    """`module.param(name, init, shape)` for a projection weight [..., in, out] that may be
+    a float array or a `BlockQuantWeight`.
+
+    Flax checks a parameter's shape against its first leaf; a block-quantized weight's
+    first leaf is its stored [..., out, in(/2)] values, so its logical shape is checked
+    here instead.
+    """
+    if module.has_variable("params", name):
+        value = module.get_variable("params", name)
+        if isinstance(value, BlockQuantWeight):
+            if value.shape != tuple(shape):
+                raise ValueError(f"{module.name}.{name}: a block-quantized weight of logical "
+                                 f"shape {value.shape} where {tuple(shape)} is expected")
+            return value
+    return module.param(name, init, shape)
 
 
 def quantize_activation_e4m3(x: jax.Array, block: int = ACT_BLOCK) -> jax.Array:

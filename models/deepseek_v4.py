@@ -69,8 +69,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from gsm_jax.errors import UnsupportedModelError
-from gsm_jax.models.block_quant import BlockQuantWeight
+from gsm_jax.errors import ModelLoadError, UnsupportedModelError
+from gsm_jax.models.block_quant import BlockQuantWeight, projection_param
 from gsm_jax.models.gsm_sites import (
     ATTN_OUT,
     FFN_MID,
@@ -663,21 +663,7 @@ _small = nn.initializers.normal(0.5)  # sinks, biases: random so tests exercise 
 
 
 def _weight(module: nn.Module, name: str, shape: tuple[int, ...]) -> Any:
-    """A projection weight [..., in, out]: a float array, or a `BlockQuantWeight` (FP8 /
-    packed FP4 as stored, see models/block_quant.py).
-
-    Flax checks a parameter's shape against its first leaf; a block-quantized weight's
-    first leaf is its stored [..., out, in(/2)] values, so its logical shape is checked
-    here instead.
-    """
-    if module.has_variable("params", name):
-        value = module.get_variable("params", name)
-        if isinstance(value, BlockQuantWeight):
-            if value.shape != tuple(shape):
-                raise ValueError(f"{module.name}.{name}: a block-quantized weight of logical "
-                                 f"shape {value.shape} where {tuple(shape)} is expected")
-            return value
-    return module.param(name, _init, shape)
+    return projection_param(module, name, _init, shape)
 
 
 class HyperConnection(nn.Module):
@@ -1406,6 +1392,7 @@ def weights_from_hf(cfg: DeepseekV4Config, tensors: dict[str, Any],
         return value.reshape(g, o_rank, -1).transpose(0, 2, 1)
 
     g, o_rank = cfg.o_groups, cfg.o_lora_rank
+    expected = _param_shapes(cfg)
     layers = []
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
@@ -1435,12 +1422,14 @@ def weights_from_hf(cfg: DeepseekV4Config, tensors: dict[str, Any],
             moe["tid2eid"] = get(m + "gate.tid2eid")
         else:
             moe["score_bias"] = get(m + "gate.e_score_correction_bias")
-        layers.append(_cast_tree({  # on the device now: host memory holds one layer at most
+        layer = {
             "attn_hc": hc(p + "attn_hc."), "attn_norm": get(p + "input_layernorm.weight"),
             "attn": attn,
             "ffn_hc": hc(p + "ffn_hc."), "ffn_norm": get(p + "post_attention_layernorm.weight"),
             "moe": moe,
-        }, dtype))
+        }
+        _check_shapes(layer, expected["layers"][i], f"layer {i}")
+        layers.append(_cast_tree(layer, dtype))  # on the device: host memory holds one layer
     weights = {
         "embed": get("model.embed_tokens.weight"),
         "layers": tuple(layers),
@@ -1451,12 +1440,40 @@ def weights_from_hf(cfg: DeepseekV4Config, tensors: dict[str, Any],
     }
     if not cfg.tie_word_embeddings:
         weights["lm_head"] = lin("lm_head.weight")
+    _check_shapes({k: v for k, v in weights.items() if k != "layers"}, expected, "model")
     mtp = _mtp_weights({n: get(n) for n in tensors if n.startswith(MTP_PREFIX)}, dtype)
     if mtp:
         weights["mtp"] = mtp
     if unused is not None:
         unused.extend(sorted(n for n in tensors if n not in used))
     return _cast_tree(weights, dtype)
+
+
+# where a mismatching leaf comes from in DeepSeek's own names
+_CHECKPOINT_HINTS = {"experts_gate_up": "ffn.experts.*.w1/w3", "experts_down": "ffn.experts.*.w2",
+                     "shared_gate_up": "ffn.shared_experts.w1/w3",
+                     "shared_down": "ffn.shared_experts.w2", "router": "ffn.gate.weight",
+                     "q_a": "attn.wq_a", "q_b": "attn.wq_b / attn.indexer.wq_b", "kv": "attn.wkv",
+                     "o_a": "attn.wo_a", "o_b": "attn.wo_b", "kv_gate": "compressor.wkv/wgate"}
+
+
+def _check_shapes(tree: dict, want: dict, where: str) -> None:
+    """Every leaf's (logical) shape against the config's; the error names the tensor."""
+    for key, spec in want.items():
+        if key not in tree:
+            continue  # absent entries were refused by `get` already
+        if isinstance(spec, dict):
+            _check_shapes(tree[key], spec, f"{where} {key}")
+            continue
+        got = tuple(tree[key].shape) if isinstance(tree[key], BlockQuantWeight) \
+            else tuple(np.shape(tree[key]))
+        if got != tuple(spec.shape):
+            hint = _CHECKPOINT_HINTS.get(key)
+            packed = " (logical shape: packed FP4 holds two values per byte)" \
+                if isinstance(tree[key], BlockQuantWeight) and tree[key].fmt == "e2m1" else ""
+            raise ModelLoadError(
+                f"{where} {key}{f' ({hint})' if hint else ''}: the checkpoint gives shape "
+                f"{list(got)}{packed}, the config needs {list(spec.shape)}")
 
 
 def _mtp_weights(flat: dict[str, Any], dtype: Any) -> dict:

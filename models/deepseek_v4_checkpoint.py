@@ -120,16 +120,13 @@ class QuantRef:
 
     def _block(self, fmt: str, shape: tuple[int, ...], grid: tuple[int, ...]) -> tuple[int, int]:
         out, inp = shape[-2], shape[-1] * (2 if fmt == "e2m1" else 1)
-        candidates = [self.config_block, (1, 32)] if fmt == "e4m3" else [(1, 32)]
-        for block in candidates:
-            if bq.scale_grid((out, inp), block) == tuple(grid[-2:]):
-                return block
-        if out % grid[-2] == 0 and inp % grid[-1] == 0:  # whole blocks of another size
-            return out // grid[-2], inp // grid[-1]
+        block = self.config_block if fmt == "e4m3" else (1, 32)  # MXFP4: 1 x 32 always
+        if bq.scale_grid((out, inp), block) == tuple(grid[-2:]):
+            return block
         raise ModelLoadError(
             f"scale {self.scale_name!r} has shape {list(grid)}, which does not fit its weight "
-            f"{self.name!r} of logical shape {[out, inp]} (blocks of {list(self.config_block)} "
-            f"would need {list(bq.scale_grid((out, inp), self.config_block))})")
+            f"{self.name!r} of logical shape {[out, inp]} (blocks of {list(block)} "
+            f"would need {list(bq.scale_grid((out, inp), block))})")
 
     def load(self) -> StoredQuant:
         info, sinfo = self.store.info(self.name), self.store.info(self.scale_name)
@@ -271,7 +268,7 @@ def _to_numpy(tree: Any) -> Any:
     if hasattr(tree, "dequantize"):
         tree = tree.dequantize()
     arr = np.asarray(tree)
-    return arr if arr.dtype.kind in "iu" else arr.astype(np.float32)
+    return arr if arr.dtype.kind in "iu" else arr.astype(np.float32, copy=False)
 
 
 def _mtp_tensors(cfg: Any, t: dict[str, np.ndarray], seed: int) -> dict[str, np.ndarray]:
@@ -292,21 +289,41 @@ def _mtp_tensors(cfg: Any, t: dict[str, np.ndarray], seed: int) -> dict[str, np.
             for k, v in out.items()}
 
 
-def _stored(name: str, value: np.ndarray, block: tuple[int, int],
-            expert_fp4: bool) -> dict[str, tuple[np.ndarray, str]]:
-    """One official tensor in its stored dtype (+ its scale tensor)."""
+def _random_like(value: np.ndarray, fmt: str | None, rng: np.random.Generator) -> np.ndarray:
+    """Random stored values of `value`'s shape (FP8/FP4 as valid bytes, floats ~N(0, 0.02))."""
+    if fmt == "e2m1":
+        return rng.integers(0, 256, value.shape[:-1] + (value.shape[-1] // 2,), np.uint8)
+    normal = (0.02 * rng.standard_normal(value.shape, np.float32))
+    if fmt == "e4m3":
+        return (normal * 100).astype(ml_dtypes.float8_e4m3fn)
+    return normal
+
+
+def _stored(name: str, value: np.ndarray, block: tuple[int, int], expert_fp4: bool,
+            rng: np.random.Generator | None = None) -> dict[str, tuple[np.ndarray, str]]:
+    """One official tensor in its stored dtype (+ its scale tensor). With `rng`, random
+    stored values of the right shapes instead of `value` (which may then be a zero-stride
+    placeholder): a large checkpoint written without ever holding its float weights."""
     base = name.rsplit("layers.", 1)[-1]
     if value.dtype.kind in "iu":
+        if rng is not None:
+            value = rng.integers(0, int(value.max()) + 1 if value.size else 1, value.shape)
         return {name: (value.astype(np.int64), "I64")}
     if ".ffn.experts." in name and name.endswith(".weight"):
         fmt, blk = ("e2m1", (1, 32)) if expert_fp4 else ("e4m3", block)
     elif base.endswith(_FP8):
         fmt, blk = "e4m3", block
     else:
+        if rng is not None:
+            value = _random_like(value, None, rng)
         if base.endswith(_F32) or name.startswith(("hc_head", "mtp.0.hc_head")):
             return {name: (value.astype(np.float32), "F32")}
         return {name: (value.astype(ml_dtypes.bfloat16), "BF16")}
-    values, scale = bq.quantize_np(value, fmt, blk)
+    if rng is not None:
+        values = _random_like(value, fmt, rng)
+        scale = rng.integers(118, 123, bq.scale_grid(value.shape, blk), np.uint8)
+    else:
+        values, scale = bq.quantize_np(value, fmt, blk)
     stem = name.removesuffix(".weight")
     return {name: (values.view(np.int8), "I8") if fmt == "e2m1" else (values, "F8_E4M3"),
             stem + ".scale": (scale, "F8_E8M0")}
@@ -365,13 +382,24 @@ def official_config(cfg: Any, *, expert_dtype: str = "fp4",
     return hf
 
 
-def write_checkpoint(cfg: Any, weights: dict, path: str | os.PathLike, *, shards: int = 2,
-                     expert_dtype: str = "fp4", block: tuple[int, int] = (128, 128),
-                     mtp: bool = True, seed: int = 0) -> Path:
+def write_checkpoint(cfg: Any, weights: dict | None, path: str | os.PathLike, *,
+                     shards: int = 2, expert_dtype: str = "fp4",
+                     block: tuple[int, int] = (128, 128), mtp: bool = True,
+                     seed: int = 0) -> Path:
     """Write `weights` as an official-layout checkpoint: config.json, `shards` safetensors
-    files (whole layers per shard, split by bytes) and model.safetensors.index.json."""
+    files (whole layers per shard, split by bytes) and model.safetensors.index.json.
+
+    weights=None writes random stored values (valid FP8 / FP4 bytes, E8M0 scales near 1)
+    without materialising float weights: a large checkpoint for loading and memory tests.
+    """
     if expert_dtype not in ("fp4", "fp8"):
         raise ValueError(f"expert_dtype {expert_dtype!r}: fp4 or fp8")
+    rng = None
+    if weights is None:
+        from gsm_jax.models import deepseek_v4 as dv
+
+        rng = np.random.default_rng(seed)
+        weights = jax_free_zeros(dv.weight_shapes(cfg))
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     hf = official_config(cfg, expert_dtype=expert_dtype, block=block, mtp=mtp)
@@ -381,7 +409,7 @@ def write_checkpoint(cfg: Any, weights: dict, path: str | os.PathLike, *, shards
         float_tensors.update(_mtp_tensors(cfg, float_tensors, seed))
     stored: dict[str, tuple[np.ndarray, str]] = {}
     for name, value in float_tensors.items():
-        stored.update(_stored(name, value, block, expert_dtype == "fp4"))
+        stored.update(_stored(name, value, block, expert_dtype == "fp4", rng))
 
     def group(name: str) -> str:  # tensors of one layer stay in one shard
         parts = name.split(".")
@@ -393,11 +421,12 @@ def write_checkpoint(cfg: Any, weights: dict, path: str | os.PathLike, *, shards
     total = sum(a.nbytes for a, _ in stored.values())
     per_shard = total / max(shards, 1)
     files: list[list[str]] = [[]]
-    size = 0
+    size = 0  # of the shard being filled
     for names in groups.values():
         nbytes = sum(stored[n][0].nbytes for n in names)
-        if files[-1] and size + nbytes / 2 > per_shard * len(files) and len(files) < shards:
+        if files[-1] and size + nbytes / 2 > per_shard and len(files) < shards:
             files.append([])
+            size = 0
         files[-1].extend(names)
         size += nbytes
     weight_map = {}
@@ -408,3 +437,13 @@ def write_checkpoint(cfg: Any, weights: dict, path: str | os.PathLike, *, shards
     (path / INDEX_FILE).write_text(json.dumps(
         {"metadata": {"total_size": int(total)}, "weight_map": weight_map}, indent=1))
     return path
+
+
+def jax_free_zeros(shapes: Any) -> Any:
+    """ShapeDtypeStructs -> zero-stride numpy zeros of the same shapes (no memory)."""
+    if isinstance(shapes, dict):
+        return {k: jax_free_zeros(v) for k, v in shapes.items()}
+    if isinstance(shapes, tuple | list):
+        return type(shapes)(jax_free_zeros(v) for v in shapes)
+    kind = np.int64 if np.dtype(shapes.dtype).kind in "iu" else np.float32
+    return np.broadcast_to(kind(0), shapes.shape)

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from gsm_jax.errors import InvalidInputError, UnsupportedModelError
+from gsm_jax.models.block_quant import projection_param
 from gsm_jax.models.gsm_sites import (
     ATTN_OUT,
     FFN_MID,
@@ -222,14 +223,14 @@ class DecoderLayer(nn.Module):
         cfg, init = self.cfg, nn.initializers.normal(0.02)
         d = cfg.hidden_size
         self.attn_norm = self.param("attn_norm", nn.initializers.ones, (d,))
-        self.qkv = self.param("qkv", init, (d, cfg.q_size + 2 * cfg.kv_size))
+        self.qkv = projection_param(self, "qkv", init, (d, cfg.q_size + 2 * cfg.kv_size))
         if cfg.attention_bias:
             self.qkv_bias = self.param("qkv_bias", nn.initializers.zeros,
                                        (cfg.q_size + 2 * cfg.kv_size,))
-        self.o = self.param("o", init, (cfg.q_size, d))
+        self.o = projection_param(self, "o", init, (cfg.q_size, d))
         self.ffn_norm = self.param("ffn_norm", nn.initializers.ones, (d,))
-        self.gate_up = self.param("gate_up", init, (d, 2 * cfg.intermediate_size))
-        self.down = self.param("down", init, (cfg.intermediate_size, d))
+        self.gate_up = projection_param(self, "gate_up", init, (d, 2 * cfg.intermediate_size))
+        self.down = projection_param(self, "down", init, (cfg.intermediate_size, d))
 
     def _qkv(self, x: jax.Array, positions: jax.Array):
         cfg = self.cfg

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tiny_models import randomise_hf_dsv4
 
 from gsm_jax.errors import UnsupportedModelError
 from gsm_jax.models import deepseek_v4 as dv
@@ -92,38 +93,13 @@ def _hf_config(overrides: dict):
     return transformers.DeepseekV4Config(**base)
 
 
-def _randomise(model, cfg, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
-
-    def rnd(shape, scale, center=0.0):
-        return center + scale * torch.randn(shape, generator=g)
-
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(rnd(p.shape, 0.1, 1.0))
-            elif name.endswith(("sinks", "position_bias", ".base", "hc_base")):
-                p.copy_(rnd(p.shape, 0.5))
-            elif name.endswith(("scale",)):
-                p.copy_(rnd(p.shape, 0.2, 1.0))
-            else:
-                p.copy_(rnd(p.shape, 0.1))
-        for name, b in model.named_buffers():
-            if name.endswith("tid2eid"):
-                rows = [torch.randperm(cfg.n_routed_experts, generator=g)[: cfg.num_experts_per_tok]
-                        for _ in range(b.shape[0])]
-                b.copy_(torch.stack(rows))
-            elif name.endswith("e_score_correction_bias"):
-                b.copy_(rnd(b.shape, 0.5))
-
-
 @functools.cache
 def _models(name: str, seed: int = 0):
     """(hf model, our config, our weights) for a named config; cached per session."""
     hf_cfg = _hf_config(CONFIGS[name])
     torch.manual_seed(seed)
     model = transformers.DeepseekV4ForCausalLM(hf_cfg).eval()
-    _randomise(model, hf_cfg, seed + 1)
+    randomise_hf_dsv4(model, hf_cfg, seed + 1)
     cfg = dv.DeepseekV4Config.from_hf_config(hf_cfg.to_dict())
     if CONFIGS[name].get("softmax"):
         for layer in model.model.layers:
@@ -438,7 +414,7 @@ def test_config_defaults_and_legacy_fields():
     ("num_key_value_heads", 2, "num_key_value_heads"),
     ("n_shared_experts", 2, "n_shared_experts"),
     ("scoring_func", "relu", "scoring_func"),
-    ("quantization_config", {"quant_method": "fp8"}, "quantization_config"),
+    ("quantization_config", {"quant_method": "gptq"}, "quantization_config.quant_method"),
     ("layer_types", ["full_attention"], "layer_types"),
     ("mlp_layer_types", ["dense"], "mlp_layer_types"),
     ("rope_parameters", {"rope_type": "longrope"}, "longrope"),

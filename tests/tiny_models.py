@@ -60,3 +60,33 @@ def tiny_gsm_llama(seed: int = 7) -> ModelParams:
                             num_heads=4, num_kv_heads=2, head_dim=12,
                             max_position_embeddings=512, eos_token_ids=(3,))
     return ModelParams(llama.init_weights(cfg, jax.random.key(seed)), cfg, None, "tiny")
+
+
+def randomise_hf_dsv4(model, cfg, seed: int) -> None:
+    """Randomise every parameter and buffer of a transformers DeepseekV4ForCausalLM (sinks,
+    position biases, hc biases/scales, correction biases, norms, hash tables), so no
+    feature hides behind an identity initialisation."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(shape, scale, center=0.0):
+        return center + scale * torch.randn(shape, generator=g)
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(rnd(p.shape, 0.1, 1.0))
+            elif name.endswith(("sinks", "position_bias", ".base", "hc_base")):
+                p.copy_(rnd(p.shape, 0.5))
+            elif name.endswith(("scale",)):
+                p.copy_(rnd(p.shape, 0.2, 1.0))
+            else:
+                p.copy_(rnd(p.shape, 0.1))
+        for name, b in model.named_buffers():
+            if name.endswith("tid2eid"):
+                rows = [torch.randperm(cfg.n_routed_experts, generator=g)[: cfg.num_experts_per_tok]
+                        for _ in range(b.shape[0])]
+                b.copy_(torch.stack(rows))
+            elif name.endswith("e_score_correction_bias"):
+                b.copy_(rnd(b.shape, 0.5))
