@@ -184,6 +184,13 @@ def save(params: ModelParams, path: str | os.PathLike, *, overwrite: bool = Fals
 
     if not isinstance(params, ModelParams):
         raise InvalidInputError("save expects the ModelParams returned by gsm_jax.load")
+    from gsm_jax.models.block_quant import BlockQuantWeight
+
+    is_block = lambda a: isinstance(a, BlockQuantWeight)  # noqa: E731
+    if any(is_block(a) for a in jax.tree.leaves(params.weights, is_leaf=is_block)):
+        raise InvalidInputError(
+            "gsm_jax.save does not write FP8/FP4 block-quantized weights; keep the original "
+            "checkpoint (it loads as stored), or load it with dtype='bfloat16' to save floats")
     path = Path(path).absolute()
     if path.exists() and any(path.iterdir()) and not overwrite:
         raise InvalidInputError(f"{path} exists and is not empty; pass overwrite=True")

@@ -101,10 +101,7 @@ def quantization_of(params: ModelParams) -> str | None:
 
 def _fp8(w: Any) -> BlockQuantWeight:
     """A float [..., in, out] weight as FP8 e4m3 in 128 x 128 blocks with E8M0 scales (the
-    DeepSeek-V4 format), with per-token FP8 activations; an FP8 / FP4 weight already
-    stored so only switches its activations to FP8."""
-    if isinstance(w, BlockQuantWeight):
-        return w.replace(act="e4m3")
+    DeepSeek-V4 format), with per-token FP8 activations."""
     stored = np.swapaxes(np.asarray(w, np.float32), -1, -2)
     values, scale = quantize_np(stored, "e4m3", (128, 128))
     return BlockQuantWeight(jnp.asarray(values), jnp.asarray(scale), "e4m3", (128, 128), "e4m3")
@@ -177,9 +174,13 @@ def quantize(params: ModelParams, scheme: str = "w8a8", *, head: bool = False,
     w = dict(params.weights)
     if scheme == "fp8" and hadamard_down:
         raise InvalidInputError("hadamard_down goes with the int8 schemes, not fp8")
-    if scheme == "fp8" and family == "deepseek_v4":
-        routed_experts = routed_experts or isinstance(
-            w["layers"][0]["moe"]["experts_gate_up"], BlockQuantWeight)
+    is_block = lambda a: isinstance(a, BlockQuantWeight)  # noqa: E731
+    if scheme == "fp8" and any(is_block(a) for a in jax.tree.leaves(w, is_leaf=is_block)):
+        # an FP8 / FP4 checkpoint: its stored weights get FP8 activations, nothing else moves
+        w = jax.tree.map(lambda a: a.replace(act="e4m3") if is_block(a) else a, w,
+                         is_leaf=is_block)
+        return dataclasses.replace(params, weights=w,
+                                   extra={**dict(params.extra), "quantization": scheme})
     if family == "llama":
         w, per_layer = stacked_weights(params)
         layers = dict(w["layers"])

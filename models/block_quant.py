@@ -145,10 +145,21 @@ def _scale_f32(scale: jax.Array) -> jax.Array:
     return scale.astype(jnp.float32)
 
 
-def _unpack_e2m1_jnp(packed: jax.Array) -> jax.Array:
-    """[..., n] uint8 -> [..., 2n] float32 (bitcast gives [low, high] pairs)."""
-    pairs = jax.lax.bitcast_convert_type(packed, jnp.float4_e2m1fn)  # [..., n, 2]
-    return pairs.reshape(packed.shape[:-1] + (2 * packed.shape[-1],)).astype(jnp.float32)
+def _unpack_e2m1_jnp(packed: jax.Array, dtype=jnp.float32) -> jax.Array:
+    """[..., n] uint8 -> [..., 2n] `dtype`, low nibble first.
+
+    Two equal routes, picked by what XLA:CPU runs faster (a [4096, 256]-byte unpack and
+    its batch-1 product): to float32 through the 16-entry table (0.57 ms, against 1.71
+    through float4), to bfloat16 through `bitcast_convert_type` to float4_e2m1fn, which
+    yields [low, high] pairs (1.25 ms, against 3.27 through the table).
+    """
+    if jnp.dtype(dtype) == jnp.bfloat16:
+        pairs = jax.lax.bitcast_convert_type(packed, jnp.float4_e2m1fn)  # [..., n, 2]
+        return pairs.reshape(packed.shape[:-1] + (2 * packed.shape[-1],)).astype(dtype)
+    table = jnp.asarray(E2M1_VALUES, dtype)
+    p = packed.astype(jnp.int32)
+    nibbles = jnp.stack([p & 0xF, p >> 4], axis=-1)
+    return table[nibbles.reshape(packed.shape[:-1] + (2 * packed.shape[-1],))]
 
 
 def _times_block_scale(v: jax.Array, s: jax.Array, block: tuple[int, int]) -> jax.Array:
@@ -211,9 +222,14 @@ class BlockQuantWeight:
 
     def dequantize_stored(self, dtype=jnp.float32) -> jax.Array:
         """The float weight [..., out, in] (stored orientation)."""
-        v = _unpack_e2m1_jnp(self.values) if self.fmt == "e2m1" else \
-            self.values.astype(jnp.float32)
-        return _times_block_scale(v, _scale_f32(self.scale), self.block).astype(dtype)
+        # bf16 has float32's exponent range, so power-of-two scales times e4m3 / e2m1
+        # values are exact in it: no float32 detour (which XLA:CPU runs 5x slower for
+        # FP4 into a bf16 product)
+        work = jnp.bfloat16 if jnp.dtype(dtype) == jnp.bfloat16 else jnp.float32
+        v = _unpack_e2m1_jnp(self.values, work) if self.fmt == "e2m1" else \
+            self.values.astype(work)
+        return _times_block_scale(v, _scale_f32(self.scale).astype(work),
+                                  self.block).astype(dtype)
 
     def dequantize(self, dtype=jnp.float32) -> jax.Array:
         """The float weight in the model's [..., in, out] layout."""

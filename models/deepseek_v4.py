@@ -233,7 +233,11 @@ class DeepseekV4Config:
         Defaults and legacy keys follow `transformers`' DeepseekV4Config. Ignored on
         purpose (as in the reference): training-only knobs (dropout, router jitter,
         aux loss), `norm_topk_prob` (the reference always renormalises the chosen
-        scores) and `num_nextn_predict_layers` (MTP heads are not instantiated).
+        scores) and `num_nextn_predict_layers` (the MTP block's weights are loaded and
+        kept, `weights["mtp"]`, but nothing runs it). `quantization_config` /
+        `expert_dtype` (FP8 / FP4 checkpoints) are checked by
+        `deepseek_v4_checkpoint.check_quantization_config`; the formats themselves are
+        read off the tensors.
         """
         hf = dict(hf)
         if hf.get("model_type") != "deepseek_v4":

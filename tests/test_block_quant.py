@@ -38,7 +38,10 @@ def test_nibble_order_low_nibble_is_the_even_index():
     packed = np.array([[0x21, 0xF7, 0x80]], np.uint8)  # (lo, hi) = (1, 2), (7, 15), (0, 8)
     want = [0.5, 1.0, 6.0, -6.0, 0.0, -0.0]
     np.testing.assert_array_equal(bq.unpack_e2m1(packed)[0], want)
-    np.testing.assert_array_equal(np.asarray(bq._unpack_e2m1_jnp(jnp.asarray(packed)))[0], want)
+    for dtype in (jnp.float32, jnp.bfloat16):
+        got = np.asarray(bq._unpack_e2m1_jnp(jnp.asarray(packed), dtype), np.float32)[0]
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(np.signbit(got), np.signbit(want))
     codes = np.array([1, 2, 7, 15, 0, 8], np.uint8)
     np.testing.assert_array_equal(bq.pack_e2m1(codes), packed[0])
 
@@ -48,7 +51,9 @@ def test_every_byte_unpacks_like_a_python_loop():
     loop = np.array([[v for b in row for v in (E2M1_BY_FORMULA[b & 15], E2M1_BY_FORMULA[b >> 4])]
                      for row in every], np.float32)
     np.testing.assert_array_equal(bq.unpack_e2m1(every), loop)
-    np.testing.assert_array_equal(np.asarray(bq._unpack_e2m1_jnp(jnp.asarray(every))), loop)
+    for dtype in (jnp.float32, jnp.bfloat16):  # the table route and the float4 bitcast route
+        got = bq._unpack_e2m1_jnp(jnp.asarray(every), dtype)
+        np.testing.assert_array_equal(np.asarray(got, np.float32), loop)
     # the checkpoint stores these bytes as I8: the same bits
     np.testing.assert_array_equal(bq.unpack_e2m1(every.view(np.int8)), loop)
 

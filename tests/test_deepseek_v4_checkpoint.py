@@ -137,6 +137,8 @@ def test_kept_as_stored_in_memory(checkpoint):
     assert isinstance(mtp["e_proj"]["weight"], BlockQuantWeight)
     assert "attn" in mtp and "ffn" in mtp
     assert "unused_tensors" not in params.extra
+    with pytest.raises(gsm_jax.errors.InvalidInputError, match="FP8/FP4"):
+        gsm_jax.save(params, path.parent / "saved")
     as_stored = gsm_jax.load(path)  # no dtype: low precision kept, the rest bf16 as stored
     assert isinstance(as_stored.weights["layers"][1]["attn"]["q_a"], BlockQuantWeight)
     assert as_stored.weights["embed"].dtype == jnp.bfloat16
