@@ -32,6 +32,8 @@ _LAZY = {
     "evaluate": ("gsm_jax.workflow.evaluate", "evaluate"),
     "bench": ("gsm_jax.workflow.bench", "bench"),
     "quantize": ("gsm_jax.quant", "quantize"),
+    "shard": ("gsm_jax.sharding", "shard"),
+    "plan": ("gsm_jax.planner", "plan"),
 }
 
 
@@ -54,6 +56,8 @@ __all__ = [
     "evaluate",
     "profile",
     "quantize",
+    "plan",
+    "shard",
     "ConfigWatcher",
     "GSMConfig",
     "GSMConfigError",

@@ -28,6 +28,7 @@ from gsm_jax.errors import InvalidInputError
 from gsm_jax.families import family_module
 from gsm_jax.models.gsm_sites import GSMInputs
 from gsm_jax.params import ModelParams
+from gsm_jax.sharding import mesh_of
 
 MIN_PROMPT_BUCKET = 16
 MIN_NEW_TOKEN_BUCKET = 16
@@ -66,6 +67,24 @@ def sample_tokens(logits: jax.Array, key: jax.Array, temperature: jax.Array,
     else:
         sampled = jax.random.categorical(key, scaled, axis=-1)
     return jnp.where(temperature > 0, sampled.astype(jnp.int32), greedy)
+
+
+def _batch_bucket(n: int, mesh: Any) -> int:
+    """The batch bucket, a multiple of the mesh's data axis (padding rows are dummies)."""
+    b = bucket(n)
+    if mesh is None:
+        return b
+    data = mesh.shape["data"]
+    return -(-b // data) * data
+
+
+def _batch_inputs(mesh: Any, *arrays: np.ndarray) -> list[jax.Array]:
+    """Per-row inputs on the device(s): split over the mesh's data axis when there is one."""
+    if mesh is None:
+        return [jnp.asarray(a) for a in arrays]
+    from gsm_jax.sharding import batch_sharding
+
+    return [jax.device_put(a, batch_sharding(mesh, np.ndim(a))) for a in arrays]
 
 
 # ----------------------------------------------------------------------------- jitted core
@@ -229,7 +248,8 @@ def generate_tokens(
                 f"exceeds the model's context of {context} tokens"
             )
     n = len(rows)
-    batch = bucket(n)
+    mesh = mesh_of(params.weights)
+    batch = _batch_bucket(n, mesh)
     prompt_len = bucket(max(r.size for r in rows), MIN_PROMPT_BUCKET)
     max_steps = bucket(max_new_tokens, MIN_NEW_TOKEN_BUCKET)
     tokens, lengths = _pad_rows(rows, batch, prompt_len)
@@ -244,12 +264,12 @@ def generate_tokens(
 
         totals = [int(r.size) + max_new_tokens for r in rows]
         gsm_inputs = gsm_inputs_for_batch(gsm, cfg.num_layers, batch, totals, request_ids)
+    rows_in = _batch_inputs(mesh, tokens, lengths, max_new,
+                            np.full((batch,), temperature, np.float32),
+                            np.full((batch,), top_k or 0, np.int32),
+                            np.full((batch,), 1.0 if top_p is None else top_p, np.float32))
     out, n_out, logits = _generate_loop(
-        params.weights, jnp.asarray(tokens), jnp.asarray(lengths), jnp.asarray(max_new),
-        jax.random.key(seed),
-        jnp.asarray(np.full((batch,), temperature, np.float32)),
-        jnp.asarray(np.full((batch,), top_k or 0, np.int32)),
-        jnp.asarray(np.full((batch,), 1.0 if top_p is None else top_p, np.float32)),
+        params.weights, *rows_in[:3], jax.random.key(seed), *rows_in[3:],
         jnp.asarray(eos), gsm_inputs,
         config=cfg, max_steps=max_steps, cache_len=prompt_len + max_steps,
         filtered=(top_k is not None or top_p is not None) and temperature > 0,
@@ -349,14 +369,15 @@ def forward(params: ModelParams, token_ids: Any, *, lengths: Any = None,
             f"{cfg.max_position_embeddings} tokens"
         )
     n = len(rows)
+    mesh = mesh_of(params.weights)
     padded_t = min(bucket(t, MIN_PROMPT_BUCKET), max(t, cfg.max_position_embeddings))
-    tokens, lens = _pad_rows(rows, bucket(n), padded_t)
+    tokens, lens = _pad_rows(rows, _batch_bucket(n, mesh), padded_t)
     gsm_inputs = None
     if gsm is not None:
         from gsm_jax.gsm_runtime import gsm_inputs_for_batch
 
         gsm_inputs = gsm_inputs_for_batch(gsm, cfg.num_layers, tokens.shape[0],
                                           [int(r.size) for r in rows], request_ids)
-    logits = _forward_jit(params.weights, jnp.asarray(tokens), jnp.asarray(lens), gsm_inputs,
+    logits = _forward_jit(params.weights, *_batch_inputs(mesh, tokens, lens), gsm_inputs,
                           config=cfg)
     return logits[:n, :t]

@@ -47,7 +47,8 @@ def _progress(message: str, progress: bool) -> None:
 
 
 def load(source: str | os.PathLike = DEFAULT_MODEL, *, dtype: Any = None,
-         keep_quantized: bool | None = None, progress: bool = False) -> ModelParams:
+         keep_quantized: bool | None = None, mesh: Any = None,
+         progress: bool = False) -> ModelParams:
     """Load a model and its tokenizer.
 
     dtype: the float dtype of the weights ("float32" or "bfloat16"). Left unset, it is
@@ -55,7 +56,31 @@ def load(source: str | os.PathLike = DEFAULT_MODEL, *, dtype: Any = None,
     then keeps its low-precision weights as stored and its other tensors in bfloat16
     (as stored). Given, a quantized checkpoint is dequantized to it at load, unless
     `keep_quantized=True` (low-precision weights as stored, the rest in `dtype`).
+
+    mesh: a `jax.sharding.Mesh` with axes ("data", "model"): every weight is placed by
+    the sharding rules of `gsm_jax.sharding`, each device receiving only its slices
+    (`jax.make_array_from_callback`). A DeepSeek-V4 directory is placed layer by layer
+    as it is read; the other sources are built on the host first, then placed.
     """
+    if mesh is not None:
+        from gsm_jax.sharding import check_mesh
+
+        check_mesh(mesh)
+    params = _load(source, dtype, keep_quantized, mesh, progress)
+    if mesh is not None and not _placed(params, mesh):
+        from gsm_jax.sharding import shard
+
+        params = shard(params, mesh)
+    return params
+
+
+def _placed(params: ModelParams, mesh: Any) -> bool:
+    leaf = jax.tree.leaves(params.weights)[0]
+    return getattr(getattr(leaf, "sharding", None), "mesh", None) == mesh
+
+
+def _load(source: Any, dtype: Any, keep_quantized: bool | None, mesh: Any,
+          progress: bool) -> ModelParams:
     if keep_quantized is None:
         keep_quantized = dtype is None
     jdtype = _resolve_dtype("float32" if dtype is None else dtype)
@@ -77,7 +102,8 @@ def load(source: str | os.PathLike = DEFAULT_MODEL, *, dtype: Any = None,
     if (path / _SAVE_META).exists():
         return _load_saved(path, jdtype, progress)
     if (path / "config.json").exists():
-        return _load_hf_dir(path, None if dtype is None else jdtype, keep_quantized, progress)
+        return _load_hf_dir(path, None if dtype is None else jdtype, keep_quantized, mesh,
+                            progress)
     raise ModelLoadError(
         f"{src}: directory has neither config.json (Hugging Face) nor {_SAVE_META} (gsm_jax.save)"
     )
@@ -97,7 +123,8 @@ def _load_gguf(path: str, dtype: Any, progress: bool, *, name: str) -> ModelPara
     return ModelParams(weights, cfg, contents.tokenizer, source=name)
 
 
-def _load_hf_dir(path: Path, dtype: Any, keep_quantized: bool, progress: bool) -> ModelParams:
+def _load_hf_dir(path: Path, dtype: Any, keep_quantized: bool, mesh: Any,
+                 progress: bool) -> ModelParams:
     """config.json + safetensors (sharded with model.safetensors.index.json or not), read
     tensor by tensor through memory maps (models/safetensors_io.py)."""
     from gsm_jax.models.safetensors_io import SafetensorsStore
@@ -126,8 +153,14 @@ def _load_hf_dir(path: Path, dtype: Any, keep_quantized: bool, progress: bool) -
             unused: list[str] = []
             _progress(f"converting {len(store.tensors)} tensors "
                       f"({'FP8/FP4 kept as stored' if keep else jnp.dtype(dtype).name})", progress)
+            place = None
+            if mesh is not None:
+                from gsm_jax.sharding import check_model, place_tree
+
+                check_model(cfg, mesh)
+                place = lambda tree, prefix: place_tree(cfg.family, tree, mesh, prefix)  # noqa: E731
             weights = family.weights_from_hf(cfg, checkpoint_tensors(store, quant), dtype,
-                                             keep_quantized=keep, unused=unused)
+                                             keep_quantized=keep, unused=unused, place=place)
             if quant is not None:
                 extra["checkpoint_quantization"] = "fp8-e4m3+" + quant["expert_dtype"] + (
                     " (kept)" if keep else " (dequantized)")

@@ -1320,7 +1320,25 @@ def canonical_hf_names(tensors: dict[str, Any]) -> dict[str, Any]:
 
 
 def _block_weight(q: Any) -> BlockQuantWeight:
-    return BlockQuantWeight(jnp.asarray(q.values), jnp.asarray(q.scale), q.fmt, q.block)
+    """A StoredQuant as a BlockQuantWeight, still on the host (placed with its layer)."""
+    return BlockQuantWeight(q.values, q.scale, q.fmt, q.block)
+
+
+def _cast_host(tree: Any, dtype: Any) -> Any:
+    """`_cast_tree` on the host: numpy leaves in their final dtypes."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, a: a if isinstance(a, BlockQuantWeight)
+        else np.asarray(a).astype(_leaf_dtype(path, dtype), copy=False),
+        tree, is_leaf=lambda a: isinstance(a, BlockQuantWeight))
+
+
+def _to_device(tree: Any, _prefix: tuple = ()) -> Any:
+    def put(a):
+        if isinstance(a, BlockQuantWeight):
+            return a.replace(values=jnp.asarray(a.values), scale=jnp.asarray(a.scale))
+        return jnp.asarray(a)
+
+    return jax.tree.map(put, tree, is_leaf=lambda a: isinstance(a, BlockQuantWeight))
 
 
 def _dense(w: Any) -> np.ndarray:
@@ -1333,14 +1351,14 @@ def _cat_out(a: Any, b: Any) -> Any:
     if (isinstance(a, BlockQuantWeight) and isinstance(b, BlockQuantWeight)
             and (a.fmt, a.block) == (b.fmt, b.block)
             and a.stored_shape[-2] % a.block[0] == 0):
-        return a.replace(values=jnp.concatenate([a.values, b.values], axis=-2),
-                         scale=jnp.concatenate([a.scale, b.scale], axis=-2))
+        return a.replace(values=np.concatenate([a.values, b.values], axis=-2),
+                         scale=np.concatenate([a.scale, b.scale], axis=-2))
     return np.concatenate([_dense(a), _dense(b)], axis=-1)
 
 
 def weights_from_hf(cfg: DeepseekV4Config, tensors: dict[str, Any],
                     dtype: Any = jnp.float32, *, keep_quantized: bool = False,
-                    unused: list[str] | None = None) -> dict:
+                    unused: list[str] | None = None, place: Any = None) -> dict:
     """Hugging Face or DeepSeek names ([out, in] linears) -> this module's tree ([in, out],
     per layer), converted to device arrays one layer at a time.
 
@@ -1349,8 +1367,11 @@ def weights_from_hf(cfg: DeepseekV4Config, tensors: dict[str, Any],
     `BlockQuantWeight`s kept as stored when `keep_quantized`, otherwise they are
     dequantized (to float32, then `dtype`). `mtp.*` tensors are kept under
     `weights["mtp"]` as stored. Names nothing asked for are appended to `unused`.
+    `place(host_tree, path_prefix)` puts each finished part on its devices (default:
+    the default device; `gsm_jax.sharding.place_tree` for a mesh).
     Raises UnsupportedModelError naming a missing tensor.
     """
+    place = place or _to_device
     from gsm_jax.models.deepseek_v4_checkpoint import StoredQuant
 
     tensors = canonical_hf_names(tensors)
@@ -1433,7 +1454,8 @@ def weights_from_hf(cfg: DeepseekV4Config, tensors: dict[str, Any],
             "moe": moe,
         }
         _check_shapes(layer, expected["layers"][i], f"layer {i}")
-        layers.append(_cast_tree(layer, dtype))  # on the device: host memory holds one layer
+        # on the device(s) now: host memory holds one layer at a time
+        layers.append(place(_cast_host(layer, dtype), ("layers", i)))
     weights = {
         "embed": get("model.embed_tokens.weight"),
         "layers": tuple(layers),
@@ -1444,13 +1466,15 @@ def weights_from_hf(cfg: DeepseekV4Config, tensors: dict[str, Any],
     }
     if not cfg.tie_word_embeddings:
         weights["lm_head"] = lin("lm_head.weight")
-    _check_shapes({k: v for k, v in weights.items() if k != "layers"}, expected, "model")
-    mtp = _mtp_weights({n: get(n) for n in tensors if n.startswith(MTP_PREFIX)}, dtype)
+    top = {k: v for k, v in weights.items() if k != "layers"}
+    _check_shapes(top, expected, "model")
+    weights.update(place(_cast_host(top, dtype), ()))
+    mtp = _mtp_weights({n: get(n) for n in tensors if n.startswith(MTP_PREFIX)})
     if mtp:
-        weights["mtp"] = mtp
+        weights["mtp"] = place(_cast_host(mtp, dtype), ("mtp",))
     if unused is not None:
         unused.extend(sorted(n for n in tensors if n not in used))
-    return _cast_tree(weights, dtype)
+    return weights
 
 
 # where a mismatching leaf comes from in DeepSeek's own names
@@ -1480,7 +1504,7 @@ def _check_shapes(tree: dict, want: dict, where: str) -> None:
                 f"{list(got)}{packed}, the config needs {list(spec.shape)}")
 
 
-def _mtp_weights(flat: dict[str, Any], dtype: Any) -> dict:
+def _mtp_weights(flat: dict[str, Any]) -> dict:
     """The multi-token-prediction block, nested by its checkpoint name ("mtp.0.e_proj.weight"
     -> ["0"]["e_proj"]["weight"]), as stored (torch [out, in]; FP8/FP4 kept when loaded so).
     Loaded and kept for speculative decoding; no entry point runs it yet."""

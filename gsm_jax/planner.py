@@ -1,0 +1,281 @@
+"""Will it fit? Per-device memory of a model on a mesh, before anyone rents the hardware.
+
+    gsm_jax.plan("gsm_jax/data/deepseek_v4_flash_config.json", mesh_shape=(1, 8),
+                 device_memory="141GB", batch=64, context=32768)
+    gsm-jax plan --model deepseek-v4-flash --devices 8 --device-memory 141GB \\
+                 --batch 64 --context 32768
+
+Counted per device, with the sharding rules of `gsm_jax.sharding` (a sharded axis
+divides by its mesh axis; replicated weights count whole on every device):
+
+- weights by stored dtype: for a DeepSeek-V4 checkpoint with a `quantization_config`,
+  as the release stores them and `gsm_jax.load` keeps them (FP8 e4m3 + one E8M0 byte
+  per 128 x 128 block for the dense projections, packed FP4 + one byte per 32 for the
+  routed experts, bf16 for embeddings / router / compressors, f32 for the small
+  mixing weights); otherwise in `weights_dtype`. The MTP block counts as one more
+  sliding-window layer;
+- the decode caches of `batch` sequences of `context` tokens, by kind (sliding-window
+  K=V, compressed entries, indexer entries, compressor rings; Llama's K/V), split over
+  the data axis with the batch, and the GSM ring buffers (`gsm_max_window` raw site
+  inputs per layer and site);
+- activations: the larger of one decode step of the whole batch and the prefill of one
+  prompt of `prefill_tokens` (default: the context) — prompts are prefilled one at a
+  time and inserted into the running batch, as the engine does; this implementation's
+  prefill materialises [H, T, T + entries] attention scores, which dominate at long
+  prompts.
+
+The shapes come from the model code itself (`weight_shapes`, `init_cache` under
+`jax.eval_shape`), so the plan follows the implementation. It is an estimate: XLA's
+temporaries are not modelled beyond the activation line (compare with
+`compiled.memory_analysis()` of the real program).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from gsm_jax.errors import InvalidInputError
+from gsm_jax.families import family_for_model_type, family_module
+from gsm_jax.sharding import RULES, logical_axes
+
+DATA_DIR = Path(__file__).resolve().parent / "data"
+KNOWN_CONFIGS = {"deepseek-v4-flash": DATA_DIR / "deepseek_v4_flash_config.json"}
+_V4_FP8 = {"q_a", "q_b", "kv", "o_a", "o_b", "shared_gate_up", "shared_down"}
+_V4_EXPERTS = {"experts_gate_up", "experts_down"}
+_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def parse_bytes(text: Any) -> int:
+    """'141GB', '139GiB', '80e9' or a number -> bytes."""
+    if isinstance(text, int | float):
+        return int(text)
+    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([KMGT]i?B?|B)?\s*", str(text))
+    if not m:
+        raise InvalidInputError(f"device memory {text!r}: expected e.g. 141GB or 139GiB")
+    unit = (m.group(2) or "B").upper().removesuffix("B")
+    scale = {"": 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12,
+             "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}[unit]
+    return int(float(m.group(1)) * scale)
+
+
+def load_config(model: Any) -> Any:
+    """(config, quantization_config, expert_dtype) from a known name, a config.json path,
+    a dict or a config dataclass."""
+    if dataclasses.is_dataclass(model):
+        return model, None, "fp8"
+    hf = model
+    if isinstance(model, str | Path):
+        path = KNOWN_CONFIGS.get(str(model), Path(model))
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.exists():
+            raise InvalidInputError(f"model {str(model)!r} is neither a known name "
+                                    f"({sorted(KNOWN_CONFIGS)}) nor a config.json path")
+        hf = json.loads(path.read_text())
+    family = family_module(family_for_model_type(hf.get("model_type")))
+    cfg = family.CONFIG_CLASS.from_hf_config(hf)
+    return cfg, hf.get("quantization_config"), hf.get("expert_dtype", "fp8")
+
+
+@dataclasses.dataclass
+class Plan:
+    """Per-device bytes by line item, and whether they fit."""
+
+    model: str
+    mesh_shape: tuple[int, int]
+    device_memory: int
+    batch: int
+    context: int
+    lines: dict[str, int]  # name -> bytes per device
+    parameters: int
+
+    @property
+    def total(self) -> int:
+        return sum(self.lines.values())
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.device_memory
+
+    def to_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "total": self.total, "fits": self.fits}
+
+    def table(self) -> str:
+        data, model = self.mesh_shape
+        rows = [f"{self.model}: {self.parameters / 1e9:.1f}B parameters on a {data} x {model} "
+                f"(data x model) mesh, batch {self.batch}, context {self.context}",
+                f"{'per device':<40} {'GB':>10}"]
+        rows += [f"  {name:<38} {b / 1e9:>10.2f}" for name, b in self.lines.items()]
+        verdict = "fits" if self.fits else "does NOT fit"
+        rows.append(f"  {'total':<38} {self.total / 1e9:>10.2f}   of "
+                    f"{self.device_memory / 1e9:.2f} GB: {verdict} "
+                    f"({100 * self.total / self.device_memory:.0f}%)")
+        return "\n".join(rows)
+
+
+def _shard_factor(family: str, path: tuple, ndim: int, mesh: dict[str, int]) -> int:
+    axes = logical_axes(family, path, ndim)
+    return math.prod(mesh[RULES[a]] for a in axes if a and RULES.get(a))
+
+
+def _v4_stored_bytes(name: str, shape: tuple[int, ...], quant: dict | None,
+                     expert_dtype: str, dtype: str) -> tuple[str, float]:
+    """(dtype label, bytes) of one V4 weight as `gsm_jax.load` keeps it."""
+    n = math.prod(shape)
+    if quant and name in _V4_EXPERTS and expert_dtype == "fp4":
+        return "fp4 (+e8m0 scales)", n * (0.5 + 1 / 32)
+    if quant and (name in _V4_FP8 or name in _V4_EXPERTS):
+        bo, bi = quant.get("weight_block_size", [128, 128])
+        blocks = math.prod(shape[:-2]) * math.ceil(shape[-1] / bo) * math.ceil(shape[-2] / bi)
+        return "fp8 e4m3 (+e8m0 scales)", n + blocks
+    return dtype, n * _BYTES[dtype]
+
+
+def plan(model: Any, mesh_shape: tuple[int, int] = (1, 1), device_memory: Any = "141GB",
+         batch: int = 1, context: int = 4096, *, weights_dtype: str = "bfloat16",
+         gsm_max_window: int | None = 64, prefill_tokens: int | None = None) -> Plan:
+    """Per-device memory of `model` (a config or its path / name) on a data x model mesh."""
+    cfg, quant, expert_dtype = load_config(model)
+    data, tp = (int(x) for x in mesh_shape)
+    if data < 1 or tp < 1:
+        raise InvalidInputError(f"mesh shape {mesh_shape}: both axes must be >= 1")
+    if batch < 1 or context < 1:
+        raise InvalidInputError("batch and context must be >= 1")
+    if batch % data:
+        raise InvalidInputError(f"batch {batch} is not divisible by mesh axis 'data' of "
+                                f"size {data}")
+    if context > cfg.max_position_embeddings:
+        raise InvalidInputError(f"context {context} exceeds the model's "
+                                f"{cfg.max_position_embeddings} positions")
+    if weights_dtype not in _BYTES:
+        raise InvalidInputError(f"weights_dtype {weights_dtype!r}: one of {sorted(_BYTES)}")
+    from gsm_jax.sharding import check_model
+
+    mesh = {"data": data, "model": tp}
+    check_model(cfg, _FakeMesh(mesh))
+    family = family_module(cfg.family)
+    shapes = family.weight_shapes(cfg, jnp.dtype(weights_dtype))
+    lines: dict[str, float] = {}
+    params = 0
+    per_layer: list[float] = []
+    for path, leaf in jax.tree_util.tree_flatten_with_path(shapes)[0]:
+        name = str(getattr(path[-1], "key", path[-1]))
+        params += math.prod(leaf.shape)
+        if np.dtype(leaf.dtype) == np.float32:
+            label, b = "float32", math.prod(leaf.shape) * 4
+        elif np.dtype(leaf.dtype).kind in "iu":
+            label, b = "int32 (hash tables)", math.prod(leaf.shape) * 4
+        elif cfg.family == "deepseek_v4":
+            label, b = _v4_stored_bytes(name, leaf.shape, quant, expert_dtype, weights_dtype)
+        else:
+            label, b = weights_dtype, math.prod(leaf.shape) * _BYTES[weights_dtype]
+        b /= _shard_factor(cfg.family, path, len(leaf.shape), mesh)
+        lines[f"weights: {label}"] = lines.get(f"weights: {label}", 0) + b
+        if str(getattr(path[0], "key", "")) == "layers" and len(path) > 1 \
+                and getattr(path[1], "idx", None) == 0:
+            per_layer.append(b)
+    mtp = int(getattr(cfg, "num_nextn_predict_layers", 0) or 0) or (
+        1 if cfg.family == "deepseek_v4" and quant else 0)
+    if mtp:
+        lines["weights: MTP block (as a layer)"] = mtp * sum(per_layer)
+    # caches, from the model's own init_cache
+    cache = jax.eval_shape(lambda: family.init_cache(
+        cfg, batch, context, dtype=jnp.dtype(weights_dtype), gsm_max_window=gsm_max_window))
+    for path, leaf in jax.tree_util.tree_flatten_with_path(cache)[0]:
+        names = [str(getattr(p, "name", getattr(p, "key", getattr(p, "idx", p)))) for p in path]
+        if "lengths" in names:
+            continue
+        kind = _cache_kind(names)
+        lines[kind] = lines.get(kind, 0) + leaf.size * leaf.dtype.itemsize / data
+    lines["activations (estimate)"] = _activations(cfg, batch // data, context,
+                                                   prefill_tokens, weights_dtype, tp)
+    return Plan(model=str(model if isinstance(model, str | Path) else type(cfg).__name__),
+                mesh_shape=(data, tp), device_memory=parse_bytes(device_memory), batch=batch,
+                context=context, lines={k: int(v) for k, v in lines.items()},
+                parameters=int(params))
+
+
+class _FakeMesh:
+    """The shape-only view of a mesh that `check_model` needs."""
+
+    def __init__(self, shape: dict[str, int]):
+        self.shape = shape
+
+
+def _cache_kind(names: list[str]) -> str:
+    if "rings" in names:
+        return "cache: GSM ring buffers"
+    leaf = names[-1]
+    return {"window": "cache: sliding-window K=V", "comp": "cache: compressed entries",
+            "index": "cache: indexer entries", "comp_ring": "cache: compressor rings",
+            "index_ring": "cache: compressor rings", "k": "cache: K/V", "v": "cache: K/V",
+            }.get(leaf, f"cache: {leaf}")
+
+
+def _activations(cfg: Any, rows: int, context: int, prefill_tokens: int | None,
+                 dtype: str, tp: int) -> float:
+    """max(decode step of `rows`, prefill of one prompt) live activations, bytes per device."""
+    b = _BYTES[dtype]
+    decode_rows, rows = rows, 1
+    t = min(prefill_tokens or context, context)
+    d = cfg.hidden_size * getattr(cfg, "hc_mult", 1)
+    heads = cfg.num_heads // tp if cfg.num_heads % tp == 0 else cfg.num_heads
+    if cfg.family == "deepseek_v4":
+        inter = max(cfg.num_experts_per_tok * cfg.moe_intermediate_size * 2,
+                    cfg.num_heads * cfg.head_dim)
+        entries = t // max(min(cfg.compress_rate_csa, cfg.compress_rate_hca), 1)
+        scores = rows * heads * t * (t + entries) * 4  # f32 scores, materialised
+    else:
+        inter = 2 * cfg.intermediate_size
+        scores = rows * heads * t * t * 4
+    stream = rows * t * (4 * d + inter) * b
+    decode = decode_rows * ((4 * d + inter) * b + heads * context * 4 + cfg.vocab_size * 4)
+    return max(stream + scores, decode)
+
+
+def _add_plan_args(p: Any) -> None:
+    p.add_argument("--model", required=True,
+                   help=f"config.json path, model directory, or one of {sorted(KNOWN_CONFIGS)}")
+    p.add_argument("--devices", type=int, default=None, help="devices in all (model axis)")
+    p.add_argument("--mesh", default=None, help="DATAxMODEL, e.g. 2x4 (default 1xDEVICES)")
+    p.add_argument("--device-memory", default="141GB")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--context", type=int, default=4096)
+    p.add_argument("--prefill-tokens", type=int, default=None)
+    p.add_argument("--weights-dtype", default="bfloat16", choices=sorted(_BYTES))
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+
+def _run_plan(args: Any) -> int:
+    if args.mesh:
+        try:
+            data, tp = (int(x) for x in args.mesh.lower().split("x"))
+        except ValueError as e:
+            raise InvalidInputError(f"--mesh {args.mesh!r}: expected DATAxMODEL, e.g. 2x4") from e
+        if args.devices is not None and data * tp != args.devices:
+            raise InvalidInputError(f"--mesh {args.mesh} has {data * tp} devices, "
+                                    f"--devices says {args.devices}")
+    else:
+        data, tp = 1, args.devices or 1
+    p = plan(args.model, (data, tp), args.device_memory, args.batch, args.context,
+             weights_dtype=args.weights_dtype, prefill_tokens=args.prefill_tokens)
+    print(json.dumps(p.to_dict(), indent=1) if args.json else p.table())
+    return 0 if p.fits else 3
+
+
+def _register_cli() -> None:
+    from gsm_jax.cli import SUBCOMMANDS
+
+    SUBCOMMANDS["plan"] = (_add_plan_args, _run_plan)
+
+
+_register_cli()

@@ -1,0 +1,235 @@
+"""Model weights on a `jax.sharding.Mesh`: one table of sharding rules, JAX's own SPMD.
+
+    mesh = jax.make_mesh((2, 4), ("data", "model"))
+    params = gsm_jax.shard(gsm_jax.load("smollm2-135m"), mesh)   # or load(..., mesh=mesh)
+    gsm_jax.generate(params, prompts)                             # the same jitted programs
+
+Every weight leaf gets logical axes by its name (`LOGICAL_AXES`, per family); the
+logical axes map to mesh axes through `RULES`, as MaxText's logical axis rules do.
+The jitted prefill / decode programs are unchanged: XLA's SPMD partitioner
+(GSPMD) propagates the weights' shardings through them and inserts the collectives.
+
+The rules (mesh axes "data" and "model"):
+
+| logical axis | mesh axis | what it splits |
+|---|---|---|
+| vocab | model | embedding rows, LM head columns (vocabulary-parallel) |
+| heads | model | attention tensor-parallel: Llama's fused q/k/v columns and o rows; |
+| | | V4's q_b columns, o_a head groups, o_b rows and sinks |
+| mlp | model | Llama's gate/up columns and down rows; V4's shared expert (tensor-parallel) |
+| experts | model | V4's routed experts, whole experts per device (expert-parallel) |
+| batch | data | tokens, caches and GSM rings follow the batch the jitted call is given |
+
+Everything else (norms, routers, compressors, the indexer, hyper-connections, V4's
+single K=V head and low-rank q_a) is replicated: small, and needed whole by every
+device. Quantized weights shard with their scales: int8 (`QuantizedWeight`) along its
+output channels, FP8 / FP4 (`BlockQuantWeight`, stored [out, in]) along whole blocks.
+
+Expert parallelism here is GSPMD's: the block dispatch's per-expert weight reads
+become gathers from the owning device (an all-gather of the chosen experts' weights,
+cost ~ chosen experts x 3 D I bytes per step, independent of the batch). A shard_map
+dispatch that moves tokens instead (`ragged_all_to_all`, cost ~ tokens x k x D x 2)
+wins once tokens x k x 2 D < chosen experts x 3 D I, i.e. at large batches; it is not
+implemented yet.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from gsm_jax.errors import InvalidInputError
+from gsm_jax.models.block_quant import BlockQuantWeight
+from gsm_jax.models.linear import QuantizedWeight
+from gsm_jax.params import ModelParams
+
+MESH_AXES = ("data", "model")
+RULES: dict[str, str | None] = {
+    "vocab": "model",
+    "heads": "model",
+    "mlp": "model",
+    "experts": "model",
+    "batch": "data",
+}
+
+# Logical axes of each weight of the *float* layout ([..., in, out] projections), by leaf
+# name; None entries are replicated. A leaf not listed is replicated whole.
+LOGICAL_AXES: dict[str, dict[str, tuple[str | None, ...]]] = {
+    "llama": {
+        "embed": ("vocab", None),
+        "lm_head": (None, "vocab"),
+        "qkv": (None, "heads"),
+        "qkv_bias": ("heads",),
+        "o": ("heads", None),
+        "gate_up": (None, "mlp"),
+        "down": ("mlp", None),
+    },
+    "deepseek_v4": {
+        "embed": ("vocab", None),
+        "lm_head": (None, "vocab"),
+        "q_b": (None, "heads"),
+        "o_a": ("heads", None, None),  # [groups, in, rank]: whole head groups
+        "o_b": ("heads", None),
+        "sinks": ("heads",),
+        "experts_gate_up": ("experts", None, None),
+        "experts_down": ("experts", None, None),
+        "shared_gate_up": (None, "mlp"),
+        "shared_down": ("mlp", None),
+    },
+}
+# V4 leaves whose names recur elsewhere with another meaning (the indexer's q_b)
+_V4_REPLICATED_UNDER = ("indexer", "compressor", "mtp")
+
+
+def check_mesh(mesh: Any) -> Mesh:
+    if not isinstance(mesh, Mesh):
+        raise InvalidInputError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+    missing = [a for a in MESH_AXES if a not in mesh.axis_names]
+    if missing:
+        raise InvalidInputError(
+            f"the mesh has axes {tuple(mesh.axis_names)}; gsm_jax needs {MESH_AXES} "
+            f"(missing {missing}); e.g. jax.make_mesh((1, {mesh.devices.size}), "
+            f"('data', 'model'))")
+    return mesh
+
+
+def _leaf_name(path: tuple) -> str:
+    last = path[-1]
+    return str(getattr(last, "key", getattr(last, "name", getattr(last, "idx", last))))
+
+
+def _path_names(path: tuple) -> list[str]:
+    return [str(getattr(p, "key", getattr(p, "name", getattr(p, "idx", p)))) for p in path]
+
+
+def logical_axes(family: str, path: tuple, ndim: int) -> tuple[str | None, ...]:
+    """The logical axes of the float weight at `path` (replicated: all None)."""
+    names = _path_names(path)
+    if family == "deepseek_v4" and any(n in _V4_REPLICATED_UNDER for n in names[:-1]):
+        return (None,) * ndim
+    axes = LOGICAL_AXES.get(family, {}).get(names[-1])
+    if axes is None:
+        return (None,) * ndim
+    # stacked Llama layers carry a leading [L] axis
+    return (None,) * (ndim - len(axes)) + axes
+
+
+def _mesh_spec(axes: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh,
+               what: str, blocks: tuple[int, ...] | None = None) -> PartitionSpec:
+    """Logical axes -> PartitionSpec; a sharded size the mesh axis does not divide is an
+    error naming the axis and the sizes (for block-quantized weights, the block count)."""
+    spec = []
+    for i, (axis, size) in enumerate(zip(axes, shape, strict=True)):
+        mesh_axis = RULES.get(axis) if axis else None
+        if mesh_axis is None or mesh.shape[mesh_axis] == 1:
+            spec.append(None)
+            continue
+        n = mesh.shape[mesh_axis]
+        count = size if blocks is None else blocks[i]
+        if count % n:
+            unit = "" if blocks is None else " blocks"
+            raise InvalidInputError(
+                f"{what}: its {axis} axis ({count}{unit}) is not divisible by mesh axis "
+                f"{mesh_axis!r} of size {n}")
+        spec.append(mesh_axis)
+    return PartitionSpec(*spec)
+
+
+def _swap_last(t: tuple) -> tuple:
+    return (*t[:-2], t[-1], t[-2])
+
+
+def leaf_shardings(family: str, path: tuple, leaf: Any, mesh: Mesh) -> Any:
+    """NamedSharding(s) for one weight: an array's, or a container of its arrays'."""
+    what = "weight " + "/".join(_path_names(path))
+    if isinstance(leaf, BlockQuantWeight):
+        axes = _swap_last(logical_axes(family, path, len(leaf.shape)))  # stored [.., out, in]
+        stored = leaf.stored_shape
+        blocks = (*stored[:-2], leaf.scale.shape[-2], leaf.scale.shape[-1])
+        spec = _mesh_spec(axes, stored, mesh, what, blocks)
+        packed = PartitionSpec(*spec)  # the packed last axis splits like the logical one
+        return leaf.replace(values=NamedSharding(mesh, packed),
+                            scale=NamedSharding(mesh, PartitionSpec(*spec)))
+    if isinstance(leaf, QuantizedWeight):
+        axes = logical_axes(family, path, leaf.values.ndim)
+        spec = _mesh_spec(axes, leaf.values.shape, mesh, what)
+        return leaf.replace(values=NamedSharding(mesh, spec),
+                            scale=NamedSharding(mesh, PartitionSpec(*spec[:-2], spec[-1])))
+    shape = tuple(np.shape(leaf))
+    spec = _mesh_spec(logical_axes(family, path, len(shape)), shape, mesh, what)
+    return NamedSharding(mesh, spec)
+
+
+def _is_container(a: Any) -> bool:
+    return isinstance(a, BlockQuantWeight | QuantizedWeight)
+
+
+def weight_shardings(family: str, weights: Any, mesh: Mesh) -> Any:
+    """A tree like `weights` with a NamedSharding (or a container of them) per leaf."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, a: leaf_shardings(family, path, a, mesh), weights, is_leaf=_is_container)
+
+
+def place(array: Any, sharding: NamedSharding) -> jax.Array:
+    """A host (numpy) or device array onto its sharding; from host, each device gets only
+    its own slice (`make_array_from_callback`), never the whole array."""
+    if isinstance(array, jax.Array):
+        return jax.device_put(array, sharding)
+    host = np.asarray(array)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+def place_tree(family: str, tree: Any, mesh: Mesh, prefix: tuple = ()) -> Any:
+    """`tree` (a subtree of the weights at `prefix`) with every leaf placed by the rules."""
+    def put(path, a):
+        s = leaf_shardings(family, prefix + path, a, mesh)
+        if _is_container(a):
+            return a.replace(values=place(a.values, s.values), scale=place(a.scale, s.scale))
+        return place(a, s)
+
+    return jax.tree_util.tree_map_with_path(put, tree, is_leaf=_is_container)
+
+
+def check_model(config: Any, mesh: Any) -> None:
+    """Refuse, up front, a model axis that does not divide what it splits whole: the
+    vocabulary, and DeepSeek-V4's heads, head groups and experts. (Llama splits its
+    fused q/k/v, o, gate/up and down matrices as flat columns / rows: every weight's
+    sharded size is checked when it is placed.)"""
+    n = mesh.shape["model"]
+    sizes = {"vocabulary": config.vocab_size}
+    if config.family == "deepseek_v4":
+        sizes.update(experts=config.n_routed_experts, heads=config.num_heads,
+                     output_groups=config.o_groups)
+    for name, size in sizes.items():
+        if n > 1 and size % n:
+            raise InvalidInputError(
+                f"mesh axis 'model' of size {n} does not divide the model's {name} ({size}); "
+                "choose a model axis size that divides it")
+
+
+def shard(params: ModelParams, mesh: Mesh) -> ModelParams:
+    """The same params with every weight placed on `mesh` by the sharding rules."""
+    if not isinstance(params, ModelParams):
+        raise InvalidInputError("shard expects the ModelParams returned by gsm_jax.load")
+    mesh = check_mesh(mesh)
+    check_model(params.config, mesh)
+    weights = place_tree(params.config.family, params.weights, mesh)
+    return dataclasses.replace(params, weights=weights)
+
+
+def mesh_of(weights: Any) -> Mesh | None:
+    """The mesh the weights live on, or None (one device)."""
+    for leaf in jax.tree.leaves(weights):
+        s = getattr(leaf, "sharding", None)
+        if isinstance(s, NamedSharding) and s.mesh.devices.size > 1:
+            return s.mesh
+    return None
+
+
+def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
+    """Inputs whose leading axis is the batch: split over "data"."""
+    return NamedSharding(mesh, PartitionSpec(RULES["batch"], *([None] * (ndim - 1))))
