@@ -65,7 +65,7 @@ def load(source: str | os.PathLike = DEFAULT_MODEL, *, dtype: Any = None,
     if mesh is not None:
         from gsm_jax.sharding import check_mesh
 
-        check_mesh(mesh)
+        mesh = check_mesh(mesh)
     params = _load(source, dtype, keep_quantized, mesh, progress)
     if mesh is not None and not _placed(params, mesh):
         from gsm_jax.sharding import shard

@@ -86,6 +86,7 @@ _V4_REPLICATED_UNDER = ("indexer", "compressor", "mtp")
 
 
 def check_mesh(mesh: Any) -> Mesh:
+    """The mesh, checked for the axes the rules use, with Auto axis types."""
     if not isinstance(mesh, Mesh):
         raise InvalidInputError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
     missing = [a for a in MESH_AXES if a not in mesh.axis_names]
@@ -94,7 +95,19 @@ def check_mesh(mesh: Any) -> Mesh:
             f"the mesh has axes {tuple(mesh.axis_names)}; gsm_jax needs {MESH_AXES} "
             f"(missing {missing}); e.g. jax.make_mesh((1, {mesh.devices.size}), "
             f"('data', 'model'))")
-    return mesh
+    return _auto_axes(mesh)
+
+
+def _auto_axes(mesh: Mesh) -> Mesh:
+    """The same devices with every axis in Auto mode: the weights carry shardings and
+    GSPMD propagates them through the unchanged programs. (`jax.make_mesh` gives
+    Explicit axes in recent JAX, under which every ambiguous gather in the model would
+    need an out_sharding.)"""
+    axis_type = getattr(jax.sharding, "AxisType", None)
+    if axis_type is None or all(t == axis_type.Auto for t in mesh.axis_types):
+        return mesh
+    return Mesh(mesh.devices, mesh.axis_names, axis_types=(axis_type.Auto,) * len(
+        mesh.axis_names))
 
 
 def _leaf_name(path: tuple) -> str:
@@ -121,7 +134,8 @@ def logical_axes(family: str, path: tuple, ndim: int) -> tuple[str | None, ...]:
 def _mesh_spec(axes: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh,
                what: str, blocks: tuple[int, ...] | None = None) -> PartitionSpec:
     """Logical axes -> PartitionSpec; a sharded size the mesh axis does not divide is an
-    error naming the axis and the sizes (for block-quantized weights, the block count)."""
+    error naming the axis and the sizes (a block-quantized weight with too few blocks
+    along it is replicated instead)."""
     spec = []
     for i, (axis, size) in enumerate(zip(axes, shape, strict=True)):
         mesh_axis = RULES.get(axis) if axis else None
@@ -129,11 +143,14 @@ def _mesh_spec(axes: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh,
             spec.append(None)
             continue
         n = mesh.shape[mesh_axis]
-        count = size if blocks is None else blocks[i]
-        if count % n:
-            unit = "" if blocks is None else " blocks"
+        if blocks is not None and blocks[i] % n:
+            # a block-quantized weight splits along whole scale blocks only; one with too
+            # few blocks (small models) stays whole on every device
+            spec.append(None)
+            continue
+        if size % n:
             raise InvalidInputError(
-                f"{what}: its {axis} axis ({count}{unit}) is not divisible by mesh axis "
+                f"{what}: its {axis} axis ({size}) is not divisible by mesh axis "
                 f"{mesh_axis!r} of size {n}")
         spec.append(mesh_axis)
     return PartitionSpec(*spec)
