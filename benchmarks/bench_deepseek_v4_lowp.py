@@ -139,13 +139,18 @@ def measure_decode(params: dict, batch: int, prompt_len: int, new_tokens: int,
            "comparable": max((load_before or [0])[0], (load_after or [0])[0])
            <= MAX_COMPARABLE_LOAD, "variants": {}}
     for name in params:
-        short = np.median(times[f"{name}|1"])
-        long = np.median(times[f"{name}|{new_tokens}"])
+        short, long = np.asarray(times[f"{name}|1"]), np.asarray(times[f"{name}|{new_tokens}"])
+        # the two calls of a round ran next to each other: their difference is the
+        # decode of new_tokens - 1 tokens under the same conditions
+        decode_s = float(np.median(long - short))
         out["variants"][name] = {
-            "call_s": common.summarize(times[f"{name}|{new_tokens}"]),
-            "prefill_call_s": common.summarize(times[f"{name}|1"]),
-            "decode_tok_s": batch * (new_tokens - 1) / max(long - short, 1e-9),
-            "generate_tok_s": batch * new_tokens / long,
+            "call_s": common.summarize(long.tolist()),
+            "prefill_call_s": common.summarize(short.tolist()),
+            "decode_s": common.summarize((long - short).tolist()),
+            "decode_tok_s": batch * (new_tokens - 1) / decode_s if decode_s > 0 else None,
+            "decode_tok_s_best": batch * (new_tokens - 1) / max(long.min() - short.min(),
+                                                                1e-9),
+            "generate_tok_s": batch * new_tokens / float(np.median(long)),
         }
     return out
 
@@ -211,16 +216,21 @@ def write_report(out: Path, r: dict) -> None:
     dec_rows = []
     for b, d in r["decode"].items():
         base = d["variants"]["bf16"]["decode_tok_s"]
+        fp32 = d["variants"]["fp32"]["decode_tok_s"]
         for v in VARIANTS:
             x = d["variants"][v]
-            dec_rows.append((b, v, x["decode_tok_s"], x["decode_tok_s"] / base,
-                             x["generate_tok_s"], f"{d['load_average_before'][0]} / "
-                             f"{d['load_average_after'][0]}",
+            rel = lambda ref, x=x: None if not (ref and x["decode_tok_s"]) \
+                else x["decode_tok_s"] / ref  # noqa: E731
+            dec_rows.append((b, v, x["decode_tok_s"], rel(base), rel(fp32),
+                             x["decode_tok_s_best"], x["generate_tok_s"],
+                             f"{d['load_average_before'][0]} / {d['load_average_after'][0]}",
                              "yes" if d["comparable"] else "NO (load > 1.5)"))
     text += ("\n## Greedy decode (whole `generate_tokens` call)\n\n"
-             + common.markdown_table(["batch", "weights", "decode tok/s", "x bf16",
-                                      "generate tok/s", "load avg before / after",
-                                      "comparable"], dec_rows, 2))
+             "decode tok/s: median over rounds of (long call - 1-token call); best: from "
+             "the minimum of each.\n\n"
+             + common.markdown_table(["batch", "weights", "decode tok/s", "x bf16", "x fp32",
+                                      "best decode tok/s", "generate tok/s",
+                                      "load avg before / after", "comparable"], dec_rows, 2))
     common.write_markdown(out / "results.md", text)
     groups = [f"batch {b}" for b in r["decode"]]
     common.bar_chart(out / "results.png", groups,

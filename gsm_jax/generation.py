@@ -16,6 +16,7 @@ arrays and never recompile.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Sequence
 from typing import Any
@@ -79,12 +80,28 @@ def _batch_bucket(n: int, mesh: Any) -> int:
 
 
 def _batch_inputs(mesh: Any, *arrays: np.ndarray) -> list[jax.Array]:
-    """Per-row inputs on the device(s): split over the mesh's data axis when there is one."""
+    """Per-row inputs on the device(s): split over the mesh's data axis when there is one
+    (every process passes the same rows; each places its own devices' slices)."""
     if mesh is None:
         return [jnp.asarray(a) for a in arrays]
-    from gsm_jax.sharding import batch_sharding
+    from gsm_jax.sharding import batch_sharding, place
 
-    return [jax.device_put(a, batch_sharding(mesh, np.ndim(a))) for a in arrays]
+    return [place(a, batch_sharding(mesh, np.ndim(a))) for a in arrays]
+
+
+def _on_mesh(mesh: Any) -> Any:
+    """The params' mesh as the context mesh while tracing (`jax.set_mesh`): model code
+    that partitions by hand (DeepSeek-V4's expert-parallel dispatch) reads it."""
+    return contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
+
+
+def _to_host(x: jax.Array) -> np.ndarray:
+    """A result as numpy; gathered from every process when the mesh spans several."""
+    if x.is_fully_addressable:
+        return np.asarray(x)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
 # ----------------------------------------------------------------------------- jitted core
@@ -268,17 +285,18 @@ def generate_tokens(
                             np.full((batch,), temperature, np.float32),
                             np.full((batch,), top_k or 0, np.int32),
                             np.full((batch,), 1.0 if top_p is None else top_p, np.float32))
-    out, n_out, logits = _generate_loop(
-        params.weights, *rows_in[:3], jax.random.key(seed), *rows_in[3:],
-        jnp.asarray(eos), gsm_inputs,
-        config=cfg, max_steps=max_steps, cache_len=prompt_len + max_steps,
-        filtered=(top_k is not None or top_p is not None) and temperature > 0,
-        return_logits=return_logits,
-    )
-    out, n_out = np.asarray(out), np.asarray(n_out)
+    with _on_mesh(mesh):
+        out, n_out, logits = _generate_loop(
+            params.weights, *rows_in[:3], jax.random.key(seed), *rows_in[3:],
+            jnp.asarray(eos), gsm_inputs,
+            config=cfg, max_steps=max_steps, cache_len=prompt_len + max_steps,
+            filtered=(top_k is not None or top_p is not None) and temperature > 0,
+            return_logits=return_logits,
+        )
+    out, n_out = _to_host(out), _to_host(n_out)
     results = [out[i, : n_out[i]] for i in range(n)]
     if return_logits:
-        logits = np.asarray(logits)
+        logits = _to_host(logits)
         return results, [logits[i, : n_out[i]] for i in range(n)]
     return results
 
@@ -378,6 +396,9 @@ def forward(params: ModelParams, token_ids: Any, *, lengths: Any = None,
 
         gsm_inputs = gsm_inputs_for_batch(gsm, cfg.num_layers, tokens.shape[0],
                                           [int(r.size) for r in rows], request_ids)
-    logits = _forward_jit(params.weights, *_batch_inputs(mesh, tokens, lens), gsm_inputs,
-                          config=cfg)
+    with _on_mesh(mesh):
+        logits = _forward_jit(params.weights, *_batch_inputs(mesh, tokens, lens), gsm_inputs,
+                              config=cfg)
+    if not logits.is_fully_addressable:  # several processes: every one gets the values
+        return _to_host(logits)[:n, :t]
     return logits[:n, :t]

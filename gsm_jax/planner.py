@@ -36,6 +36,7 @@ import dataclasses
 import json
 import math
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -242,6 +243,138 @@ def _activations(cfg: Any, rows: int, context: int, prefill_tokens: int | None,
     return max(stream + scores, decode)
 
 
+# ----------------------------------------------------------------------------- compiled check
+
+
+def abstract_weights(cfg: Any, quant: dict | None, expert_dtype: str,
+                     dtype: str = "bfloat16") -> Any:
+    """The weight tree as ShapeDtypeStructs, block-quantized leaves as stored (V4 with a
+    quantization_config: FP8 dense projections, FP4 or FP8 routed experts)."""
+    from gsm_jax.models.block_quant import BlockQuantWeight
+
+    family = family_module(cfg.family)
+    shapes = family.weight_shapes(cfg, jnp.dtype(dtype))
+    if cfg.family != "deepseek_v4" or not quant:
+        return shapes
+    bo, bi = quant.get("weight_block_size", [128, 128])
+
+    def stored(path, leaf):
+        name = str(getattr(path[-1], "key", path[-1]))
+        if any(str(getattr(p, "key", "")) in ("indexer", "compressor") for p in path[:-1]):
+            fp8 = name == "q_b"  # the indexer's wq_b is FP8 too; compressors stay bf16
+        else:
+            fp8 = name in _V4_FP8
+        if not (fp8 or name in _V4_EXPERTS):
+            return leaf
+        *lead, inp, out = leaf.shape
+        if name in _V4_EXPERTS and expert_dtype == "fp4":
+            return BlockQuantWeight(
+                jax.ShapeDtypeStruct((*lead, out, inp // 2), jnp.uint8),
+                jax.ShapeDtypeStruct((*lead, out, math.ceil(inp / 32)), jnp.uint8),
+                "e2m1", (1, 32))
+        return BlockQuantWeight(
+            jax.ShapeDtypeStruct((*lead, out, inp), jnp.float8_e4m3fn),
+            jax.ShapeDtypeStruct((*lead, math.ceil(out / bo), math.ceil(inp / bi)), jnp.uint8),
+            "e4m3", (bo, bi))
+
+    return jax.tree_util.tree_map_with_path(stored, shapes)
+
+
+def compile_check(model: Any, mesh_shape: tuple[int, int], batch: int, context: int,
+                  prompt_tokens: int = 128, dtype: str = "bfloat16") -> dict:
+    """Lower and compile the sharded prefill and decode step with abstract arrays (no
+    weights are allocated) and return `memory_analysis()` per device of each, beside
+    the planner's estimate. Needs mesh_shape devices (forced host devices will do:
+    `gsm-jax plan --compile` starts a child process with them)."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from gsm_jax.sharding import check_mesh, check_model, weight_shardings
+
+    cfg, quant, expert_dtype = load_config(model)
+    data, tp = mesh_shape
+    if jax.device_count() < data * tp:
+        raise InvalidInputError(f"a {data} x {tp} mesh needs {data * tp} devices, "
+                                f"{jax.device_count()} present")
+    mesh = check_mesh(jax.make_mesh((data, tp), ("data", "model")))
+    check_model(cfg, mesh)
+    family = family_module(cfg.family)
+    weights = abstract_weights(cfg, quant, expert_dtype, dtype)
+    shardings = weight_shardings(cfg.family, weights, mesh)
+    weights = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                           weights, shardings)
+    rows = NamedSharding(mesh, PartitionSpec("data"))
+    rows2 = NamedSharding(mesh, PartitionSpec("data", None))
+    cache = jax.eval_shape(lambda: family.init_cache(cfg, batch, context,
+                                                     dtype=jnp.dtype(dtype)))
+    out: dict[str, Any] = {"mesh": [data, tp], "batch": batch, "context": context}
+    with jax.set_mesh(mesh):  # as generate does: the expert-parallel dispatch reads it
+        t = time.perf_counter()
+        prefill = jax.jit(family.prefill, static_argnums=1).lower(
+            weights, cfg,
+            jax.ShapeDtypeStruct((batch, prompt_tokens), jnp.int32, sharding=rows2),
+            jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=rows), cache).compile()
+        out["prefill_compile_s"] = time.perf_counter() - t
+        t = time.perf_counter()
+        decode = jax.jit(family.decode_step, static_argnums=1, donate_argnums=3).lower(
+            weights, cfg, jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=rows),
+            cache).compile()
+        out["decode_compile_s"] = time.perf_counter() - t
+    for name, compiled in (("prefill", prefill), ("decode", decode)):
+        m = compiled.memory_analysis()
+        out[name] = {k: int(getattr(m, k)) for k in
+                     ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",
+                      "temp_size_in_bytes", "generated_code_size_in_bytes")}
+    p = plan(model, mesh_shape, "1TB", batch, context, weights_dtype=dtype,
+             gsm_max_window=None, prefill_tokens=prompt_tokens)
+    no_mtp = {k: v for k, v in p.lines.items() if "MTP" not in k}
+    out["plan"] = {"weights": sum(v for k, v in no_mtp.items() if k.startswith("weights")),
+                   "caches": sum(v for k, v in no_mtp.items() if k.startswith("cache")),
+                   "activations": no_mtp["activations (estimate)"]}
+    return out
+
+
+def compile_report(r: dict) -> str:
+    gb = 1e9
+    lines = [f"compiled with abstract arrays on a {r['mesh'][0]} x {r['mesh'][1]} mesh "
+             f"(batch {r['batch']}, context {r['context']}); per device, GB:"]
+    plan_wc = r["plan"]["weights"] + r["plan"]["caches"]
+    for name in ("prefill", "decode"):
+        m = r[name]
+        lines.append(f"  {name:<8} arguments {m['argument_size_in_bytes'] / gb:8.2f}  "
+                     f"outputs {m['output_size_in_bytes'] / gb:8.2f}  "
+                     f"temporaries {m['temp_size_in_bytes'] / gb:8.2f}  "
+                     f"(compiled in {r[name + '_compile_s']:.0f} s)")
+    lines.append(f"  planner  weights + caches {plan_wc / gb:8.2f}  activations "
+                 f"{r['plan']['activations'] / gb:8.2f}")
+    arg = r["decode"]["argument_size_in_bytes"]
+    lines.append(f"  decode arguments / planner weights + caches = {arg / plan_wc:.3f}")
+    return "\n".join(lines)
+
+
+def _compile_child(args: Any) -> int:
+    """`gsm-jax plan --compile`: the check in a child with forced host devices."""
+    import os
+    import subprocess
+    import sys
+
+    data, tp = args.mesh_shape
+    env = dict(os.environ)
+    if jax.default_backend() == "cpu" and jax.device_count() < data * tp:
+        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
+                            f" --xla_force_host_platform_device_count={data * tp}").strip()
+    code = ("import json, sys; from gsm_jax.planner import compile_check, compile_report; "
+            f"r = compile_check({args.model!r}, ({data}, {tp}), {args.batch}, {args.context}, "
+            f"{args.compile_prompt_tokens}, {args.weights_dtype!r}); "
+            "print(compile_report(r)); print('JSON', json.dumps(r))")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, text=True,
+                          capture_output=True)
+    if proc.returncode:
+        sys.stderr.write(proc.stderr[-5000:])
+        return proc.returncode
+    print("\n".join(ln for ln in proc.stdout.splitlines() if not ln.startswith("JSON ")))
+    return 0
+
+
 def _add_plan_args(p: Any) -> None:
     p.add_argument("--model", required=True,
                    help=f"config.json path, model directory, or one of {sorted(KNOWN_CONFIGS)}")
@@ -253,6 +386,11 @@ def _add_plan_args(p: Any) -> None:
     p.add_argument("--prefill-tokens", type=int, default=None)
     p.add_argument("--weights-dtype", default="bfloat16", choices=sorted(_BYTES))
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--compile", action="store_true",
+                   help="also lower and compile the sharded prefill / decode step with "
+                        "abstract arrays (forced host devices when needed) and print "
+                        "memory_analysis() beside the estimate")
+    p.add_argument("--compile-prompt-tokens", type=int, default=128)
 
 
 def _run_plan(args: Any) -> int:
@@ -269,6 +407,11 @@ def _run_plan(args: Any) -> int:
     p = plan(args.model, (data, tp), args.device_memory, args.batch, args.context,
              weights_dtype=args.weights_dtype, prefill_tokens=args.prefill_tokens)
     print(json.dumps(p.to_dict(), indent=1) if args.json else p.table())
+    if args.compile:
+        args.mesh_shape = (data, tp)
+        rc = _compile_child(args)
+        if rc:
+            return rc
     return 0 if p.fits else 3
 
 

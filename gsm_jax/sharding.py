@@ -194,9 +194,10 @@ def weight_shardings(family: str, weights: Any, mesh: Mesh) -> Any:
 def place(array: Any, sharding: NamedSharding) -> jax.Array:
     """A host (numpy) or device array onto its sharding; from host, each device gets only
     its own slice (`make_array_from_callback`), never the whole array."""
-    if isinstance(array, jax.Array):
+    if isinstance(array, jax.Array) and (sharding.is_fully_addressable
+                                         or not array.is_fully_addressable):
         return jax.device_put(array, sharding)
-    host = np.asarray(array)
+    host = np.asarray(array)  # several processes: each fills its own devices from the host
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
