@@ -1303,17 +1303,36 @@ class _MergedExperts:
     per_expert: dict[int, dict[str, Any]]
 
     def load(self) -> Any:
-        parts = []
-        for e in sorted(self.per_expert):
-            ws = self.per_expert[e]
+        """[E, out, in] (or a StoredQuant of it), filled one expert at a time so only the
+        result and one expert's tensors are held."""
+        from gsm_jax.models.deepseek_v4_checkpoint import StoredQuant
+
+        names = ("1", "3") if self.kind == "gate_up" else ("2",)
+        experts = sorted(self.per_expert)
+        out = None
+        for j, e in enumerate(experts):
             try:
-                names = ("1", "3") if self.kind == "gate_up" else ("2",)
-                parts.append([_resolve(ws[n]) for n in names])
+                parts = [_resolve(self.per_expert[e][n]) for n in names]
             except KeyError as exc:
                 raise UnsupportedModelError(
                     f"expert weight w{exc.args[0]} of expert {e} missing under {self.prefix}"
                 ) from exc
-        return _stack_out(parts, f"{self.prefix}.{self.kind}")
+            one = _concat_out(parts)
+            if out is None:
+                quant = isinstance(one, StoredQuant)
+                arrays = (one.values, one.scale) if quant else (one,)
+                bufs = [np.empty((len(experts), *a.shape), a.dtype) for a in arrays]
+                out = StoredQuant(*bufs, one.fmt, one.block) if quant else bufs[0]
+            if isinstance(out, StoredQuant):
+                if not (isinstance(one, StoredQuant) and (one.fmt, one.block) ==
+                        (out.fmt, out.block) and one.values.shape == out.values.shape[1:]):
+                    raise ModelLoadError(f"{self.prefix}: expert {e} is stored in another "
+                                         "format or shape than expert "
+                                         f"{experts[0]}")
+                out.values[j], out.scale[j] = one.values, one.scale
+            else:
+                out[j] = one.dequantize() if isinstance(one, StoredQuant) else one
+        return out
 
 
 def _resolve(value: Any) -> Any:
@@ -1326,23 +1345,21 @@ def _resolve(value: Any) -> Any:
     return value
 
 
-def _stack_out(parts: list[list[Any]], what: str) -> Any:
-    """[[w, ...] per expert] -> [E, sum(out), in]: concatenated along the output axis,
-    stacked over experts. Block-quantized parts stay quantized when the block grid allows."""
+def _concat_out(parts: list[Any]) -> Any:
+    """[w, ...] concatenated along the output axis (one expert's w1 | w3), staying
+    block-quantized when the block grid allows."""
     from gsm_jax.models.deepseek_v4_checkpoint import StoredQuant
 
-    flat = [w for ws in parts for w in ws]
-    if all(isinstance(w, StoredQuant) for w in flat):
-        f, blk = flat[0].fmt, flat[0].block
-        aligned = all(w.fmt == f and w.block == blk and w.values.shape[-2] % blk[0] == 0
-                      for w in flat)
-        if aligned:
-            return StoredQuant(np.stack([np.concatenate([w.values for w in ws]) for ws in parts]),
-                               np.stack([np.concatenate([w.scale for w in ws]) for ws in parts]),
-                               f, blk)
-    dense = [[w.dequantize() if isinstance(w, StoredQuant) else np.asarray(w, np.float32)
-              for w in ws] for ws in parts]
-    return np.stack([np.concatenate(ws) for ws in dense])
+    if len(parts) == 1:
+        return parts[0] if isinstance(parts[0], StoredQuant) else np.asarray(parts[0], np.float32)
+    if all(isinstance(w, StoredQuant) for w in parts):
+        f, blk = parts[0].fmt, parts[0].block
+        if all(w.fmt == f and w.block == blk and w.values.shape[-2] % blk[0] == 0
+               for w in parts):
+            return StoredQuant(np.concatenate([w.values for w in parts]),
+                               np.concatenate([w.scale for w in parts]), f, blk)
+    return np.concatenate([w.dequantize() if isinstance(w, StoredQuant)
+                           else np.asarray(w, np.float32) for w in parts])
 
 
 def canonical_hf_names(tensors: dict[str, Any]) -> dict[str, Any]:
@@ -1371,8 +1388,11 @@ def canonical_hf_names(tensors: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _block_weight(q: Any) -> BlockQuantWeight:
-    """A StoredQuant as a BlockQuantWeight, still on the host (placed with its layer)."""
+def _block_weight(q: Any, on_device: bool = False) -> BlockQuantWeight:
+    """A StoredQuant as a BlockQuantWeight: on the default device at once (its host copy
+    freed), or still on the host for a mesh placement (each device takes its slices)."""
+    if on_device:
+        return BlockQuantWeight(jnp.asarray(q.values), jnp.asarray(q.scale), q.fmt, q.block)
     return BlockQuantWeight(q.values, q.scale, q.fmt, q.block)
 
 
@@ -1423,6 +1443,7 @@ def weights_from_hf(cfg: DeepseekV4Config, tensors: dict[str, Any],
     the default device; `gsm_jax.sharding.place_tree` for a mesh).
     Raises UnsupportedModelError naming a missing tensor.
     """
+    direct = place is None  # one device: every tensor goes there as soon as it is built
     place = place or _to_device
     from gsm_jax.models.deepseek_v4_checkpoint import StoredQuant
 
@@ -1441,7 +1462,7 @@ def weights_from_hf(cfg: DeepseekV4Config, tensors: dict[str, Any],
 
     def lin(name: str) -> Any:
         value = get(name)
-        return _block_weight(value) if isinstance(value, StoredQuant) else value.T
+        return _block_weight(value, direct) if isinstance(value, StoredQuant) else value.T
 
     def kv_gate(p: str) -> Any:
         return _cat_out(lin(p + "kv_proj.weight"), lin(p + "gate_proj.weight"))
@@ -1455,7 +1476,7 @@ def weights_from_hf(cfg: DeepseekV4Config, tensors: dict[str, Any],
 
     def experts(name: str) -> Any:  # [E, out, in] -> [E, in, out]
         value = get(name)
-        return _block_weight(value) if isinstance(value, StoredQuant) \
+        return _block_weight(value, direct) if isinstance(value, StoredQuant) \
             else value.transpose(0, 2, 1)
 
     def o_a_weight(name: str) -> Any:  # [G * O, I] -> [G, I, O]
@@ -1464,7 +1485,8 @@ def weights_from_hf(cfg: DeepseekV4Config, tensors: dict[str, Any],
             if o_rank % value.block[0] == 0:
                 return _block_weight(StoredQuant(
                     value.values.reshape(g, o_rank, -1),
-                    value.scale.reshape(g, o_rank // value.block[0], -1), value.fmt, value.block))
+                    value.scale.reshape(g, o_rank // value.block[0], -1), value.fmt,
+                    value.block), direct)
             value = value.dequantize()
         return value.reshape(g, o_rank, -1).transpose(0, 2, 1)
 
@@ -1508,6 +1530,8 @@ def weights_from_hf(cfg: DeepseekV4Config, tensors: dict[str, Any],
         _check_shapes(layer, expected["layers"][i], f"layer {i}")
         # on the device(s) now: host memory holds one layer at a time
         layers.append(place(_cast_host(layer, dtype), ("layers", i)))
+        del layer, attn, moe
+        _release_host_memory()
     weights = {
         "embed": get("model.embed_tokens.weight"),
         "layers": tuple(layers),
@@ -1521,9 +1545,16 @@ def weights_from_hf(cfg: DeepseekV4Config, tensors: dict[str, Any],
     top = {k: v for k, v in weights.items() if k != "layers"}
     _check_shapes(top, expected, "model")
     weights.update(place(_cast_host(top, dtype), ()))
-    mtp = _mtp_weights({n: get(n) for n in tensors if n.startswith(MTP_PREFIX)})
+    # the MTP block tensor by tensor (it holds a whole layer's experts, unmerged)
+    mtp = {}
+    for n in (n for n in tensors if n.startswith(MTP_PREFIX)):
+        value = get(n)
+        if isinstance(value, StoredQuant):
+            value = _block_weight(value)
+        mtp[n] = place(_cast_host({n: value}, dtype), ("mtp",))[n]
     if mtp:
-        weights["mtp"] = place(_cast_host(mtp, dtype), ("mtp",))
+        weights["mtp"] = _mtp_weights(mtp)
+        _release_host_memory()
     if unused is not None:
         unused.extend(sorted(n for n in tensors if n not in used))
     return weights
@@ -1535,6 +1566,18 @@ _CHECKPOINT_HINTS = {"experts_gate_up": "ffn.experts.*.w1/w3", "experts_down": "
                      "shared_down": "ffn.shared_experts.w2", "router": "ffn.gate.weight",
                      "q_a": "attn.wq_a", "q_b": "attn.wq_b / attn.indexer.wq_b", "kv": "attn.wkv",
                      "o_a": "attn.wo_a", "o_b": "attn.wo_b", "kv_gate": "compressor.wkv/wgate"}
+
+
+def _release_host_memory() -> None:
+    """Hand freed host memory back to the OS between layers (glibc keeps freed blocks of
+    the sizes it has seen: loading layer after layer otherwise ratchets the resident set
+    up by about a layer)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        pass
 
 
 def _check_shapes(tree: dict, want: dict, where: str) -> None:
@@ -1560,15 +1603,13 @@ def _mtp_weights(flat: dict[str, Any]) -> dict:
     """The multi-token-prediction block, nested by its checkpoint name ("mtp.0.e_proj.weight"
     -> ["0"]["e_proj"]["weight"]), as stored (torch [out, in]; FP8/FP4 kept when loaded so).
     Loaded and kept for speculative decoding; no entry point runs it yet."""
-    from gsm_jax.models.deepseek_v4_checkpoint import StoredQuant
-
     tree: dict = {}
     for name, value in flat.items():
         *path, leaf = name.removeprefix(MTP_PREFIX).split(".")
         node = tree
         for part in path:
             node = node.setdefault(part, {})
-        node[leaf] = _block_weight(value) if isinstance(value, StoredQuant) else value
+        node[leaf] = value
     return tree
 
 

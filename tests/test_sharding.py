@@ -310,3 +310,23 @@ print(compile_report(result))
         assert m["temp_size_in_bytes"] < 10e9, (step, m)
         total = m["argument_size_in_bytes"] + m["output_size_in_bytes"] + m["temp_size_in_bytes"]
         assert total < 141e9  # one H200 per device
+
+
+def test_engine_runs_on_a_mesh():
+    """The continuous-batching engine with sharded params: the same greedy tokens."""
+    res = run_on_8_devices(_COMPARE + """
+import dataclasses
+from gsm_jax.models import deepseek_v4 as dv
+from gsm_jax.workflow.engine import Engine, Request
+from tiny_models import tiny_dsv4
+cfg = dataclasses.replace(tiny_dsv4().config, vocab_size=128, n_routed_experts=8, o_groups=4)
+params = gsm_jax.ModelParams(dv.init_weights(cfg, jax.random.key(0)), cfg)
+reqs = [Request(list(range(3, 3 + n)), m, request_id=f"r{i}")
+        for i, (n, m) in enumerate([(9, 5), (4, 7), (13, 3)])]
+sharded = gsm_jax.shard(params, jax.make_mesh((2, 4), ("data", "model")))
+recs = Engine(sharded, max_batch=2, max_len=48, eos_ids=[]).run(reqs)
+want = [gsm_jax.generate_tokens(params, [r.prompt], max_new_tokens=r.max_new_tokens,
+                                eos_ids=[])[0].tolist() for r in reqs]
+result = dict(equal=[list(map(int, rec.tokens)) == w for rec, w in zip(recs, want)])
+""")
+    assert all(res["equal"]), res

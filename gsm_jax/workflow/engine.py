@@ -54,9 +54,10 @@ import numpy as np
 
 from gsm_jax.errors import GSMConfigError, InvalidInputError
 from gsm_jax.families import family_module
-from gsm_jax.generation import MIN_PROMPT_BUCKET, bucket, sample_tokens
+from gsm_jax.generation import MIN_PROMPT_BUCKET, _on_mesh, bucket, sample_tokens
 from gsm_jax.models.gsm_sites import GSMInputs
 from gsm_jax.params import ModelParams
+from gsm_jax.sharding import mesh_of
 
 __all__ = ["Engine", "Request", "RequestRecord"]
 
@@ -214,6 +215,7 @@ class Engine:
         if int(max_batch) < 1:
             raise InvalidInputError(f"max_batch must be >= 1, got {max_batch!r}")
         self.params = params
+        self._mesh = mesh_of(params.weights)  # sharded params: the mesh, for expert parallelism
         self.config = params.config
         self.family = family_module(self.config.family)
         if not hasattr(self.family, "cache_insert"):
@@ -406,13 +408,14 @@ class Engine:
         tokens = np.zeros((1, padded), np.int32)
         tokens[0, : prompt.size] = prompt
         gsm = self._gsm_inputs(np.asarray([rec.gsm], np.float32))
-        tok, self._cache = _prefill_insert(
-            self.params.weights, jnp.asarray(tokens), jnp.asarray([prompt.size], jnp.int32),
-            self._cache, jnp.asarray([slot], jnp.int32), gsm, self._seed_key,
-            jnp.asarray(self._step_counter, jnp.int32),
-            jnp.asarray([temperature], jnp.float32),
-            config=self.config, max_len=self.max_len, sample=temperature > 0,
-        )
+        with _on_mesh(self._mesh):
+            tok, self._cache = _prefill_insert(
+                self.params.weights, jnp.asarray(tokens), jnp.asarray([prompt.size], jnp.int32),
+                self._cache, jnp.asarray([slot], jnp.int32), gsm, self._seed_key,
+                jnp.asarray(self._step_counter, jnp.int32),
+                jnp.asarray([temperature], jnp.float32),
+                config=self.config, max_len=self.max_len, sample=temperature > 0,
+            )
         self._step_counter += 1
         token = int(np.asarray(tok)[0])
         self.step_times.append(("prefill", padded, clock() - rec.admitted))
@@ -425,12 +428,13 @@ class Engine:
         active = np.array([s is not None for s in self.slots])
         gsm = self._gsm_inputs(self._rows * active)
         t = clock()
-        tok, self._cache = _decode(
-            self.params.weights, jnp.asarray(self._last), self._cache, gsm, jnp.asarray(active),
-            self._seed_key, jnp.asarray(self._step_counter, jnp.int32),
-            jnp.asarray(self._temps),
-            config=self.config, sample=bool((self._temps[active] > 0).any()),
-        )
+        with _on_mesh(self._mesh):
+            tok, self._cache = _decode(
+                self.params.weights, jnp.asarray(self._last), self._cache, gsm,
+                jnp.asarray(active), self._seed_key, jnp.asarray(self._step_counter, jnp.int32),
+                jnp.asarray(self._temps),
+                config=self.config, sample=bool((self._temps[active] > 0).any()),
+            )
         self._step_counter += 1
         tokens = np.asarray(tok)
         self.step_times.append(("decode", int(active.sum()), clock() - t))
