@@ -39,26 +39,16 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import threads_arg  # noqa: E402  (no jax at import)
 
-def _threads_arg() -> int | None:
-    """--threads, read before jax is imported (XLA reads its flags at start-up)."""
-    for i, a in enumerate(sys.argv):
-        if a == "--threads" and i + 1 < len(sys.argv):
-            return int(sys.argv[i + 1])
-        if a.startswith("--threads="):
-            return int(a.split("=", 1)[1])
-    return None
-
-
-if _threads_arg() == 1:
+if threads_arg() == 1:
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen"
                                "=false intra_op_parallelism_threads=1").strip()
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
     bar_chart,
     load_average,

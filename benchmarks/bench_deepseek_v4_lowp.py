@@ -36,24 +36,13 @@ from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402  (no jax at import)
 
-def _threads_arg() -> int | None:
-    """--threads, read before jax is imported (XLA reads its flags at start-up)."""
-    for i, a in enumerate(sys.argv):
-        if a == "--threads" and i + 1 < len(sys.argv):
-            return int(sys.argv[i + 1])
-        if a.startswith("--threads="):
-            return int(a.split("=", 1)[1])
-    return None
-
-
-if _threads_arg() == 1 and hasattr(os, "sched_setaffinity"):
+if common.threads_arg() == 1 and hasattr(os, "sched_setaffinity"):
     # one core for this process and its children: XLA:CPU's thread pool ignores the
     # Eigen thread flags, pinning is what keeps a run (and the load average) to one core
     os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402
 
 MAX_COMPARABLE_LOAD = 1.5
 # V4's proportions at ~230M parameters: 32 experts (top-4) hold ~88% of them, every

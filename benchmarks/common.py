@@ -32,6 +32,21 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA_DIR = REPO_ROOT.parent / "shared" / "data"
 
 
+# ----------------------------------------------------------------------------- threads
+
+
+def threads_arg(argv: Sequence[str] | None = None) -> int | None:
+    """--threads N from the command line, read before jax is imported (XLA reads its
+    flags at start-up, so the benchmarks look at it before argparse runs)."""
+    argv = sys.argv if argv is None else argv
+    for i, a in enumerate(argv):
+        if a == "--threads" and i + 1 < len(argv):
+            return int(argv[i + 1])
+        if a.startswith("--threads="):
+            return int(a.split("=", 1)[1])
+    return None
+
+
 # ----------------------------------------------------------------------------- timing
 
 

@@ -79,6 +79,7 @@ from gsm_jax.models.gsm_sites import (
     smooth_site_prefill,
 )
 from gsm_jax.models.linear import linear
+from gsm_jax.sharding import constrain_rings
 
 _MASK_VALUE = -1e30  # finite: the sink logit keeps every softmax row well defined anyway
 
@@ -1694,8 +1695,8 @@ def prefill(weights: dict, cfg: DeepseekV4Config, tokens: jax.Array, lengths: ja
         new_layers.append(LayerCache(**fields))
     new_rings = cache.rings
     if gsm is not None and cache.rings is not None:
-        new_rings = tuple(jnp.stack([r[s] for r in rings]).astype(c.dtype)
-                          for s, c in enumerate(cache.rings))
+        new_rings = constrain_rings(tuple(jnp.stack([r[s] for r in rings]).astype(c.dtype)
+                                          for s, c in enumerate(cache.rings)))
     last = jnp.take_along_axis(h, jnp.maximum(lengths - 1, 0)[:, None, None, None], axis=1)[:, 0]
     logits = _logits(weights, cfg, last)
     return logits, DeepseekV4Cache(layers=tuple(new_layers), lengths=lengths.astype(jnp.int32),

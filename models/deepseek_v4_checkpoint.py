@@ -22,6 +22,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import jax
 import ml_dtypes
 import numpy as np
 
@@ -261,14 +262,12 @@ def official_tensors(cfg: Any, weights: dict) -> dict[str, np.ndarray]:
 
 
 def _to_numpy(tree: Any) -> Any:
-    if isinstance(tree, dict):
-        return {k: _to_numpy(v) for k, v in tree.items()}
-    if isinstance(tree, tuple | list):
-        return type(tree)(_to_numpy(v) for v in tree)
-    if hasattr(tree, "dequantize"):
-        tree = tree.dequantize()
-    arr = np.asarray(tree)
-    return arr if arr.dtype.kind in "iu" else arr.astype(np.float32, copy=False)
+    """Weights as float32 numpy (block-quantized ones dequantized), ints kept."""
+    def one(a):
+        arr = np.asarray(a.dequantize() if isinstance(a, bq.BlockQuantWeight) else a)
+        return arr if arr.dtype.kind in "iu" else arr.astype(np.float32, copy=False)
+
+    return jax.tree.map(one, tree, is_leaf=lambda a: isinstance(a, bq.BlockQuantWeight))
 
 
 def _mtp_tensors(cfg: Any, t: dict[str, np.ndarray], seed: int) -> dict[str, np.ndarray]:
@@ -399,7 +398,10 @@ def write_checkpoint(cfg: Any, weights: dict | None, path: str | os.PathLike, *,
         from gsm_jax.models import deepseek_v4 as dv
 
         rng = np.random.default_rng(seed)
-        weights = jax_free_zeros(dv.weight_shapes(cfg))
+        # zero-stride placeholders: the shapes without the memory
+        weights = jax.tree.map(
+            lambda a: np.broadcast_to((np.int64 if np.dtype(a.dtype).kind in "iu"
+                                       else np.float32)(0), a.shape), dv.weight_shapes(cfg))
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     hf = official_config(cfg, expert_dtype=expert_dtype, block=block, mtp=mtp)
@@ -437,13 +439,3 @@ def write_checkpoint(cfg: Any, weights: dict | None, path: str | os.PathLike, *,
     (path / INDEX_FILE).write_text(json.dumps(
         {"metadata": {"total_size": int(total)}, "weight_map": weight_map}, indent=1))
     return path
-
-
-def jax_free_zeros(shapes: Any) -> Any:
-    """ShapeDtypeStructs -> zero-stride numpy zeros of the same shapes (no memory)."""
-    if isinstance(shapes, dict):
-        return {k: jax_free_zeros(v) for k, v in shapes.items()}
-    if isinstance(shapes, tuple | list):
-        return type(shapes)(jax_free_zeros(v) for v in shapes)
-    kind = np.int64 if np.dtype(shapes.dtype).kind in "iu" else np.float32
-    return np.broadcast_to(kind(0), shapes.shape)

@@ -43,6 +43,7 @@ from gsm_jax.models.gsm_sites import (
     smooth_site_prefill,
 )
 from gsm_jax.models.linear import linear
+from gsm_jax.sharding import constrain_rings
 
 _MASK_VALUE = -1e30  # finite, so a row with no valid key (a dummy batch row) gives no NaN
 
@@ -427,7 +428,8 @@ def prefill(weights: dict, cfg: LlamaConfig, tokens: jax.Array, lengths: jax.Arr
     new_v = jax.lax.dynamic_update_slice(cache.v, v.astype(cache.v.dtype), (0, 0, 0, 0, 0))
     new_rings = cache.rings
     if gsm is not None and cache.rings is not None:
-        new_rings = tuple(r.astype(c.dtype) for r, c in zip(rings, cache.rings, strict=True))
+        new_rings = constrain_rings(tuple(r.astype(c.dtype)
+                                          for r, c in zip(rings, cache.rings, strict=True)))
     last = jnp.take_along_axis(x, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)[:, 0]
     logits = _logits(weights, cfg, last)
     return logits, KVCache(k=new_k, v=new_v, lengths=lengths.astype(jnp.int32), rings=new_rings)

@@ -330,3 +330,35 @@ want = [gsm_jax.generate_tokens(params, [r.prompt], max_new_tokens=r.max_new_tok
 result = dict(equal=[list(map(int, rec.tokens)) == w for rec, w in zip(recs, want)])
 """)
     assert all(res["equal"]), res
+
+
+def test_caches_and_gsm_rings_follow_the_batch():
+    """Prefill on a 2 x 4 mesh: every cache kind and both GSM rings split over "data"."""
+    res = run_on_8_devices("""
+import dataclasses, jax, numpy as np, gsm_jax
+from gsm_jax.gsm_runtime import gsm_inputs_for_batch
+from gsm_jax.models import deepseek_v4 as dv
+from gsm_jax.sharding import batch_sharding
+from tiny_models import tiny_dsv4
+cfg = dataclasses.replace(tiny_dsv4().config, vocab_size=128, n_routed_experts=8, o_groups=4)
+params = gsm_jax.shard(gsm_jax.ModelParams(dv.init_weights(cfg, jax.random.key(0)), cfg),
+                       jax.make_mesh((2, 4), ("data", "model")))
+mesh = params.weights["embed"].sharding.mesh
+tokens = jax.device_put(np.ones((4, 16), np.int32), batch_sharding(mesh, 2))
+lengths = jax.device_put(np.full((4,), 16, np.int32), batch_sharding(mesh, 1))
+gsm = gsm_inputs_for_batch(gsm_jax.GSMConfig(target_layers="all", max_window=8),
+                           cfg.num_layers, 4, [16] * 4)
+
+def prefill(w, t, n, g):
+    return dv.prefill(w, cfg, t, n, dv.init_cache(cfg, 4, 32, gsm_max_window=8), g)
+
+with jax.set_mesh(mesh):
+    _, cache = jax.jit(prefill)(params.weights, tokens, lengths, gsm)
+specs = [str(getattr(c, k).sharding.spec) for c in cache.layers
+         for k in ("window", "comp", "comp_ring", "index", "index_ring")
+         if getattr(c, k) is not None]
+result = dict(caches=specs, rings=[str(r.sharding.spec) for r in cache.rings])
+""")
+    assert len(res["caches"]) == 9 and all(s.startswith("P('data'") for s in
+                                            res["caches"]), res
+    assert all("'data'" in s for s in res["rings"]), res
