@@ -167,10 +167,9 @@ def leaf_shardings(family: str, path: tuple, leaf: Any, mesh: Mesh) -> Any:
         axes = _swap_last(logical_axes(family, path, len(leaf.shape)))  # stored [.., out, in]
         stored = leaf.stored_shape
         blocks = (*stored[:-2], leaf.scale.shape[-2], leaf.scale.shape[-1])
-        spec = _mesh_spec(axes, stored, mesh, what, blocks)
-        packed = PartitionSpec(*spec)  # the packed last axis splits like the logical one
-        return leaf.replace(values=NamedSharding(mesh, packed),
-                            scale=NamedSharding(mesh, PartitionSpec(*spec)))
+        # values and scales split alike (a packed FP4 axis splits like its logical one)
+        spec = NamedSharding(mesh, _mesh_spec(axes, stored, mesh, what, blocks))
+        return leaf.replace(values=spec, scale=spec)
     if isinstance(leaf, QuantizedWeight):
         axes = logical_axes(family, path, leaf.values.ndim)
         spec = _mesh_spec(axes, leaf.values.shape, mesh, what)

@@ -1200,11 +1200,8 @@ def _leaf_dtype(path, dtype: Any) -> Any:
 
 
 def _cast_tree(tree: Any, dtype: Any) -> Any:
-    """Every float leaf to `dtype` (f32 leaves stay f32); block-quantized weights as they are."""
     return jax.tree_util.tree_map_with_path(
-        lambda path, a: a if isinstance(a, BlockQuantWeight)
-        else jnp.asarray(a, _leaf_dtype(path, dtype)),
-        tree, is_leaf=lambda a: isinstance(a, BlockQuantWeight))
+        lambda path, a: jnp.asarray(a, _leaf_dtype(path, dtype)), tree)
 
 
 def _param_shapes(cfg: DeepseekV4Config) -> dict:
@@ -1424,8 +1421,9 @@ def _cat_out(a: Any, b: Any) -> Any:
     if (isinstance(a, BlockQuantWeight) and isinstance(b, BlockQuantWeight)
             and (a.fmt, a.block) == (b.fmt, b.block)
             and a.stored_shape[-2] % a.block[0] == 0):
-        return a.replace(values=np.concatenate([a.values, b.values], axis=-2),
-                         scale=np.concatenate([a.scale, b.scale], axis=-2))
+        xp = jnp if isinstance(a.values, jax.Array) else np  # on the device already, or not
+        return a.replace(values=xp.concatenate([a.values, b.values], axis=-2),
+                         scale=xp.concatenate([a.scale, b.scale], axis=-2))
     return np.concatenate([_dense(a), _dense(b)], axis=-1)
 
 
