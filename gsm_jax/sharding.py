@@ -25,12 +25,11 @@ single K=V head and low-rank q_a) is replicated: small, and needed whole by ever
 device. Quantized weights shard with their scales: int8 (`QuantizedWeight`) along its
 output channels, FP8 / FP4 (`BlockQuantWeight`, stored [out, in]) along whole blocks.
 
-Expert parallelism here is GSPMD's: the block dispatch's per-expert weight reads
-become gathers from the owning device (an all-gather of the chosen experts' weights,
-cost ~ chosen experts x 3 D I bytes per step, independent of the batch). A shard_map
-dispatch that moves tokens instead (`ragged_all_to_all`, cost ~ tokens x k x D x 2)
-wins once tokens x k x 2 D < chosen experts x 3 D I, i.e. at large batches; it is not
-implemented yet.
+Routed experts are not left to GSPMD (which would all-gather every chosen expert's
+weights to every device): under a mesh that splits them, `models/moe.py` runs them
+expert-parallel with `shard_map`, combining either by a psum of the outputs or by
+moving tokens to their experts' devices (`ragged_all_to_all`); the cost model that
+picks one is written out there.
 """
 
 from __future__ import annotations

@@ -58,7 +58,6 @@ after the inverse rotation); `ffn_mid` is the shared expert's intermediate.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import re
 from typing import Any
@@ -79,6 +78,7 @@ from gsm_jax.models.gsm_sites import (
     smooth_site_prefill,
 )
 from gsm_jax.models.linear import linear
+from gsm_jax.models.moe import DISPATCHES, routed_experts, swiglu
 from gsm_jax.sharding import constrain_rings
 
 _MASK_VALUE = -1e30  # finite: the sink logit keeps every softmax row well defined anyway
@@ -203,6 +203,9 @@ class DeepseekV4Config:
     bos_token_id: int | None = 0
     eos_token_ids: tuple[int, ...] = (1,)
     model_type: str = "deepseek_v4"
+    # runtime knob, not a checkpoint key: how routed experts combine across the mesh's
+    # "model" axis ("auto", "psum", "all_to_all"; see models/moe.py)
+    expert_dispatch: str = "auto"
 
     family = "deepseek_v4"
 
@@ -214,6 +217,9 @@ class DeepseekV4Config:
                 object.__setattr__(self, name, RopeSpec(**value))
         for name in ("layer_types", "mlp_layer_types", "eos_token_ids"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
+        if self.expert_dispatch not in DISPATCHES:
+            raise UnsupportedModelError(
+                f"expert_dispatch {self.expert_dispatch!r} is not one of {DISPATCHES}")
 
     @property
     def site_sizes(self) -> tuple[int, int]:
@@ -532,12 +538,6 @@ def sink_attention(q: jax.Array, keys: jax.Array, mask: jax.Array, sinks: jax.Ar
     return jnp.einsum("bhts,bsd->bthd", probs.astype(keys.dtype), keys)
 
 
-def swiglu(gate_up: jax.Array, limit: float) -> jax.Array:
-    """silu(min(gate, limit)) * clip(up, -limit, limit); gate_up = [gate | up]."""
-    gate, up = jnp.split(gate_up, 2, axis=-1)
-    return jax.nn.silu(jnp.minimum(gate, limit)) * jnp.clip(up, -limit, limit)
-
-
 def score_fn(name: str, logits: jax.Array) -> jax.Array:
     if name == "sqrtsoftplus":
         return jnp.sqrt(jax.nn.softplus(logits))
@@ -550,167 +550,6 @@ def pool_entries(kv: jax.Array, gate: jax.Array, norm: jax.Array, eps: float) ->
     """Softmax-over-slots pooling of [..., S, d] (per channel), then RMSNorm -> [..., d]."""
     weights = jax.nn.softmax(gate.astype(jnp.float32), axis=-2)
     return rms_norm(jnp.sum(kv * weights.astype(kv.dtype), axis=-2), norm, eps)
-
-
-# ----------------------------------------------------------------------------- routed experts
-#
-# Cost model (M tokens, k experts each, A = M*k assignments, E experts, D hidden,
-# I expert width; one expert = 3*D*I weights, 6*D*I flops per token):
-#
-# - "blocks" (every backend but TPU): assignments are sorted by expert and each
-#   expert's group is padded to a multiple of b rows; a loop over the *used* blocks
-#   (a dynamic trip count) runs one [b, D] x [D, 2I] and [b, I] x [I, D] product per
-#   block. With G = min(E, A) groups at most:
-#     rows computed = sum_e ceil(n_e / b) * b <= A + G * (b - 1)
-#     weights read  = used blocks * 3DI      <= (A / b + G) * 3DI
-#   Prefill (many rows per expert: compute-bound) takes b <= A / (2G), so at most
-#   half the rows are padding. Decode (a few rows per expert: memory-bound) takes b
-#   ~ twice the mean group size (<= 16): padded rows cost nothing next to the
-#   weight traffic, and each chosen expert's weights are read about once per step
-#   (rows <= 5A). Sort + scatter are O(A log A) + O(A D); apart from two length-E
-#   vectors nothing scales with E.
-# - "ragged" (TPU): the sorted rows go through `jax.lax.ragged_dot`, which TPU
-#   lowers to a native grouped matmul. (Elsewhere jax lowers ragged_dot to a
-#   masked dense product over all E groups, so it is not used there.)
-# - "dense": every expert on every token, A*E/k work: the test reference only.
-
-
-def _pow2_floor(n: int) -> int:
-    return 1 << (max(n, 1).bit_length() - 1)
-
-
-def _block_rows(assignments: int, experts: int) -> int:
-    """Rows per block (a power of two) for the cost model above."""
-    groups = min(experts, assignments)
-    mean = assignments / groups
-    if mean <= 1:  # one row per expert (batch 1): mat-vecs
-        return 1
-    if mean < 16:  # memory-bound: about one block per chosen expert
-        return min(16, 1 << math.ceil(math.log2(2 * mean)))
-    return min(128, _pow2_floor(assignments // (2 * groups)))
-
-
-def _sort_assignments(idx: jax.Array, w: jax.Array):
-    m, k = idx.shape
-    flat_e = idx.reshape(-1).astype(jnp.int32)
-    order = jnp.argsort(flat_e, stable=True)
-    return flat_e[order], (order // k).astype(jnp.int32), w.reshape(-1)[order]
-
-
-def _experts_blocks(x, idx, w, gate_up, down, limit, shards: int = 1):
-    """The block dispatch. An assignment with idx outside [0, E) is skipped (expert
-    parallelism: another device's expert); `shards` > 1 sizes the blocks for the ~1/shards
-    of the assignments that are expected to be local (the capacity stays exact)."""
-    m, d = x.shape
-    n_exp = gate_up.shape[0]
-    a = idx.size
-    b = _block_rows(max(a // shards, 1), n_exp)
-    n_blocks = -(-(a + min(n_exp, a) * (b - 1)) // b)
-    cap = n_blocks * b
-    e_sorted, t_sorted, w_sorted = _sort_assignments(idx, w)
-    counts = jnp.bincount(e_sorted, length=n_exp)  # out-of-range experts are not counted
-    blocks = (counts + b - 1) // b
-    block_end = jnp.cumsum(blocks)  # [E], in blocks
-    pad_start = (block_end - blocks) * b  # first padded row of each expert's group
-    start = jnp.cumsum(counts) - counts
-    local = (e_sorted >= 0) & (e_sorted < n_exp)
-    e_safe = jnp.clip(e_sorted, 0, n_exp - 1)
-    dest = jnp.where(local, pad_start[e_safe] + jnp.arange(a) - start[e_safe], cap)
-    slot_token = jnp.full((cap,), m, jnp.int32).at[dest].set(t_sorted, mode="drop")  # m: zeros
-    slot_w = jnp.zeros((cap,), jnp.float32).at[dest].set(w_sorted.astype(jnp.float32),
-                                                         mode="drop")
-    # expert of each block: how many groups end at or before it (E x n_blocks compares)
-    block_expert = jnp.minimum(
-        jnp.sum(block_end[None, :] <= jnp.arange(n_blocks)[:, None], axis=1), n_exp - 1)
-    rows = jnp.concatenate([x, jnp.zeros((1, d), x.dtype)])[slot_token]
-
-    def body(j, ys):
-        e = block_expert[j]
-        xb = jax.lax.dynamic_slice_in_dim(rows, j * b, b)
-        h = swiglu(linear(xb, gate_up[e]), limit)
-        return jax.lax.dynamic_update_slice_in_dim(ys, linear(h, down[e]), j * b, 0)
-
-    ys = jax.lax.fori_loop(0, block_end[-1], body, jnp.zeros((cap, d), x.dtype))
-    out = jnp.zeros((m + 1, d), jnp.float32).at[slot_token].add(ys * slot_w[:, None])
-    return out[:m].astype(x.dtype)
-
-
-def _experts_ragged(x, idx, w, gate_up, down, limit):
-    m, d = x.shape
-    e_sorted, t_sorted, w_sorted = _sort_assignments(idx, w)
-    counts = jnp.bincount(e_sorted, length=gate_up.shape[0]).astype(jnp.int32)
-    h = swiglu(jax.lax.ragged_dot(x[t_sorted], gate_up.astype(x.dtype), counts), limit)
-    ys = jax.lax.ragged_dot(h, down.astype(x.dtype), counts)
-    out = jnp.zeros((m, d), jnp.float32).at[t_sorted].add(ys * w_sorted[:, None])
-    return out.astype(x.dtype)
-
-
-def _experts_dense(x, idx, w, gate_up, down, limit):
-    m = x.shape[0]
-    combine = jnp.zeros((m, gate_up.shape[0]), jnp.float32)
-    combine = combine.at[jnp.arange(m)[:, None], idx].add(w.astype(jnp.float32))
-    h = swiglu(jnp.einsum("md,edf->emf", x, gate_up.astype(x.dtype)), limit)
-    ys = jnp.einsum("emf,efd->emd", h, down.astype(x.dtype))
-    return jnp.einsum("emd,me->md", ys.astype(jnp.float32), combine).astype(x.dtype)
-
-
-def _expert_mesh(n_experts: int) -> Any:
-    """The mesh set around the call (`jax.set_mesh`, done by gsm_jax.generate / forward
-    for sharded params) when its "model" axis splits the experts, else None."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or "model" not in mesh.axis_names:
-        return None
-    n = mesh.shape["model"]
-    return mesh if n > 1 and n_experts % n == 0 else None
-
-
-def _experts_expert_parallel(x, idx, w, gate_up, down, limit, mesh):
-    """Expert parallelism with `shard_map`: every device of the "model" axis sees its
-    data shard's tokens, runs the block dispatch over its own E / M experts (the other
-    assignments are skipped), and the partial outputs are summed over "model" (`psum`).
-
-    Cost model per MoE layer and step (M devices on "model", T tokens of a data shard,
-    k experts each, D hidden, I expert width, w bytes per weight): weights read per
-    device <= (local experts hit) x 3 D I w, nothing of them moves; communication is one
-    psum of T x D activations. The alternative, GSPMD on the same per-expert reads,
-    all-gathers every expert's weights to every device (measured on the real V4-Flash
-    decode step, 1 x 8 mesh: ~150 GB of temporaries per device against ~2 with this).
-    `ragged_all_to_all` dispatch (tokens to their experts' devices and back) moves
-    2 x T x k x D activations instead of the psum's T x D x log M and saves the work on
-    skipped assignments: the better choice at prefill-sized T, not implemented yet.
-    """
-    from jax.sharding import PartitionSpec as P
-
-    n_model = mesh.shape["model"]
-    rows = P("data", None) if "data" in mesh.axis_names and x.shape[0] % mesh.shape["data"] \
-        == 0 else P()
-
-    def local(x, idx, w, gate_up, down):
-        e_local = gate_up.shape[0]
-        first = jax.lax.axis_index("model") * e_local
-        mine = (idx >= first) & (idx < first + e_local)
-        idx = jnp.where(mine, idx - first, e_local)  # e_local: skipped by the dispatch
-        y = _experts_blocks(x, idx, jnp.where(mine, w, 0), gate_up, down, limit, n_model)
-        return jax.lax.psum(y, "model")
-
-    return jax.shard_map(local, mesh=mesh, in_specs=(rows, rows, rows, P("model"), P("model")),
-                         out_specs=rows, check_vma=False)(x, idx, w, gate_up, down)
-
-
-def routed_experts(x: jax.Array, idx: jax.Array, w: jax.Array, gate_up: jax.Array,
-                   down: jax.Array, limit: float, impl: str = "auto") -> jax.Array:
-    """sum_j w[:, j] * expert_{idx[:, j]}(x): x [M, D]; idx, w [M, k]; gate_up [E, D, 2I]."""
-    fns = {"blocks": _experts_blocks, "ragged": _experts_ragged, "dense": _experts_dense}
-    if impl != "auto":
-        return fns[impl](x, idx, w, gate_up, down, limit)
-    mesh = _expert_mesh(gate_up.shape[0])
-    if mesh is not None:
-        return _experts_expert_parallel(x, idx, w, gate_up, down, limit, mesh)
-    return jax.lax.platform_dependent(
-        x, idx, w, gate_up, down,
-        tpu=functools.partial(_experts_ragged, limit=limit),
-        default=functools.partial(_experts_blocks, limit=limit),
-    )
 
 
 # ----------------------------------------------------------------------------- modules
@@ -1075,7 +914,7 @@ class MoE(nn.Module):
             idx, w = self.route(flat, tokens.reshape(-1))
         with jax.named_scope("routed_experts"):
             routed = routed_experts(flat, idx, w, self.experts_gate_up, self.experts_down,
-                                    cfg.swiglu_limit)
+                                    cfg.swiglu_limit, dispatch=cfg.expert_dispatch)
         with jax.named_scope("shared_expert"):
             mid = swiglu(linear(x, self.shared_gate_up), cfg.swiglu_limit)
             # GSM site ffn_mid; with a W8A8 shared_down it comes back smoothed + int8

@@ -29,6 +29,7 @@ from tiny_models import randomise_hf_dsv4
 
 from gsm_jax.errors import UnsupportedModelError
 from gsm_jax.models import deepseek_v4 as dv
+from gsm_jax.models import moe
 from gsm_jax.models.gsm_sites import GSMInputs
 
 torch = pytest.importorskip("torch")
@@ -330,13 +331,13 @@ def test_block_dispatch_cost_bounds():
     assignments; weight reads <= used experts + A / b blocks."""
     for a in (1, 2, 16, 100, 1000, 8192, 65536):
         for e in (1, 4, 8, 64, 256):
-            b = dv._block_rows(a, e)
+            b = moe._block_rows(a, e)
             groups = min(a, e)
             assert b & (b - 1) == 0 and 1 <= b <= 128
             bound = 5 * a if a / groups < 16 else 1.5 * a
             assert a + groups * (b - 1) <= bound, (a, e, b)
-    assert dv._block_rows(16, 8) == 4  # decode: batch 8, top-2 of 8 -> one block per expert
-    assert dv._block_rows(6, 256) == 1  # decode: batch 1, top-6 of 256 -> mat-vecs
+    assert moe._block_rows(16, 8) == 4  # decode: batch 8, top-2 of 8 -> one block per expert
+    assert moe._block_rows(6, 256) == 1  # decode: batch 1, top-6 of 256 -> mat-vecs
 
 
 # ----------------------------------------------------------------------------- loading / config

@@ -8,6 +8,7 @@ rounding; we assert 1e-5 of the logit scale and equal greedy tokens.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -16,8 +17,9 @@ import textwrap
 
 import numpy as np
 import pytest
+from tiny_models import tiny_dsv4
 
-from gsm_jax.errors import InvalidInputError
+from gsm_jax.errors import InvalidInputError, UnsupportedModelError
 
 MESHES = [(1, 8), (2, 4), (8, 1)]
 
@@ -86,6 +88,7 @@ def _check(res: dict, model_axis_sizes: dict) -> None:
 
 def test_tiny_deepseek_v4_sharded_equals_one_device():
     res = run_on_8_devices(_COMPARE + """
+import dataclasses
 from gsm_jax.models import deepseek_v4 as dv
 cfg = dv.DeepseekV4Config(
     vocab_size=128, hidden_size=32, num_layers=3, num_heads=8, head_dim=16, q_lora_rank=24,
@@ -104,11 +107,80 @@ gsm = gsm_jax.GSMConfig(window_size=4, smooth_strength=0.3, target_layers="all",
 result = dict(plain=compare(params, rows, [(1, 8), (2, 4), (8, 1)]),
               gsm=compare(params, rows, [(2, 4)], gsm=gsm),
               w8a8=compare(gsm_jax.quantize(params, "w8a8", routed_experts=True), rows,
-                           [(2, 4)]))
+                           [(2, 4)]),
+              a2a=compare(gsm_jax.ModelParams(w, dataclasses.replace(
+                  cfg, expert_dispatch="all_to_all")), rows, [(1, 8), (2, 4)], gsm=gsm))
 """)
     _check(res["plain"], {"1x8": 8, "2x4": 4, "8x1": 1})
     _check(res["gsm"], {"2x4": 4})
     _check(res["w8a8"], {"2x4": 4})
+    _check(res["a2a"], {"1x8": 8, "2x4": 4})
+
+
+def test_expert_dispatches_agree_with_the_dense_reference():
+    """Both expert-parallel combines ("psum", token "all_to_all") and the ragged exchange's
+    offsets (through an all-gather emulation of ragged_all_to_all, which XLA:CPU lacks)
+    equal every-expert-on-every-token, for token counts that do not divide the mesh;
+    the CUDA lowering of the token exchange uses ragged_all_to_all."""
+    res = run_on_8_devices("""
+import functools, jax, jax.numpy as jnp, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+from gsm_jax.models import moe
+rng = np.random.default_rng(0)
+auto = (jax.sharding.AxisType.Auto,) * 2
+errors = {}
+for m, k, e, shape in [(8, 2, 8, (1, 8)), (5, 3, 16, (2, 4)), (1, 6, 32, (1, 8)),
+                       (13, 2, 8, (2, 4))]:
+    d, i = 16, 8
+    x = jnp.asarray(rng.normal(size=(m, d)), jnp.float32)
+    idx = jnp.asarray(np.stack([rng.permutation(e)[:k] for _ in range(m)]), jnp.int32)
+    w = jnp.asarray(rng.random((m, k)), jnp.float32)
+    gu = jnp.asarray(rng.normal(size=(e, d, 2 * i)), jnp.float32)
+    dn = jnp.asarray(rng.normal(size=(e, i, d)), jnp.float32)
+    ref = moe.routed_experts(x, idx, w, gu, dn, 1.5, impl="dense")
+    mesh = jax.make_mesh(shape, ("data", "model"), axis_types=auto)
+    ragged = functools.partial(moe._exchange_ragged,
+                               collective=moe.ragged_all_to_all_reference)
+    with jax.set_mesh(mesh):
+        outs = {d_: jax.jit(functools.partial(moe.routed_experts, limit=1.5, dispatch=d_))(
+            x, idx, w, gu, dn) for d_ in ("psum", "all_to_all")}
+        outs["ragged"] = jax.jit(lambda *a: moe._experts_all_to_all(
+            *a, 1.5, mesh, exchange=ragged))(x, idx, w, gu, dn)
+    scale = float(jnp.abs(ref).max())
+    errors[f"{m}x{k}of{e}@{shape}"] = {n: float(jnp.abs(o - ref).max()) / scale
+                                      for n, o in outs.items()}
+mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=auto)
+S = jax.ShapeDtypeStruct
+experts = NamedSharding(mesh, P("model"))
+args = (S((8, 16), jnp.float32), S((8, 2), jnp.int32), S((8, 2), jnp.float32),
+        S((8, 16, 16), jnp.float32, sharding=experts), S((8, 8, 16), jnp.float32,
+                                                          sharding=experts))
+f = jax.jit(functools.partial(moe.routed_experts, limit=1.5, dispatch="all_to_all"))
+with jax.set_mesh(mesh):
+    cuda = jax.export.export(f, platforms=["cuda"], disabled_checks=[
+        jax.export.DisabledSafetyCheck.custom_call("ragged_all_to_all")])(*args).mlir_module()
+    cpu = f.lower(*args).as_text()
+result = dict(errors=errors, cuda_ragged=cuda.count("ragged_all_to_all"),
+              cpu_ragged=cpu.count("ragged_all_to_all"))
+""")
+    for case, errs in res["errors"].items():
+        for name, err in errs.items():
+            assert err < 1e-5, (case, name, err)
+    assert res["cuda_ragged"] > 0 and res["cpu_ragged"] == 0, res
+
+
+def test_expert_dispatch_cost_model():
+    """The token exchange wins iff 2k < M with ragged_all_to_all, never with the dense one."""
+    from gsm_jax.models.moe import choose_dispatch, dispatch_bytes
+
+    assert choose_dispatch(64, 6, 4096, 8, 2, ragged=True) == "psum"  # V4-Flash on 8
+    assert choose_dispatch(64, 6, 4096, 16, 2, ragged=True) == "all_to_all"
+    assert choose_dispatch(64, 6, 4096, 64, 2, ragged=False) == "psum"
+    cost = dispatch_bytes(64, 6, 4096, 8, 2, ragged=True)
+    assert cost["psum"] == 2 * 64 * 4096 * 2 * 7 / 8
+    assert cost["all_to_all"] == (2 * 8 * 6 + 64) * 4096 * 2 * 7 / 8
+    with pytest.raises(UnsupportedModelError, match="expert_dispatch"):
+        dataclasses.replace(tiny_dsv4().config, expert_dispatch="gspmd")
 
 
 def test_smollm2_sharded_equals_one_device(smollm2_gguf_path):
