@@ -435,3 +435,44 @@ result = dict(caches=specs, rings=[str(r.sharding.spec) for r in cache.rings])
     assert len(res["caches"]) == 9 and all(s.split("(", 1)[1].startswith("'data'")
                                             for s in res["caches"]), res
     assert all("'data'" in s for s in res["rings"]), res
+
+
+def test_workflow_tools_accept_sharded_params():
+    """profile / evaluate / calibrate on params sharded over a 4 x 2 mesh give the numbers
+    they give on one device (float32: reductions reordered only)."""
+    res = run_on_8_devices("""
+import tempfile
+import jax, numpy as np, gsm_jax
+from gsm_jax.workflow import Budget
+from gsm_jax.workflow import calibrate_model as calibrate, evaluate_model as evaluate
+from gsm_jax.workflow import profile_model as profile
+from tiny_models import tiny_workflow_llama
+params = tiny_workflow_llama()
+sharded = gsm_jax.shard(params, jax.make_mesh((4, 2), ("data", "model")))
+tokens = np.random.default_rng(0).integers(0, 96, (8, 24)).astype(np.int32)
+gsm = gsm_jax.GSMConfig(target_layers="all", smooth_strength=0.1, window_size=4,
+                        precision="f32")
+sizes = dict(seq_len=24, batch_size=4, greedy_prompts=2, greedy_prompt_len=8,
+             greedy_tokens=6)
+out = {}
+for name, p in (("one", params), ("mesh", sharded)):
+    prof = profile(p, data=tokens, calibration_samples=8, seq_len=24, batch_size=4,
+                   progress=False)
+    prof.save(tempfile.mkdtemp(), heatmap=False)
+    ev = evaluate(p, gsm, data=tokens, lambada=None, num_sequences=8, progress=False,
+                  **sizes)
+    cal = calibrate(p, profile=prof, data=tokens, lambada=None, strengths=(0.03, 0.1),
+                    windows=(4,), protect_first_values=(0,), curves=False,
+                    budget=Budget(max_mean_kld=0.01, min_same_top1_pct=50.0),
+                    num_sequences=8, progress=False, **sizes)
+    out[name] = dict(kurtosis=np.nan_to_num(prof.array("excess_kurtosis")).tolist(),
+                     high=prof.high_kurtosis, kld=ev.quality["mean_kld"],
+                     greedy=ev.greedy, chosen=cal.chosen)
+result = out
+""")
+    one, mesh = res["one"], res["mesh"]
+    np.testing.assert_allclose(mesh["kurtosis"], one["kurtosis"], rtol=1e-4, atol=1e-5)
+    assert mesh["high"] == one["high"]
+    assert abs(mesh["kld"] - one["kld"]) <= 1e-4 * max(one["kld"], 1e-6) + 1e-7
+    assert mesh["greedy"] == one["greedy"]
+    assert mesh["chosen"] == one["chosen"]

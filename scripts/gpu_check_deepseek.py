@@ -1,0 +1,172 @@
+"""DeepSeek-V4-Flash at real width, fewer layers, FP8/FP4 as stored: decode tokens/s on
+one accelerator and the HBM bytes each decode step must read, against the chip's
+bandwidth (H200: 4.8 TB/s).
+
+    python scripts/gpu_check_deepseek.py --layers 8 --batches 1,8,32   # one H200, < 8 min
+    python scripts/gpu_check_deepseek.py --dry-run                     # CPU, CI: same code,
+                                                                       # reduced width
+The weights are random stored bytes made on the device (valid FP8 e4m3 values, E8M0
+scales near 1, any FP4 nibble), in exactly the tree `gsm_jax.load` gives for the
+official checkpoint (`planner.abstract_weights`), so nothing is written to disk.
+
+Bytes one decode step reads (the roofline of a memory-bound step): every non-expert
+weight once, each routed expert that at least one row chose once (expected distinct
+experts for B rows of k of E uniform choices: E (1 - (1 - k / E)^B); random routers
+are close to uniform), and the caches in use. Achieved bandwidth = bytes / step time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+H200_BYTES_PER_S = 4.8e12
+# --dry-run: the same program at reduced width (every FP8 block boundary kept)
+DRY_RUN = dict(hidden_size=512, num_attention_heads=8, head_dim=128, q_lora_rank=256,
+               o_groups=2, o_lora_rank=256, n_routed_experts=16, moe_intermediate_size=256,
+               vocab_size=4096, index_n_heads=8, index_topk=16, num_hash_layers=1)
+
+
+def config(layers: int, dry_run: bool) -> dict:
+    hf = json.loads((REPO / "gsm_jax" / "data" / "deepseek_v4_flash_config.json").read_text())
+    ratios = hf["compress_ratios"]
+    # keep the real mix: the first two sliding layers, then CSA / HCA alternating
+    hf["compress_ratios"] = ratios[:layers]
+    hf["num_hidden_layers"] = layers
+    hf["num_hash_layers"] = min(hf["num_hash_layers"], layers - 1)
+    if dry_run:
+        hf.update(DRY_RUN)
+    return hf
+
+
+def random_stored_weights(abstract, n_experts: int, seed: int = 0):
+    """Device-made random leaves with the dtypes and shapes of the stored checkpoint."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+
+    from gsm_jax.models.block_quant import BlockQuantWeight
+
+    counter = iter(range(1 << 30))
+
+    def bits(sds):
+        key = jax.random.fold_in(jax.random.key(seed), next(counter))
+        return jax.jit(lambda k: jax.random.bits(k, sds.shape, jnp.uint8))(key)
+
+    def make(leaf):
+        if isinstance(leaf, BlockQuantWeight):
+            if leaf.values.dtype == jnp.float8_e4m3fn:  # top exponent bit clear: no NaN
+                values = jax.lax.bitcast_convert_type(bits(leaf.values) & 0xBF,
+                                                      jnp.float8_e4m3fn)
+            else:  # packed FP4 pairs: every nibble is a value
+                values = bits(leaf.values)
+            scale = 124 + (bits(leaf.scale) & 3)  # E8M0 2^-3 .. 2^0
+            return dataclasses.replace(leaf, values=values, scale=scale)
+        key = jax.random.fold_in(jax.random.key(seed), next(counter))
+        if jnp.issubdtype(leaf.dtype, jnp.integer):  # hash-routing table: expert ids
+            return jax.jit(lambda k: jax.random.randint(k, leaf.shape, 0, n_experts,
+                                                        leaf.dtype))(key)
+        return jax.jit(lambda k: (0.02 * jax.random.normal(k, leaf.shape)).astype(
+            leaf.dtype))(key)
+
+    return jax.tree.map(make, abstract, is_leaf=lambda x: isinstance(x, BlockQuantWeight))
+
+
+def bytes_per_step(weights, cfg, batch: int, context: int) -> dict:
+    import jax
+
+    from gsm_jax.models.block_quant import BlockQuantWeight
+
+    expert, other = 0, 0
+    for layer in weights["layers"]:
+        for name, leaf in jax.tree_util.tree_flatten_with_path(
+                layer, is_leaf=lambda x: isinstance(x, BlockQuantWeight))[0]:
+            n = sum(a.nbytes for a in jax.tree.leaves(leaf))
+            if "experts_" in str(name[-1]) and "shared" not in str(name[-1]):
+                expert += n
+            else:
+                other += n
+    top = sum(a.nbytes for k, v in weights.items() if k not in ("layers", "mtp")
+              for a in jax.tree.leaves(v))
+    e, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+    distinct = e * (1 - (1 - k / e) ** batch)
+    # embedding: one row per token; everything else whole
+    embed = weights["embed"].nbytes
+    read = other + top - embed + embed * batch / cfg.vocab_size + expert * distinct / e
+    return {"weights_read": read, "expert_fraction_read": distinct / e,
+            "all_weights": other + top + expert, "context": context}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--dry-run", action="store_true",
+                    help="CPU smoke run: reduced width, 2 layers, batch 1, 4 tokens")
+    ap.add_argument("--out", default=None, help="write results.json here")
+    args = ap.parse_args()
+    if args.dry_run:
+        args.layers, args.batches, args.new_tokens, args.repeats = 3, "1,2", 4, 1
+        args.prompt_len = 16
+
+    import jax
+
+    import gsm_jax
+    from gsm_jax.models import deepseek_v4 as dv
+    from gsm_jax.planner import abstract_weights
+
+    hf = config(args.layers, args.dry_run)
+    cfg = dv.DeepseekV4Config.from_hf_config(hf)
+    t = time.perf_counter()
+    weights = random_stored_weights(abstract_weights(cfg, hf["quantization_config"],
+                                                     hf["expert_dtype"]), cfg.n_routed_experts)
+    params = gsm_jax.ModelParams(weights, cfg)
+    print(f"[gpu_check] {jax.devices()[0].device_kind}: {cfg.num_layers} layers at "
+          f"hidden {cfg.hidden_size}, {params.nbytes() / 1e9:.2f} GB of weights as stored, "
+          f"made in {time.perf_counter() - t:.1f} s", flush=True)
+    rng = np.random.default_rng(0)
+    result = {"device": jax.devices()[0].device_kind, "layers": cfg.num_layers,
+              "hidden": cfg.hidden_size, "weight_bytes": params.nbytes(), "batches": {}}
+    for b in (int(x) for x in args.batches.split(",")):
+        rows = [rng.integers(2, cfg.vocab_size, args.prompt_len).tolist() for _ in range(b)]
+
+        def call(n, rows=rows):
+            return gsm_jax.generate_tokens(params, rows, max_new_tokens=n, eos_ids=[])
+
+        call(1), call(args.new_tokens)  # compile
+        short, long = [], []
+        for _ in range(args.repeats):
+            for n, store in ((1, short), (args.new_tokens, long)):
+                t = time.perf_counter()
+                jax.block_until_ready(call(n))
+                store.append(time.perf_counter() - t)
+        step_s = max(float(np.median(np.subtract(long, short))) / (args.new_tokens - 1), 1e-9)
+        read = bytes_per_step(weights, cfg, b, args.prompt_len + args.new_tokens)
+        bw = read["weights_read"] / step_s
+        result["batches"][b] = {"decode_tok_s": b / step_s, "step_ms": step_s * 1e3,
+                                "bytes_read_per_step": read["weights_read"],
+                                "achieved_bytes_per_s": bw,
+                                "fraction_of_h200_peak": bw / H200_BYTES_PER_S}
+        print(f"[gpu_check] batch {b:3d}: {b / step_s:9.1f} tok/s, step {step_s * 1e3:7.2f} ms,"
+              f" reads {read['weights_read'] / 1e9:6.2f} GB/step "
+              f"({read['expert_fraction_read']:.0%} of experts) -> {bw / 1e12:5.2f} TB/s = "
+              f"{bw / H200_BYTES_PER_S:.0%} of the H200's 4.8 TB/s", flush=True)
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "results.json").write_text(json.dumps(result, indent=1))
+    return 0 if all(math.isfinite(r["decode_tok_s"]) for r in result["batches"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
