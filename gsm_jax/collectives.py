@@ -10,7 +10,7 @@ bytes, its replica-group size n and the bytes one device sends under the usual r
 algorithms: all-reduce 2 S (n - 1) / n, all-gather and all-to-all S (n - 1) / n,
 reduce-scatter S (n - 1), collective-permute S (S: result bytes). Ops inside a
 while-loop body are flagged (`in_loop`): they run once per iteration, which the text
-cannot tell. The scope is the op's `jax.named_scope` path (layer indices dropped).
+cannot tell. The scope is the op's `jax.named_scope` path, three levels (layers merged).
 """
 
 from __future__ import annotations
@@ -54,9 +54,11 @@ def _group_size(line: str, devices: int) -> int:
 
 
 def _clean(path: str) -> str:
-    parts = [p for p in path.split("/")[:-1]  # the last part names the primitive
-             if p and not re.match(r"^(layer_\d+|[A-Z]\w*\.\w+|jit\(.*\)|.*shard_map.*)$", p)]
-    return "/".join(parts[:2]) or "(top level)"
+    # the last part names the primitive; Flax method scopes keep their method name
+    parts = [re.sub(r"^[A-Z]\w*\.", "", p) for p in path.split("/")[:-1]
+             if p and not re.match(r"^(layer(_\d+)?|jit\(.*\)|.*shard_map.*|.*;.*)$", p)]
+    parts = [p for p in parts if p not in ("decode", "prefill")]  # V4's per-layer wrappers
+    return "/".join(parts[:3]) or "(top level)"
 
 
 def _scopes(line: str) -> list[str]:

@@ -133,7 +133,10 @@ CONFIG_CLASS = LlamaConfig
 class KVCache:
     """Per-row KV cache plus the GSM ring buffers (present only when GSM is compiled in).
 
-    k, v: [layers, B, S, kv_heads, head_dim]; slot s holds the token at position s.
+    k, v: [layers, B, kv_heads, S, head_dim]; slot s holds the token at position s.
+          Heads before slots: the decode step's attention products then read a layer's
+          cache in place ([B, K] batch dims, contiguous [S, hd] per head); the
+          [B, S, K, hd] order made XLA:CPU transpose the whole cache every step.
     lengths: [B] tokens already in the cache (= the position of the next token).
     rings: per site [layers, B, max_window, C] of raw site inputs (see gsm_sites).
     """
@@ -145,14 +148,14 @@ class KVCache:
 
     @property
     def max_len(self) -> int:
-        return self.k.shape[2]
+        return self.k.shape[3]
 
 
 def init_cache(
     cfg: LlamaConfig, batch_size: int, max_len: int, *, dtype: Any = jnp.float32,
     gsm_max_window: int | None = None,
 ) -> KVCache:
-    shape = (cfg.num_layers, batch_size, max_len, cfg.num_kv_heads, cfg.head_dim)
+    shape = (cfg.num_layers, batch_size, cfg.num_kv_heads, max_len, cfg.head_dim)
     rings = None
     if gsm_max_window is not None:
         rings = tuple(
@@ -198,16 +201,19 @@ def apply_rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
     return out.astype(x.dtype)
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-    """Grouped-query attention. q [B,T,H,hd]; k, v [B,S,K,hd]; mask [B,T,S] -> [B,T,H*hd]."""
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
+              heads_first: bool = False) -> jax.Array:
+    """Grouped-query attention. q [B,T,H,hd]; k, v [B,S,K,hd] (or [B,K,S,hd] with
+    heads_first, the decode cache's layout); mask [B,T,S] -> [B,T,H*hd]."""
     b, t, h, hd = q.shape
-    kv_heads = k.shape[2]
+    kv = "bksd" if heads_first else "bskd"
+    kv_heads = k.shape[1 if heads_first else 2]
     q = q.reshape(b, t, kv_heads, h // kv_heads, hd)
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
+    scores = jnp.einsum(f"btkgd,{kv}->bkgts", q, k, preferred_element_type=jnp.float32)
     scores = scores * (hd**-0.5)
     scores = jnp.where(mask[:, None, None], scores, _MASK_VALUE)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
+    out = jnp.einsum(f"bkgts,{kv}->btkgd", probs, v)
     return out.reshape(b, t, h * hd)
 
 
@@ -273,7 +279,7 @@ class DecoderLayer(nn.Module):
         `rings`: both sites' stacked GSM rings [layers, B, W, C] (or None); returned updated.
         """
         with jax.named_scope("attention"):
-            attn = attention(q, k_cache, v_cache, mask)[:, 0]
+            attn = attention(q, k_cache, v_cache, mask, heads_first=True)[:, 0]
         ring_attn, ring_ffn = rings if rings is not None else (None, None)
         # GSM site attn_out: the input of the output projection
         attn, ring_attn = smooth_site_decode(gsm, layer, ATTN_OUT, attn, ring_attn, position,
@@ -424,6 +430,8 @@ def prefill(weights: dict, cfg: LlamaConfig, tokens: jax.Array, lengths: jax.Arr
             cache: KVCache, gsm: GSMInputs | None = None) -> tuple[jax.Array, KVCache]:
     """Fill a fresh cache with right-padded prompts; return each row's last-token logits [B, V]."""
     x, k, v, rings, _ = _prefill_layers(weights, cfg, tokens, lengths, gsm)
+    # [L, B, T, K, hd] -> the cache's [L, B, K, T, hd], once per prompt
+    k, v = (jnp.swapaxes(a, 2, 3) for a in (k, v))
     new_k = jax.lax.dynamic_update_slice(cache.k, k.astype(cache.k.dtype), (0, 0, 0, 0, 0))
     new_v = jax.lax.dynamic_update_slice(cache.v, v.astype(cache.v.dtype), (0, 0, 0, 0, 0))
     new_rings = cache.rings
@@ -460,10 +468,10 @@ def decode_step(weights: dict, cfg: LlamaConfig, tokens: jax.Array, cache: KVCac
             # Write this token's k, v into the carried cache first, then read the layer's
             # slice: reading before the scatter makes XLA copy the whole cache per layer.
             # in-range by construction (slot is clamped): no bounds-guarding select
-            k_all = k_all.at[layer, batch, slot].set(k[:, 0].astype(k_all.dtype),
-                                                     mode="promise_in_bounds")
-            v_all = v_all.at[layer, batch, slot].set(v[:, 0].astype(v_all.dtype),
-                                                     mode="promise_in_bounds")
+            k_all = k_all.at[layer, batch, :, slot].set(k[:, 0].astype(k_all.dtype),
+                                                        mode="promise_in_bounds")
+            v_all = v_all.at[layer, batch, :, slot].set(v[:, 0].astype(v_all.dtype),
+                                                        mode="promise_in_bounds")
             x, rings_all = _layer_apply(
                 cfg, layer_weights, "decode_rest", x, q, k_all[layer], v_all[layer], mask,
                 layer, gsm, rings_all, slot, active,

@@ -121,7 +121,7 @@ def test_bench_generate_smoke(tmp_path: Path) -> None:
             assert g["rows"] == int(b) and 0 <= g["identical_rows"] <= int(b)
             assert all(0 <= n <= 4 for n in g["matching_prefix_tokens"])
     if with_tf:
-        assert res["batches"]["1"]["target_ratio"] == 3.0
+        assert res["batches"]["1"]["target_ratio"] == 1.5
         assert res["batches"]["2"]["target_ratio"] is None
 
     md = (out / "results.md").read_text()
