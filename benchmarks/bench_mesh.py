@@ -17,14 +17,17 @@ Models: SmolLM2-135M (the real GGUF) and a mid-size random DeepSeek-V4 (the
 `bench_deepseek_v4_lowp` preset, float32), one device against meshes 1x8 and 2x4; for
 V4 both expert dispatches ("psum", "all_to_all") on 1x8. Decode tok/s of the whole
 `generate_tokens` call (median over interleaved rounds of a long call minus a
-1-token call). The load average is recorded around every timed block; above 1.5 a
-figure is marked not comparable.
+1-token call). The load average is recorded around every timed block; a block that
+starts above 1.5 (after waiting for the compile's load to settle) is marked not
+comparable. During a block the load rises to ~3 from the benchmark's own device
+threads; that is recorded, and expected.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import sys
 from pathlib import Path
@@ -165,8 +168,9 @@ def measure(params_by_variant: dict, batch: int, prompt_len: int, new_tokens: in
     times = common.interleaved(fns, repeats)
     load_after = common.load_average()
     out = {"load_average_before": load_before, "load_average_after": load_after,
-           "comparable": max((load_before or [0])[0], (load_after or [0])[0])
-           <= MAX_COMPARABLE_LOAD, "variants": {}}
+           # the load *after* includes this block's own 8 device threads on the same cores
+           # (about 3 on 2 cores); what says no other process competed is the load before
+           "comparable": (load_before or [0])[0] <= MAX_COMPARABLE_LOAD, "variants": {}}
     for name in params_by_variant:
         short = np.asarray(times[f"{name}|1"])
         long = np.asarray(times[f"{name}|{new_tokens}"])
@@ -181,6 +185,8 @@ def measure(params_by_variant: dict, batch: int, prompt_len: int, new_tokens: in
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--report-only", action="store_true",
+                    help="re-render results.md / .png from --out's results.json")
     ap.add_argument("--out", default="runs/bench_mesh")
     ap.add_argument("--models", default="smollm2,dsv4")
     ap.add_argument("--dsv4-preset", default="mid", choices=("mid", "tiny"))
@@ -190,6 +196,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
     out = Path(args.out)
+    if args.report_only:
+        write_report(out, json.loads((out / "results.json").read_text()))
+        return
     out.mkdir(parents=True, exist_ok=True)
     result: dict = {"machine": common.machine_info(), "args": vars(args), "models": {}}
     for model in args.models.split(","):
@@ -239,6 +248,8 @@ def write_report(out: Path, r: dict) -> None:
     text += common.markdown_table(["model", "devices", "decode tok/s", "x one device",
                                    "greedy = one device", "load before / after",
                                    "comparable"], rows, 2)
+    text += ("\n(load after: the block's own 8 device threads on the machine's cores; "
+             "comparable = the block started below 1.5.)\n")
     text += ("\n## Bytes each device sends per decode step (compiled program, ring model)\n\n"
              + common.markdown_table(["model", "mesh", "collectives", "kB per device",
                                       "largest scopes (kB)", "cost model (kB)"], coll_rows, 1))
