@@ -1,27 +1,37 @@
 """GSM step-time overhead on SmolLM2: GSM on (all layers, both sites, window 8) vs off.
 
 Measured in one run, interleaved (on, off, on, off, ...) so machine noise hits both:
+- what a user runs: the whole `gsm_jax.generate_tokens` call (prefill + 64 greedy
+  tokens) at batch 1 and 16, GSM on vs off, and GSM compiled in at strength 0;
 - the jitted decode step at batch 1 and 16 (donated cache, 128 tokens already cached);
 - the jitted prefill of 512-token prompts (batch 1);
 - the filter alone on CPU: the fused XLA path vs the pure-jnp reference, prefill
   [1, 512, 1536] and decode [16, 1536] with a 64-row ring.
 "Off" is the model compiled without GSM (gsm=None), the honest baseline.
 
-    python benchmarks/bench_gsm_overhead.py --out runs/gsm_overhead
+    python benchmarks/bench_gsm_overhead.py --out runs/gsm_overhead --threads 1
+
+The load average is recorded before and after every case; a case above 1.5 is marked
+not comparable. `--threads 1` pins the process to one core (the load then stays ~1).
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import os
 import sys
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402  (no jax at import)
+
+if common.threads_arg() == 1 and hasattr(os, "sched_setaffinity"):
+    os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # before XLA sizes its pool
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 from common import (  # noqa: E402
     bar_chart,
     interleaved,
@@ -66,6 +76,24 @@ def _decode_case(params, batch: int, gsm_cfg, repeats: int, context: int = 128):
     fns = {"on": run("on", gsm), "off": run("off", None)}
     for f in fns.values():  # compile + warm up
         f()
+        f()
+    return interleaved(fns, repeats)
+
+
+def _generate_case(params, batch: int, gsm_cfg, repeats: int, new_tokens: int = 64,
+                   prompt_len: int = 32):
+    """The whole generate_tokens call: GSM on, GSM off (compiled out), GSM at strength 0."""
+    rng = np.random.RandomState(batch)
+    rows = [rng.randint(10, params.config.vocab_size - 10, prompt_len).tolist()
+            for _ in range(batch)]
+
+    def call(g):
+        return lambda: gsm_jax.generate_tokens(params, rows, max_new_tokens=new_tokens,
+                                               gsm=g, eos_ids=[-1])
+
+    fns = {"on": call(gsm_cfg), "off": call(None),
+           "strength 0": call(gsm_cfg.replace(smooth_strength=0.0))}
+    for f in fns.values():
         f()
     return interleaved(fns, repeats)
 
@@ -126,25 +154,44 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=Path("runs/gsm_overhead"))
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--precision", default="bf16", choices=["bf16", "f32"])
+    ap.add_argument("--threads", type=int, choices=(1,), default=None,
+                    help="1: pin to one core (read before jax starts)")
+    ap.add_argument("--max-window", type=int, default=64)
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     info_before = machine_info()
     params = gsm_jax.load(args.model, progress=True)
     gsm_cfg = gsm_jax.GSMConfig(target_layers="all", window_size=8, smooth_strength=0.1,
-                                precision=args.precision)
+                                precision=args.precision, max_window=args.max_window)
     rows, results = [], {}
-    cases = [("decode step, batch 1", lambda: _decode_case(params, 1, gsm_cfg, args.repeats)),
+    gen_repeats = max(args.repeats // 3, 5)
+    cases = [("generate_tokens, batch 1, 64 tokens",
+              lambda: _generate_case(params, 1, gsm_cfg, gen_repeats)),
+             ("generate_tokens, batch 16, 64 tokens",
+              lambda: _generate_case(params, 16, gsm_cfg, gen_repeats)),
+             ("decode step, batch 1", lambda: _decode_case(params, 1, gsm_cfg, args.repeats)),
              ("decode step, batch 16", lambda: _decode_case(params, 16, gsm_cfg, args.repeats)),
              ("prefill 512 tokens, batch 1",
               lambda: _prefill_case(params, gsm_cfg, max(args.repeats // 3, 5)))]
     for name, fn in cases:
         print(f"[bench] {name} ...", flush=True)
+        load_before = common.load_average()
         t = fn()
+        load_after = common.load_average()
+        comparable = max((load_before or [0])[0], (load_after or [0])[0]) <= 1.5
         on, off = float(np.median(t["on"])), float(np.median(t["off"]))
+        zero = float(np.median(t["strength 0"])) if "strength 0" in t else None
         results[name] = {"on_s": t["on"], "off_s": t["off"], "median_on_s": on,
-                         "median_off_s": off, "overhead": on / off - 1.0}
+                         "median_off_s": off, "overhead": on / off - 1.0,
+                         "strength0_s": t.get("strength 0"), "median_strength0_s": zero,
+                         "overhead_strength0": None if zero is None else zero / off - 1.0,
+                         "load_average_before": load_before, "load_average_after": load_after,
+                         "comparable": comparable}
         rows.append([name, f"{off * 1e3:.2f}", f"{on * 1e3:.2f}", f"{(on / off - 1) * 100:+.1f}%",
-                     "≤ +3%", "pass" if on / off - 1 <= 0.03 else "FAIL"])
+                     "" if zero is None else f"{(zero / off - 1) * 100:+.1f}%",
+                     "≤ +3%", "pass" if on / off - 1 <= 0.03 else "FAIL",
+                     f"{(load_before or ['?'])[0]} / {(load_after or ['?'])[0]}",
+                     "yes" if comparable else "NO (load > 1.5)"])
     print("[bench] filter alone (XLA path vs jnp reference) ...", flush=True)
     krows = []
     for name, t in _kernel_cases(args.repeats).items():
@@ -157,10 +204,12 @@ def main(argv: list[str] | None = None) -> int:
                        "baseline": "model compiled without GSM (gsm=None)"},
             "machine_before": info_before, "machine_after": machine_info(), "results": results}
     write_json(args.out / "results.json", data)
-    table = markdown_table(["case", "off ms", "on ms", "overhead", "target", "verdict"], rows)
+    table = markdown_table(["case", "off ms", "on ms", "overhead", "strength 0 overhead",
+                            "target", "verdict", "load before / after", "comparable"], rows)
     ktable = markdown_table(["filter case", "jnp reference ms", "XLA path ms", "speedup"], krows)
     write_markdown(args.out / "results.md",
-                   f"# GSM overhead ({args.model}, precision {args.precision})\n\n"
+                   f"# GSM overhead ({args.model}, precision {args.precision}, "
+                   f"max_window {args.max_window}, threads {args.threads or 'all'})\n\n"
                    f"Medians of {args.repeats} interleaved runs; load average before "
                    f"{info_before.get('load_average_1_5_15')}, after "
                    f"{data['machine_after'].get('load_average_1_5_15')}.\n\n{table}\n\n{ktable}\n")

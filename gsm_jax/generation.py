@@ -280,7 +280,8 @@ def generate_tokens(
         from gsm_jax.gsm_runtime import gsm_inputs_for_batch
 
         totals = [int(r.size) + max_new_tokens for r in rows]
-        gsm_inputs = gsm_inputs_for_batch(gsm, cfg.num_layers, batch, totals, request_ids)
+        gsm_inputs = gsm_inputs_for_batch(gsm, cfg.num_layers, batch, totals, request_ids,
+                                          fit_ring=True)
     rows_in = _batch_inputs(mesh, tokens, lengths, max_new,
                             np.full((batch,), temperature, np.float32),
                             np.full((batch,), top_k or 0, np.int32),
@@ -395,7 +396,8 @@ def forward(params: ModelParams, token_ids: Any, *, lengths: Any = None,
         from gsm_jax.gsm_runtime import gsm_inputs_for_batch
 
         gsm_inputs = gsm_inputs_for_batch(gsm, cfg.num_layers, tokens.shape[0],
-                                          [int(r.size) for r in rows], request_ids)
+                                          [int(r.size) for r in rows], request_ids,
+                                          fit_ring=True)
     with _on_mesh(mesh):
         logits = _forward_jit(params.weights, *_batch_inputs(mesh, tokens, lens), gsm_inputs,
                               config=cfg)

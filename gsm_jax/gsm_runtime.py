@@ -62,12 +62,29 @@ def as_gsm_config(gsm: Any) -> GSMConfig:
     )
 
 
+def ring_rows(cfg: Any, total_tokens: Sequence[int]) -> int:
+    """The ring size a call whose rows end at `total_tokens` needs: the largest window
+    any of its positions can use (a fixed window, or the adaptive clamp((p+1)//16, 4,
+    max_window) at the longest row), rounded up to a power of two >= 8 (few compiled
+    sizes) and at most `max_window`. With it the filter reads and keeps exactly what it
+    would with the full `max_window` rows: every window fits, nothing else is read."""
+    if cfg.window_size == "adaptive":
+        need = min(max(max(total_tokens, default=1) // 16, 4), cfg.max_window)
+    else:
+        need = min(int(cfg.window_size), cfg.max_window)
+    return min(cfg.max_window, max(8, 1 << (max(need, 1) - 1).bit_length()))
+
+
 def gsm_inputs_for_batch(gsm: Any, num_layers: int, batch_size: int,
                          total_tokens: Sequence[int],
-                         request_ids: Sequence[Any] | None = None) -> GSMInputs:
+                         request_ids: Sequence[Any] | None = None,
+                         fit_ring: bool = False) -> GSMInputs:
     """GSMInputs for a batch whose first len(total_tokens) rows are real requests.
 
-    Padding rows (bucketed batch) are never smoothed.
+    Padding rows (bucketed batch) are never smoothed. `fit_ring`: size the ring buffers
+    for this call's windows (`ring_rows`) instead of `max_window` - for one-shot calls
+    (generate, forward) whose lengths are known; the engine keeps `max_window` so a live
+    config change never needs another compiled size.
     """
     cfg = as_gsm_config(gsm)
     mask = resolve_mask(cfg, num_layers)
@@ -80,10 +97,17 @@ def gsm_inputs_for_batch(gsm: Any, num_layers: int, batch_size: int,
         row_enabled=jnp.asarray(rows),
         window=jnp.asarray(window, jnp.int32),
         protect_first=jnp.asarray(cfg.protect_first, jnp.int32),
-        max_window=cfg.max_window,
-        precision=cfg.precision,
+        max_window=ring_rows(cfg, total_tokens) if fit_ring else cfg.max_window,
+        precision=resolved_precision(cfg.precision),
         impl=resolved_kernel_impl(),
     )
+
+
+def resolved_precision(precision: str) -> str:
+    """"auto" -> the filter arithmetic measured fastest on the default backend."""
+    if precision != "auto":
+        return precision
+    return "f32" if jax.default_backend() == "cpu" else "bf16"
 
 
 def resolved_kernel_impl() -> str:

@@ -1,4 +1,4 @@
-"""Smoke runs of the mesh benchmark and the prepared GPU script (so neither can rot)."""
+"""Smoke runs of the mesh benchmark and the prepared GPU scripts (so none of them can rot)."""
 
 from __future__ import annotations
 
@@ -51,3 +51,17 @@ def test_gpu_check_script_dry_run(tmp_path):
     for b in r["batches"].values():
         assert b["decode_tok_s"] > 0 and 0 < b["bytes_read_per_step"] <= r["weight_bytes"]
     assert "of the H200's 4.8 TB/s" in proc.stdout
+
+
+def test_llama_gpu_check_script_dry_run(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.run(["bash", "scripts/gpu_check.sh", "--dry-run", "--out", str(tmp_path)],
+                          cwd=REPO, capture_output=True, text=True, timeout=900, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-2000:]
+    r = json.loads((tmp_path / "results.json").read_text())
+    assert r["kernels"]["impl"] == "pallas_interpret"
+    assert r["kernels"]["f32"]["pass"] and r["kernels"]["bf16"]["pass"]
+    assert set(r["batches"]) == {"1", "2"}
+    for row in r["batches"].values():
+        assert {"bf16", "w8a16", "w8a8", "bf16 + GSM"} <= set(row)
+        assert all(v["decode_tok_s"] > 0 for v in row.values())

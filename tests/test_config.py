@@ -43,7 +43,7 @@ def test_defaults_match_spec_table():
         "max_strength": 0.3,
         "target_layers": "high_kurtosis",
         "sites": ["attn_out", "ffn_mid"],
-        "precision": "bf16",
+        "precision": "auto",
         "calibration_samples": 512,
         "max_window": 64,
         "protect_first": DEFAULT_PROTECT_FIRST,

@@ -363,3 +363,34 @@ def test_runtime_rejects_bad_static_args():
         smooth_prefill(x, pos, w, s, lo, max_window=16, precision="f32", impl="cuda")
     with pytest.raises(InvalidInputError):
         smooth_prefill(x, pos, jnp.zeros(3, jnp.int32), s, lo, max_window=16, precision="f32")
+
+
+@pytest.mark.parametrize("window,max_window,totals,want", [
+    (8, 64, [40], 8), (5, 64, [40], 8), (12, 64, [40], 16), (64, 64, [40], 64),
+    (33, 64, [40], 64), ("adaptive", 64, [100], 8), ("adaptive", 64, [300, 700], 64),
+    ("adaptive", 64, [500], 32), ("adaptive", 16, [5000], 16)])
+def test_ring_rows_fit_every_window(window, max_window, totals, want):
+    """One-shot calls size the GSM rings to the largest window they can use; the filter
+    then gives what it gives with the full max_window ring (prefill and decode)."""
+    from gsm_jax.config import GSMConfig
+    from gsm_jax.gsm_runtime import ring_rows
+
+    cfg = GSMConfig(window_size=window, max_window=max_window, target_layers="all")
+    w = ring_rows(cfg, totals)
+    assert w == want
+    t = max(totals)
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(1, t, 8)), jnp.float32)
+    pos = jnp.arange(t, dtype=jnp.int32)[None]
+    win = jnp.asarray([0 if window == "adaptive" else window], jnp.int32)
+    s, lo = jnp.asarray([0.3], jnp.float32), jnp.int32(1)
+    full = smooth_prefill(x, pos, win, s, lo, max_window=max_window, precision="f32")
+    fit = smooth_prefill(x, pos, win, s, lo, max_window=w, precision="f32")
+    # equal to f32 rounding: the prefill's block size follows max_window
+    np.testing.assert_allclose(np.asarray(fit), np.asarray(full), rtol=1e-6, atol=1e-6)
+    rings = [ring_from_prefill(x[:, :-1], pos[:, :-1], m) for m in (max_window, w)]
+    outs = [smooth_decode(x[:, -1], r, jnp.asarray([t - 1], jnp.int32), win, s, lo,
+                          precision="f32")[0] for r in rings]
+    np.testing.assert_allclose(np.asarray(outs[1]), np.asarray(outs[0]), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(outs[0]), np.asarray(full[:, -1]), rtol=1e-5,
+                               atol=1e-5)

@@ -42,7 +42,7 @@ import numpy as np
 from gsm_jax.config import GSMConfig
 from gsm_jax.errors import InvalidInputError
 from gsm_jax.families import family_module
-from gsm_jax.gsm_runtime import gsm_inputs_for_batch
+from gsm_jax.gsm_runtime import gsm_inputs_for_batch, resolved_precision
 from gsm_jax.workflow import data as data_mod
 from gsm_jax.workflow.calibrate import (
     DEFAULT_PROTECT_FIRST_VALUES,
@@ -354,7 +354,7 @@ def run_report(
     if chosen is not None:
         todo["chosen"] = (chosen, ("quality", "lambada", "greedy"))
         todo["chosen, protect_first 0"] = (chosen.replace(protect_first=0), ("quality",))
-        if chosen.precision != "f32":
+        if resolved_precision(chosen.precision) != "f32":
             todo["chosen, precision f32"] = (chosen.replace(precision="f32"), ("quality",))
         weaker = [s for s in cal.search.get("strengths", []) if s < chosen.smooth_strength]
         if weaker:
