@@ -110,15 +110,7 @@ def measure_load(path: str, variant: str) -> dict:
 
 def measure_decode(params: dict, batch: int, prompt_len: int, new_tokens: int,
                    repeats: int, vocab: int) -> dict:
-    import gsm_jax
-
-    rng = np.random.default_rng(batch)
-    rows = [rng.integers(2, vocab, prompt_len).tolist() for _ in range(batch)]
-    fns = {}
-    for name, p in params.items():
-        for n in (1, new_tokens):
-            fns[f"{name}|{n}"] = (lambda p=p, n=n: gsm_jax.generate_tokens(
-                p, rows, max_new_tokens=n, eos_ids=[]))
+    fns = common.short_and_long_calls(params, batch, prompt_len, new_tokens, vocab)
     for fn in fns.values():  # compile every program before timing
         fn()
     load_before = common.load_average()

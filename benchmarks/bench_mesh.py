@@ -146,15 +146,7 @@ def settle(limit: float = 1.0, wait_s: float = 120.0) -> None:
 
 def measure(params_by_variant: dict, batch: int, prompt_len: int, new_tokens: int,
             repeats: int, vocab: int) -> dict:
-    import gsm_jax
-
-    rng = np.random.default_rng(batch)
-    rows = [rng.integers(2, vocab, prompt_len).tolist() for _ in range(batch)]
-    fns = {}
-    for name, p in params_by_variant.items():
-        for n in (1, new_tokens):
-            fns[f"{name}|{n}"] = (lambda p=p, n=n: gsm_jax.generate_tokens(
-                p, rows, max_new_tokens=n, eos_ids=[]))
+    fns = common.short_and_long_calls(params_by_variant, batch, prompt_len, new_tokens, vocab)
     ref = None
     equal = {}
     for key, fn in fns.items():  # compile every program before timing; tokens agree?

@@ -85,6 +85,22 @@ def interleaved(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[str, li
     return times
 
 
+def short_and_long_calls(params_by_name: dict[str, Any], batch: int, prompt_len: int,
+                         new_tokens: int, vocab: int) -> dict[str, Callable[[], Any]]:
+    """For each params: a 1-token and a `new_tokens`-token greedy `generate_tokens` call on
+    the same random rows, keyed "name|1" and "name|N". Timed as neighbours in each round,
+    long minus short is the decode of N - 1 tokens under the same conditions."""
+    import numpy as np
+
+    import gsm_jax
+
+    rng = np.random.default_rng(batch)
+    rows = [rng.integers(2, vocab, prompt_len).tolist() for _ in range(batch)]
+    return {f"{name}|{n}": (lambda p=p, n=n: gsm_jax.generate_tokens(
+        p, rows, max_new_tokens=n, eos_ids=[]))
+        for name, p in params_by_name.items() for n in (1, new_tokens)}
+
+
 def _category(name: str) -> str:
     n = name.lower()
     if "dynamic-slice" in n or "dynamic_slice" in n:

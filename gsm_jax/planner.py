@@ -215,7 +215,7 @@ class _FakeMesh:
 def _cache_kind(names: list[str]) -> str:
     if "rings" in names:
         return "cache: GSM ring buffers"
-    leaf = names[-1]
+    leaf = next(n for n in reversed(names) if not n.isdigit())  # per-layer tuples: k/0, ...
     return {"window": "cache: sliding-window K=V", "comp": "cache: compressed entries",
             "index": "cache: indexer entries", "comp_ring": "cache: compressor rings",
             "index_ring": "cache: compressor rings", "k": "cache: K/V", "v": "cache: K/V",
