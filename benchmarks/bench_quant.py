@@ -18,14 +18,19 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import os
 import sys
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402  (no jax at import)
+
+if common.threads_arg() == 1 and hasattr(os, "sched_setaffinity"):
+    os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # before XLA sizes its pool
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 from common import (  # noqa: E402
     bar_chart,
     interleaved,
@@ -145,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=30, help="decode rounds per batch size")
     ap.add_argument("--prefill-repeats", type=int, default=8)
     ap.add_argument("--batches", default="1,16")
+    ap.add_argument("--threads", type=int, choices=(1,), default=None,
+                    help="1: pin to one core (read before jax starts; the load stays ~1)")
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--prefill-len", type=int, default=512)
     ap.add_argument("--profile", action="store_true",
@@ -173,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
                   functools.partial(prefill_fns, variants, 1, args.prefill_len, gsm_cfg),
                   args.prefill_repeats))
     results, rows, loads = {}, [], {"start": load_average()}
+    comparable: dict[str, bool] = {}  # per case: the load stayed <= 1.5 before and after
     for case, tokens_per_call, make, repeats in cases:
         print(f"[bench_quant] {case}: compiling ...", flush=True)
         fns = make()
@@ -184,6 +192,8 @@ def main(argv: list[str] | None = None) -> int:
         loads[f"{case} after"] = load_average()
         base = times.get("fp32")
         entry = {}
+        comparable[case] = max((loads[f"{case} before"] or [0])[0],
+                               (loads[f"{case} after"] or [0])[0]) <= 1.5
         for name, t in times.items():
             s = summarize(t)
             tps = tokens_per_call / s["median"]
@@ -211,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
                        "prefill_len": args.prefill_len, "gsm": gsm_cfg.to_dict(),
                        "explain": {k: EXPLAIN[k] for k in names}},
             "machine_before": info, "machine_after": machine_info(), "load_average": loads,
+            "comparable": comparable,
             "results": results}
     write_json(args.out / "results.json", data)
     render(data, args.out)
@@ -257,15 +268,18 @@ def render(data: dict, out: Path) -> None:
     info, loads = data["machine_before"], data["load_average"]
     rows = []
     for case, entry in results.items():
+        comparable = data.get("comparable", {}).get(case)
         for name in names:
             e = entry[name]
             rows.append([case, name, f"{e['seconds']['median'] * 1e3:.1f}",
                          f"{e['seconds']['min'] * 1e3:.1f}", f"{e['tokens_per_s']:.1f}",
                          f"{e.get('ratio_vs_fp32_median', float('nan')):.2f}×",
-                         f"{e.get('ratio_vs_fp32_min', float('nan')):.2f}×"])
+                         f"{e.get('ratio_vs_fp32_min', float('nan')):.2f}×",
+                         "?" if comparable is None else
+                         "yes" if comparable else "NO (load > 1.5)"])
     cfg = data["config"]
     table = markdown_table(["case", "variant", "median ms", "min ms", "tokens/s (median)",
-                            "vs fp32 (median)", "vs fp32 (min)"], rows)
+                            "vs fp32 (median)", "vs fp32 (min)", "comparable"], rows)
     end = data.get("machine_after", {}).get("load_average_1_5_15")
     text = [f"# INT8 speed ({cfg['model']})\n",
             f"Interleaved rounds ({cfg['repeats']} per decode case, {cfg['prefill_repeats']} "
