@@ -21,8 +21,11 @@ interleaved (alternating order) so both see the same background load. Compile ti
 is excluded from the rates and reported separately. The greedy tokens of both
 sides are compared as a sanity check.
 
-`--threads 1` pins both sides to one thread (torch.set_num_threads(1); XLA without
-its intra-op thread pool). On an oversubscribed machine this is the fairer
+`--threads 1` pins the process (both sides run in it) to one core with
+sched_setaffinity before jax starts, and torch.set_num_threads(1). (XLA:CPU's pool
+follows the affinity mask; the Eigen thread flags this script used to set are
+ignored by current jaxlib: the process ran at ~173% CPU.) On an oversubscribed
+machine this is the fairer
 comparison: a multi-threaded torch op waits at a barrier whenever one of its
 threads is descheduled, and eager decoding issues thousands of small ops per token.
 
@@ -42,9 +45,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import threads_arg  # noqa: E402  (no jax at import)
 
-if threads_arg() == 1:
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen"
-                               "=false intra_op_parallelism_threads=1").strip()
+if threads_arg() == 1 and hasattr(os, "sched_setaffinity"):
+    os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -296,9 +298,15 @@ def main() -> None:
                      entry["gsm_jax"]["decode_tok_s"], entry["transformers"]["decode_tok_s"],
                      entry["decode_speedup"], f"{same_rows}/{batch}", f"{logit_err:.1e}"])
     out = Path(args.out)
+    end_load = load_average()
+    comparable = max(((info.get("load_average_1_5_15") or [0])[0]),
+                     (end_load or [0])[0]) <= 1.5
     data = {"benchmark": "deepseek_v4 prefill/decode, gsm_jax vs transformers", "machine": info,
-            "load_average_end": load_average(), "preset": args.preset, "params": n_params,
+            "load_average_end": end_load, "comparable": comparable, "preset": args.preset,
+            "params": n_params,
             "threads": args.threads, "xla_flags": os.environ.get("XLA_FLAGS", ""),
+            "cpu_affinity": sorted(os.sched_getaffinity(0)) if hasattr(
+                os, "sched_getaffinity") else None,
             "config": PRESETS[args.preset], "results": results}
     write_json(out / "results.json", data)
     table = markdown_table(
@@ -310,7 +318,9 @@ def main() -> None:
     text = (f"# DeepSeek-V4 ({args.preset}, {n_params / 1e6:.0f}M params, fp32), "
             f"{args.prompt_tokens}-token prompts, {args.new_tokens} new tokens, {threads}\n\n"
             f"{info.get('cpu_model', '')} ({info.get('cpu_count', '')} CPUs), "
-            f"load average at the end {load_average()}\n\n{table}")
+            f"load average at the start {info.get('load_average_1_5_15')}, at the end "
+            f"{end_load}: {'comparable' if comparable else 'NOT comparable (load > 1.5)'}"
+            f"\n\n{table}")
     profiled = [r for r in results if "decode_profile_ms" in r["gsm_jax"]]
     if profiled:
         scopes = list(dict.fromkeys(k for r in profiled for k, v in
