@@ -73,16 +73,15 @@ def variants(params, family: str) -> dict:
     import gsm_jax
 
     out = {"1 device": params}
-    for shape in ((1, 8), (2, 4)):
-        mesh = jax.make_mesh(shape, ("data", "model"))
-        out["x".join(map(str, shape))] = gsm_jax.shard(params, mesh)
-    if family == "deepseek_v4":
-        mesh = jax.make_mesh((1, 8), ("data", "model"))
-        for dispatch in ("psum", "all_to_all"):
-            cfg = dataclasses.replace(params.config, expert_dispatch=dispatch)
-            out[f"1x8 {dispatch}"] = gsm_jax.shard(
-                gsm_jax.ModelParams(params.weights, cfg, params.tokenizer), mesh)
-        del out["1x8"]  # "auto" is one of the two (psum here): no need to time it twice
+    # V4 on 1x8: both expert dispatches ("auto" is one of them, psum here)
+    dispatches = ("psum", "all_to_all") if family == "deepseek_v4" else (None,)
+    for dispatch in dispatches:
+        cfg = params.config if dispatch is None else dataclasses.replace(
+            params.config, expert_dispatch=dispatch)
+        out[f"1x8 {dispatch}" if dispatch else "1x8"] = gsm_jax.shard(
+            gsm_jax.ModelParams(params.weights, cfg, params.tokenizer),
+            jax.make_mesh((1, 8), ("data", "model")))
+    out["2x4"] = gsm_jax.shard(params, jax.make_mesh((2, 4), ("data", "model")))
     return out
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -211,15 +211,28 @@ def _experts_psum(x, idx, w, gate_up, down, limit, mesh):
                          out_specs=rows, check_vma=False)(x, idx, w, gate_up, down)
 
 
-def _exchange_dense(send, dest, slot, n_dev, recv_sizes, back_offsets, inverse=False):
+class _Route(NamedTuple):
+    """Where each of my assignments (sorted by destination device) goes, and what comes
+    back: dest / slot (its device and row within that device's slab), sizes / offsets
+    (rows per destination and where they start in my sorted order), recv_sizes (rows
+    each device sends me) and back_offsets (where my results start in its order)."""
+
+    dest: jax.Array
+    slot: jax.Array
+    sizes: jax.Array
+    offsets: jax.Array
+    recv_sizes: jax.Array
+    back_offsets: jax.Array
+
+
+def _exchange_dense(send, route: _Route, inverse: bool = False):
     """Dense exchange: a [M, C, D] buffer, slab j for device j (C = all my assignments)."""
-    del recv_sizes, back_offsets
+    n_dev = route.sizes.shape[0]
     if inverse:  # send: [M * C, D] results, slab j for the rows device j sent
-        c = send.shape[0] // n_dev
-        back = jax.lax.all_to_all(send.reshape(n_dev, c, -1), "model", 0, 0)
-        return back[dest, slot]
+        back = jax.lax.all_to_all(send.reshape(n_dev, -1, *send.shape[1:]), "model", 0, 0)
+        return back[route.dest, route.slot]
     c = send.shape[0]
-    buf = jnp.zeros((n_dev, c) + send.shape[1:], send.dtype).at[dest, slot].set(send)
+    buf = jnp.zeros((n_dev, c) + send.shape[1:], send.dtype).at[route.dest, route.slot].set(send)
     return jax.lax.all_to_all(buf, "model", 0, 0).reshape((n_dev * c,) + send.shape[1:])
 
 
@@ -242,31 +255,29 @@ def ragged_all_to_all_reference(operand, output, input_offsets, send_sizes, outp
     return output.at[pos.reshape(-1)].set(rows.reshape((-1,) + operand.shape[1:]), mode="drop")
 
 
-def _exchange_ragged(send, dest, slot, n_dev, recv_sizes, back_offsets, inverse=False,
+def _exchange_ragged(send, route: _Route, inverse: bool = False,
                      collective=jax.lax.ragged_all_to_all):
     """Ragged exchange of rows sorted by destination; the receiver keeps slab i
     (C rows) for device i, so the same expert loop runs on it as on the dense layout."""
+    n_dev = route.sizes.shape[0]
     c = send.shape[0] // n_dev if inverse else send.shape[0]
-    me = jax.lax.axis_index("model")
     slabs = jnp.arange(n_dev, dtype=jnp.int32) * c
     if inverse:  # results of slab i go back to device i, at its sorted positions
         out = jnp.zeros((c,) + send.shape[1:], send.dtype)
-        return collective(send, out, slabs, recv_sizes, back_offsets,
-                          jnp.bincount(dest, length=n_dev).astype(jnp.int32),
+        return collective(send, out, slabs, route.recv_sizes, route.back_offsets, route.sizes,
                           axis_name="model")
-    sizes = jnp.bincount(dest, length=n_dev).astype(jnp.int32)
-    offsets = (jnp.cumsum(sizes) - sizes).astype(jnp.int32)
     out = jnp.zeros((n_dev * c,) + send.shape[1:], send.dtype)
-    return collective(send, out, offsets, sizes, jnp.full((n_dev,), me * c, jnp.int32),
-                      recv_sizes, axis_name="model")
+    mine = jnp.full((n_dev,), jax.lax.axis_index("model") * c, jnp.int32)
+    return collective(send, out, route.offsets, route.sizes, mine, route.recv_sizes,
+                      axis_name="model")
 
 
-def _exchange_by_platform(send, *args, inverse=False):
+def _exchange_by_platform(send, route: _Route, inverse: bool = False):
     """Ragged where XLA has it; XLA:CPU does not, so the dense exchange there."""
     return jax.lax.platform_dependent(
-        send, *args[:1], *args[1:2], *args[3:],
-        cpu=lambda s, d, sl, r, b: _exchange_dense(s, d, sl, args[2], r, b, inverse),
-        default=lambda s, d, sl, r, b: _exchange_ragged(s, d, sl, args[2], r, b, inverse))
+        send, route,
+        cpu=functools.partial(_exchange_dense, inverse=inverse),
+        default=functools.partial(_exchange_ragged, inverse=inverse))
 
 
 def _experts_all_to_all(x, idx, w, gate_up, down, limit, mesh, exchange=None):
@@ -296,23 +307,23 @@ def _experts_all_to_all(x, idx, w, gate_up, down, limit, mesh, exchange=None):
         dest, ids, ws, tok = dest[order], ids[order], ws[order], (order // k).astype(jnp.int32)
         live = ids < n_dev * e_local
         sizes = jnp.bincount(dest, length=n_dev).astype(jnp.int32)
-        slot = (jnp.arange(dest.shape[0]) - (jnp.cumsum(sizes) - sizes)[dest]).astype(jnp.int32)
-        # what each device will send me, and where my rows sit in its sorted order
-        recv_sizes = jax.lax.all_to_all(sizes, "model", 0, 0, tiled=True)
-        back_offsets = jax.lax.all_to_all((jnp.cumsum(sizes) - sizes).astype(jnp.int32),
-                                          "model", 0, 0, tiled=True)
+        offsets = (jnp.cumsum(sizes) - sizes).astype(jnp.int32)
+        route = _Route(dest, (jnp.arange(dest.shape[0]) - offsets[dest]).astype(jnp.int32),
+                       sizes, offsets,
+                       # what each device sends me, and where my rows sit in its order
+                       jax.lax.all_to_all(sizes, "model", 0, 0, tiled=True),
+                       jax.lax.all_to_all(offsets, "model", 0, 0, tiled=True))
         ex = exchange or _exchange_by_platform
-        args = (dest, slot, n_dev, recv_sizes, back_offsets)
-        got = ex(xs[tok], *args)  # [M * C, D]: slab i = rows from device i
-        got_e = ex(jnp.where(live, ids % e_local, e_local).astype(jnp.int32)[:, None], *args)
+        got = ex(xs[tok], route)  # [M * C, D]: slab i = rows from device i
+        got_e = ex(jnp.where(live, ids % e_local, e_local).astype(jnp.int32)[:, None], route)
         # a slab's rows past what its device sent are zeros (dense) or untouched zeros
         # (ragged); mark them with the out-of-range expert so the loop skips them
         filled = (jnp.arange(got.shape[0]) % dest.shape[0]) < jnp.repeat(
-            recv_sizes, dest.shape[0], total_repeat_length=got.shape[0])
+            route.recv_sizes, dest.shape[0], total_repeat_length=got.shape[0])
         e_recv = jnp.where(filled, got_e[:, 0], e_local)[:, None]
         y = _experts_blocks(got, e_recv, jnp.ones(e_recv.shape, jnp.float32), gate_up, down,
                             limit, n_dev)
-        back = ex(y, *args, inverse=True)  # [A, D] in my sorted order
+        back = ex(y, route, inverse=True)  # [A, D] in my sorted order
         contrib = back.astype(jnp.float32) * jnp.where(live, ws, 0)[:, None]
         mine = jnp.zeros((t_mine, x.shape[1]), jnp.float32).at[tok].add(contrib)
         out = jax.lax.all_gather(mine.astype(x.dtype), "model", tiled=True)
