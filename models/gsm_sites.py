@@ -33,9 +33,11 @@ ATTN_OUT, FFN_MID = 0, 1
 class GSMInputs:
     """Runtime GSM arrays for one batch (a pytree: changing values never recompiles)."""
 
-    strength: jax.Array  # f32 [layers, 2]: per (layer, site) strength, 0 where not smoothed
+    # f32 [layers, 2]: per (layer, site) strength, 0 where not smoothed; or [B, layers, 2]:
+    # per row (a server whose running requests hold different config versions)
+    strength: jax.Array
     row_enabled: jax.Array  # f32 [B]: 1 for rows smoothed, 0 for bypassed/rolled-out rows
-    window: jax.Array  # i32 []: fixed window, or 0 for adaptive
+    window: jax.Array  # i32 [] or [B]: fixed window, or 0 for adaptive
     protect_first: jax.Array  # i32 []
     max_window: int = struct.field(pytree_node=False, default=64)
     precision: str = struct.field(pytree_node=False, default="bf16")
@@ -44,7 +46,9 @@ class GSMInputs:
     def row_args(self, layer: jax.Array, site: int) -> tuple[jax.Array, jax.Array]:
         """Per-row window [B] and strength [B] for one (layer, site)."""
         batch = self.row_enabled.shape[0]
-        strength = self.strength[layer, site] * self.row_enabled
+        per_row = self.strength[:, layer, site] if self.strength.ndim == 3 else (
+            self.strength[layer, site])
+        strength = per_row * self.row_enabled
         window = jnp.broadcast_to(self.window, (batch,)).astype(jnp.int32)
         return window, strength.astype(jnp.float32)
 
@@ -117,3 +121,37 @@ def smooth_site_decode(
             x, rings, layer, position, active, window, strength, gsm.protect_first,
             precision=gsm.precision, impl=gsm.impl,
         )
+
+
+def smooth_site_extend(
+    gsm: GSMInputs | None,
+    layer: jax.Array,
+    site: int,
+    x: jax.Array,
+    rings: jax.Array | None,
+    start: jax.Array,
+    positions: jax.Array,
+) -> tuple[jax.Array, jax.Array | None]:
+    """Smooth the next chunk of a prompt ([B, T, C], positions [B, T], -1 = padding) that
+    continues rows already holding `start` [B] tokens: the filter runs over the ring's
+    last max_window raw inputs followed by the chunk, so every window reaches back across
+    the chunk boundary exactly as in one prefill over the whole prompt. Returns the chunk
+    smoothed (float: a W8A8 `linear` quantizes it per token itself) and the rings with
+    layer `layer` holding the row's last max_window inputs.
+    """
+    if gsm is None:
+        return x, rings
+    from gsm_jax.smoothing import ring_from_prefill, smooth_prefill
+
+    window, strength = gsm.row_args(layer, site)
+    ring = rings[layer]  # [B, W, C]: position q at slot q % W
+    b, w = ring.shape[:2]
+    hist_pos = start[:, None] - w + jnp.arange(w)[None, :]
+    hist = ring[jnp.arange(b)[:, None], jnp.mod(hist_pos, w)].astype(x.dtype)
+    xs = jnp.concatenate([hist, x], axis=1)
+    ps = jnp.concatenate([jnp.where(hist_pos >= 0, hist_pos, -1), positions], axis=1)
+    with jax.named_scope(f"gsm_{SITES[site]}"):
+        y = smooth_prefill(xs, ps, window, strength, gsm.protect_first,
+                           max_window=gsm.max_window, precision=gsm.precision, impl=gsm.impl)
+        new_ring = ring_from_prefill(xs, ps, w)
+    return y[:, w:], rings.at[layer].set(new_ring.astype(rings.dtype))

@@ -40,6 +40,7 @@ from gsm_jax.models.gsm_sites import (
     FFN_MID,
     GSMInputs,
     smooth_site_decode,
+    smooth_site_extend,
     smooth_site_prefill,
 )
 from gsm_jax.models.linear import linear
@@ -313,6 +314,22 @@ class DecoderLayer(nn.Module):
         return x, None if rings is None else (ring_attn, ring_ffn)
 
 
+    def extend_rest(self, x, q, k_cache, v_cache, mask, layer, gsm, rings, start, positions):
+        """A prompt chunk's attention over the layer's cache (which already holds the
+        chunk), then the MLP; both GSM sites continue from the row's rings."""
+        with jax.named_scope("attention"):
+            attn = attention(q, jnp.swapaxes(k_cache, 1, 2), jnp.swapaxes(v_cache, 1, 2), mask)
+        ring_attn, ring_ffn = rings if rings is not None else (None, None)
+        # GSM site attn_out, then ffn_mid (as in prefill)
+        attn, ring_attn = smooth_site_extend(gsm, layer, ATTN_OUT, attn, ring_attn, start,
+                                             positions)
+        x = x + linear(attn, self.o)
+        mid, ring_ffn = smooth_site_extend(gsm, layer, FFN_MID, self._mlp_in(x), ring_ffn,
+                                           start, positions)
+        x = x + linear(mid, self.down)
+        return x, None if rings is None else (ring_attn, ring_ffn)
+
+
 class Llama(nn.Module):
     """Embedding + stacked decoder layers + final norm + LM head (for `init` only).
 
@@ -524,6 +541,42 @@ def decode_step(weights: dict, cfg: LlamaConfig, tokens: jax.Array, cache: KVCac
         k=k_all, v=v_all, lengths=cache.lengths + active.astype(jnp.int32), rings=new_rings
     )
     return logits, new_cache
+
+
+def extend(weights: dict, cfg: LlamaConfig, tokens: jax.Array, n_new: jax.Array,
+           cache: KVCache, gsm: GSMInputs | None = None) -> tuple[jax.Array, KVCache]:
+    """Append a chunk of prompt tokens [B, C] (the first `n_new` [B] of each row real) to
+    rows already holding `cache.lengths` tokens: chunked prefill. Returns the logits of
+    each row's last new token [B, V] and the cache; the same as one prefill over the
+    whole prompt (tested), GSM windows included."""
+    b, c = tokens.shape
+    steps = jnp.arange(c)
+    valid = steps[None, :] < n_new[:, None]
+    start = cache.lengths
+    positions = jnp.where(valid, start[:, None] + steps[None, :], -1)  # [B, C]
+    write = jnp.where(valid, positions, cache.max_len)  # padding: out of range, dropped
+    batch = jnp.arange(b)[:, None]
+    mask = (jnp.arange(cache.max_len)[None, None, :] <= positions[:, :, None]) & valid[..., None]
+    x = _embed(weights, tokens)
+    rings = cache.rings if gsm is not None else None
+    k_all, v_all = list(cache.k), list(cache.v)
+    per_layer = (_per_layer_weights(weights, cfg) if is_per_layer(weights) else
+                 [jax.tree.map(lambda a, i=i: a[i], weights["layers"])
+                  for i in range(cfg.num_layers)])
+    for layer, layer_weights in enumerate(per_layer):
+        with jax.named_scope("layer"):
+            q, k, v = _layer_apply(cfg, layer_weights, "decode_qkv", x,
+                                   jnp.maximum(positions, 0))
+            k_all[layer] = k_all[layer].at[batch, :, write].set(
+                k.astype(k_all[layer].dtype), mode="drop")
+            v_all[layer] = v_all[layer].at[batch, :, write].set(
+                v.astype(v_all[layer].dtype), mode="drop")
+            x, rings = _layer_apply(cfg, layer_weights, "extend_rest", x, q, k_all[layer],
+                                    v_all[layer], mask, layer, gsm, rings, start, positions)
+    last = jnp.take_along_axis(x, jnp.maximum(n_new - 1, 0)[:, None, None], axis=1)[:, 0]
+    new_rings = constrain_rings(rings) if gsm is not None else cache.rings
+    return _logits(weights, cfg, last), KVCache(
+        k=tuple(k_all), v=tuple(v_all), lengths=start + n_new.astype(jnp.int32), rings=new_rings)
 
 
 def weights_from_hf(cfg: LlamaConfig, tensors: dict[str, Any], dtype: Any = jnp.float32) -> dict:

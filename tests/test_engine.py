@@ -11,8 +11,8 @@ import gsm_jax
 from gsm_jax.errors import GSMConfigError, InvalidInputError
 from gsm_jax.models import llama
 from gsm_jax.params import ModelParams
-from gsm_jax.workflow import engine as engine_mod
-from gsm_jax.workflow.engine import Engine, Request
+from gsm_jax.serving import engine as engine_mod
+from gsm_jax.serving.engine import Engine, Request
 
 MAX_LEN = 48
 
@@ -137,3 +137,93 @@ def test_bad_input(tiny):
         Engine({"embed": 1})
     with pytest.raises(InvalidInputError, match="max_len"):
         Engine(tiny, max_len=10_000)
+
+
+@pytest.mark.parametrize("gsm", [None, GSM.replace(short_request_tokens=0),
+                                 GSM.replace(short_request_tokens=0, window_size="adaptive")],
+                         ids=["no_gsm", "gsm", "gsm_adaptive"])
+def test_chunked_prefill_equals_generate_alone(tiny, gsm):
+    """Prompts longer than prefill_chunk go in chunks (the family's `extend`), one per
+    step while the other slot decodes; tokens equal one-shot generation, GSM included
+    (its windows reach back across the chunk boundaries through the ring)."""
+    rng = np.random.default_rng(1)
+    reqs = [Request(rng.integers(4, 64, size=n).tolist(), m, request_id=f"c{i}")
+            for i, (n, m) in enumerate([(5, 12), (40, 6), (70, 9), (17, 5)])]
+    eng = Engine(tiny, max_batch=2, max_len=96, gsm=gsm, eos_ids=[], prefill_chunk=16)
+    recs = eng.run(reqs, arrival_times=[0.0, 0.0, 0.01, 0.02])
+    for req, rec in zip(reqs, recs, strict=True):
+        ref = gsm_jax.generate_tokens(tiny, [req.prompt], max_new_tokens=req.max_new_tokens,
+                                      eos_ids=[], gsm=gsm, request_ids=[req.request_id])[0]
+        np.testing.assert_array_equal(np.asarray(rec.tokens), ref, err_msg=str(rec.request_id))
+    kinds = [k for k, _, _ in eng.step_times]
+    assert kinds.count("extend") == 2 + 4 + 1  # 40 -> 16+16+8, 70 -> 16*4+6, 17 -> 16+1
+    # a decode step ran between the chunks of the 70-token prompt (the other slot went on)
+    first = kinds.index("extend")
+    assert "decode" in kinds[first: first + 4]
+
+
+def test_abort_frees_slot_and_queue(tiny):
+    eng = Engine(tiny, max_batch=1, max_len=MAX_LEN, eos_ids=[])
+    a = eng.submit(Request([5, 6, 7], 30, request_id="a"))
+    b = eng.submit(Request([8, 9], 4, request_id="b"))
+    c = eng.submit(Request([8, 9], 4, request_id="c"))
+    eng.step()
+    assert a.slot == 0 and a.n_tokens == 2 and eng.num_waiting == 2
+    assert eng.abort(a, "abort") and a.finish_reason == "abort"
+    assert eng.abort(c, "abort") and c.admitted != c.admitted  # never admitted (NaN)
+    assert not eng.abort(a)  # already finished
+    assert eng.num_active == 0 and eng.num_waiting == 1
+    while eng.has_work:
+        eng.step()
+    assert a.n_tokens == 2 and b.finish_reason == "length" and b.n_tokens == 4
+    assert c.n_tokens == 0
+
+
+def test_seeded_sampling_does_not_depend_on_schedule(tiny):
+    """A request's k-th token draws from fold_in(key(seed), k): alone or beside others,
+    with top-k / top-p or not, a seeded request gets the same tokens."""
+    req = Request([5, 6, 7, 8], 10, temperature=1.0, top_k=8, top_p=0.9, seed=1234)
+    alone = Engine(tiny, max_batch=2, max_len=MAX_LEN, eos_ids=[]).run([req])[0].tokens
+    others = [Request([9, 10], 12, temperature=0.7, seed=s) for s in (1, 2)]
+    eng = Engine(tiny, max_batch=3, max_len=MAX_LEN, eos_ids=[])
+    mixed = eng.run([others[0], req, others[1]], arrival_times=[0.0, 0.02, 0.0])
+    assert mixed[1].tokens == alone
+    other_seed = Engine(tiny, max_batch=2, max_len=MAX_LEN, eos_ids=[]).run(
+        [Request([5, 6, 7, 8], 10, temperature=1.0, top_k=8, top_p=0.9, seed=99)])[0]
+    assert other_seed.tokens != alone
+
+
+def test_per_request_configs_share_a_batch(tiny, requests):
+    """Requests smoothed by different configs (and unsmoothed ones) decode in one batch;
+    each gets what it gets alone under its own config, without recompiling."""
+    a = GSM.replace(short_request_tokens=0)
+    b = a.replace(smooth_strength=0.1, window_size=6, target_layers=[0])
+    eng = Engine(tiny, max_batch=3, max_len=MAX_LEN, gsm=a, eos_ids=[])
+    eng.warmup([16])
+    before = engine_mod.compile_counts()
+    picks = [a, b, None, b, a, None]
+    reqs = [Request(r.prompt, r.max_new_tokens, request_id=r.request_id, gsm=g)
+            for r, g in zip(requests, picks, strict=True)]
+    recs = eng.run(reqs)
+    assert engine_mod.compile_counts() == before
+    for req, rec, g in zip(requests, recs, picks, strict=True):
+        ref = gsm_jax.generate_tokens(tiny, [req.prompt], max_new_tokens=req.max_new_tokens,
+                                      eos_ids=[], gsm=g, request_ids=[req.request_id])[0]
+        np.testing.assert_array_equal(np.asarray(rec.tokens), ref, err_msg=str(req.request_id))
+        assert rec.gsm == (g is not None)
+
+
+def test_protect_first_change_waits_for_smoothed_rows(tiny):
+    """protect_first is one value per batch: a request whose config changes it is admitted
+    once the smoothed rows of the old value are done (unsmoothed ones do not hold it)."""
+    a = GSM.replace(short_request_tokens=0, protect_first=1)
+    b = a.replace(protect_first=3)
+    eng = Engine(tiny, max_batch=3, max_len=MAX_LEN, gsm=a, eos_ids=[])
+    first = eng.submit(Request([5, 6, 7], 6, gsm=a))
+    eng.submit(Request([5, 6, 7], 20, gsm=None))
+    second = eng.submit(Request([5, 6, 7], 3, gsm=b))
+    while eng.has_work:
+        eng.step()
+    assert second.admitted >= first.finish
+    with pytest.raises(GSMConfigError, match="max_window"):
+        eng.submit(Request([5], 2, gsm=a.replace(max_window=32)))

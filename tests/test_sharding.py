@@ -389,7 +389,7 @@ def test_engine_runs_on_a_mesh():
     res = run_on_8_devices(_COMPARE + """
 import dataclasses
 from gsm_jax.models import deepseek_v4 as dv
-from gsm_jax.workflow.engine import Engine, Request
+from gsm_jax.serving.engine import Engine, Request
 from tiny_models import tiny_dsv4
 cfg = dataclasses.replace(tiny_dsv4().config, vocab_size=128, n_routed_experts=8, o_groups=4)
 params = gsm_jax.ModelParams(dv.init_weights(cfg, jax.random.key(0)), cfg)

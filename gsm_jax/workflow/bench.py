@@ -11,7 +11,7 @@ What runs. One request set (fixed seed): short requests (prompt 16-64 tokens,
 16 new) and long ones (prompt 256-512, 128 new), a quarter long by default,
 each prompt a slice of WikiText-2 (`../shared/data/wikitext2_test.txt`), or
 random token ids with `data="random"`. It goes through the continuous-batching
-engine (`gsm_jax.workflow.engine`) under two loads:
+engine (`gsm_jax.serving.engine`) under two loads:
 
 - closed loop: `clients` clients, each sending its next request the moment its
   previous one completes;
@@ -61,7 +61,7 @@ import numpy as np
 
 from gsm_jax.errors import InvalidInputError
 from gsm_jax.generation import MIN_PROMPT_BUCKET, bucket
-from gsm_jax.workflow.engine import Engine, Request, RequestRecord
+from gsm_jax.serving.engine import Engine, Request, RequestRecord
 
 __all__ = [
     "BenchResult",

@@ -1,0 +1,882 @@
+"""Continuous batching over fixed slots: requests join and leave between decode steps.
+
+The engine owns `max_batch` slots and one running KV cache
+(`family.init_cache(cfg, max_batch, max_len)`), and three compiled functions with
+fixed shapes, JetStream's split:
+
+- **prefill** a prompt into a fresh one-row cache (prompt padded to a power of two
+  >= 16, the buckets of `gsm_jax.generate_tokens`, so compilations stay bounded).
+  A prompt longer than `prefill_chunk` is prefilled in chunks: the first chunk by
+  the prefill, each further chunk by the family's `extend` (attention over the
+  row's cache so far, GSM continuing from the row's ring), one chunk per engine
+  step, so a long prompt delays the running decodes by one chunk at a time,
+  not by its whole prefill;
+- **insert** the finished row into a free slot of the running cache
+  (`family.cache_insert`, running cache donated); the prefill's logits give the
+  request's first token (its time to first token);
+- **generate**: one `decode_step` over all slots (cache donated; free slots are
+  inactive rows), one token per active slot handed to the host.
+
+A request finishes at EOS (kept in its output, like `generate_tokens`), at its
+`max_new_tokens`, or when the caller aborts it (`abort`: a client that went away,
+a stop string matched); its slot is free for the next step's admissions.
+Scheduling: first come first served; each step admits what fits (or advances one
+chunk of a long prompt), then decodes.
+
+GSM per request. With GSM compiled in (`gsm=` given, or `compile_gsm=True`), every
+slot carries its own strengths [layers, sites] and window (runtime arrays), so
+requests smoothed by different config versions share a batch, and a request keeps
+the config it was admitted with until it finishes. A request's `gsm` is `DEFAULT`
+(the engine's config, with its `short_request_tokens` bypass and `rollout_fraction`
+by request id), `None` (not smoothed) or a `GSMConfig` (smoothed by it). Nothing
+numeric is compiled in: changing configs never recompiles. Static are
+`max_window`, `precision` and the kernel choice (a config that differs there is
+refused), and `protect_first` is one value for the whole batch: a request whose
+config changes it waits until the smoothed rows of the previous value finish.
+`set_gsm(None)` runs the same compiled code with zero strength ("GSM zero"). An
+engine built without GSM has no GSM code and no ring buffers at all: the honest
+"GSM off" baseline the benchmarks use.
+
+Sampling per request: temperature, top-k, top-p and a seed; a request's k-th
+token draws from key `fold_in(key(seed), k)`, so a seeded sampled output does not
+depend on the schedule. Greedy outputs equal `gsm_jax.generate_tokens` run on each
+request alone (tested).
+
+Per request the engine records: arrival (given by the caller), admission (prefill
+start), the time of every output token (right after it reached the host) and the
+finish. `on_token(record, token)` and `on_finish(record)` callbacks (called from
+the thread that steps the engine) let a server stream them.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from gsm_jax.errors import GSMConfigError, InvalidInputError
+from gsm_jax.families import family_module
+from gsm_jax.generation import MIN_PROMPT_BUCKET, _on_mesh, bucket, sample_tokens
+from gsm_jax.models.gsm_sites import GSMInputs
+from gsm_jax.params import ModelParams
+from gsm_jax.sharding import mesh_of
+
+__all__ = ["DEFAULT", "Engine", "Request", "RequestRecord"]
+
+clock = time.perf_counter
+
+
+class _EngineDefault:
+    def __repr__(self) -> str:
+        return "DEFAULT"
+
+
+DEFAULT: Any = _EngineDefault()  # a request's gsm: the engine's config and rules
+
+
+# ----------------------------------------------------------------------------- requests
+
+
+@dataclass
+class Request:
+    """One generation request: token ids in, up to `max_new_tokens` token ids out."""
+
+    prompt: Sequence[int] | np.ndarray
+    max_new_tokens: int
+    request_id: Any = None  # used for GSM rollout; default: the engine's submission counter
+    temperature: float = 0.0
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0  # 1: off
+    seed: int | None = None  # None: derived from the engine's seed and submission counter
+    tag: str = ""  # free label carried into the record (the benchmark uses "short"/"long")
+    gsm: Any = DEFAULT  # DEFAULT | None (not smoothed) | a GSMConfig smoothing this request
+
+
+@dataclass
+class RequestRecord:
+    """What happened to one request; times are `time.perf_counter()` seconds."""
+
+    index: int
+    request_id: Any
+    tag: str
+    prompt_len: int
+    max_new_tokens: int
+    arrival: float
+    gsm: bool = False  # was this request's row smoothed
+    slot: int = -1
+    admitted: float = math.nan
+    first_token: float = math.nan
+    finish: float = math.nan
+    finish_reason: str = ""  # "eos" | "length" | what `abort` was given ("abort", "stop")
+    tokens: list[int] = field(default_factory=list)
+    token_times: list[float] = field(default_factory=list)
+    meta: dict[str, Any] = field(default_factory=dict)  # the caller's (a server's) fields
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def done(self) -> bool:
+        return bool(self.finish_reason)
+
+    @property
+    def e2e(self) -> float:
+        """End-to-end latency: arrival to last token."""
+        return self.finish - self.arrival
+
+    @property
+    def ttft(self) -> float:
+        """Time to first token, from arrival (so it includes queueing and prefill)."""
+        return self.first_token - self.arrival
+
+    @property
+    def tpot(self) -> float:
+        """Time per output token after the first: (finish - first token) / (n - 1)."""
+        if self.n_tokens < 2:
+            return math.nan
+        return (self.finish - self.first_token) / (self.n_tokens - 1)
+
+    @property
+    def queue(self) -> float:
+        """Waiting time before the prefill started."""
+        return self.admitted - self.arrival
+
+    def to_dict(self, t0: float = 0.0, *, with_tokens: bool = True) -> dict[str, Any]:
+        """JSON-ready; absolute times become seconds since `t0`."""
+
+        def rel(t: float) -> float | None:
+            return None if math.isnan(t) else round(t - t0, 6)
+
+        def num(v: float) -> float | None:
+            return None if math.isnan(v) else round(v, 6)
+
+        out = {
+            "index": self.index, "request_id": self.request_id, "tag": self.tag,
+            "prompt_len": self.prompt_len, "max_new_tokens": self.max_new_tokens,
+            "n_tokens": self.n_tokens, "gsm": self.gsm, "slot": self.slot,
+            "finish_reason": self.finish_reason,
+            "arrival": rel(self.arrival), "admitted": rel(self.admitted),
+            "first_token": rel(self.first_token), "finish": rel(self.finish),
+            "e2e_s": num(self.e2e), "ttft_s": num(self.ttft), "tpot_s": num(self.tpot),
+            "queue_s": num(self.queue),
+            "token_times": [rel(t) for t in self.token_times],
+        }
+        if with_tokens:
+            out["tokens"] = [int(t) for t in self.tokens]
+        return out
+
+
+# ----------------------------------------------------------------------------- jitted steps
+
+
+def _pick(logits, temperature, top_k, top_p, seeds, counts, *, sample: bool, filtered: bool):
+    """Next token per row: greedy, or sampled from key fold_in(key(seed), count) per row."""
+    if not sample:  # greedy: the same argmax generate_tokens takes at temperature 0
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def one(row_logits, seed, count, t, k, p):
+        key = jax.random.fold_in(jax.random.key(seed), count)
+        return sample_tokens(row_logits[None], key, t[None], k[None], p[None],
+                             filtered=filtered)[0]
+
+    return jax.vmap(one)(logits, seeds, counts, temperature, top_k, top_p)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "max_len", "sample", "filtered"))
+def _prefill(weights, tokens, lengths, gsm, sampling, *, config, max_len: int, sample: bool,
+             filtered: bool):
+    """Prefill `tokens` [1, T] into a fresh one-row cache of `max_len` slots."""
+    family = family_module(config.family)
+    rows = family.init_cache(
+        config, tokens.shape[0], max_len, dtype=jax.tree.leaves(weights)[0].dtype,
+        gsm_max_window=None if gsm is None else gsm.max_window,
+    )
+    logits, rows = family.prefill(weights, config, tokens, lengths, rows, gsm)
+    return _pick(logits, *sampling, sample=sample, filtered=filtered), rows
+
+
+@functools.partial(jax.jit, static_argnames=("config", "sample", "filtered"),
+                   donate_argnames=("rows",))
+def _extend(weights, tokens, n_new, rows, gsm, sampling, *, config, sample: bool,
+            filtered: bool):
+    """Append the next chunk `tokens` [1, C] (n_new real) of a prompt to its one-row cache."""
+    logits, rows = family_module(config.family).extend(weights, config, tokens, n_new, rows, gsm)
+    return _pick(logits, *sampling, sample=sample, filtered=filtered), rows
+
+
+@functools.partial(jax.jit, donate_argnames=("cache",), static_argnames=("config",))
+def _insert(cache, rows, slots, *, config):
+    """Copy the one-row cache `rows` into the running cache at `slots`."""
+    return family_module(config.family).cache_insert(cache, rows, slots)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "max_len", "sample", "filtered"),
+                   donate_argnames=("cache",))
+def _prefill_insert(weights, tokens, lengths, cache, slots, gsm, sampling, *, config,
+                    max_len: int, sample: bool, filtered: bool):
+    """Prefill and insert in one call: a prompt that fits one chunk."""
+    family = family_module(config.family)
+    rows = family.init_cache(
+        config, tokens.shape[0], max_len, dtype=jax.tree.leaves(weights)[0].dtype,
+        gsm_max_window=None if gsm is None else gsm.max_window,
+    )
+    logits, rows = family.prefill(weights, config, tokens, lengths, rows, gsm)
+    cache = family.cache_insert(cache, rows, slots)
+    return _pick(logits, *sampling, sample=sample, filtered=filtered), cache
+
+
+@functools.partial(jax.jit, static_argnames=("config", "sample", "filtered"),
+                   donate_argnames=("cache",))
+def _decode(weights, tokens, cache, gsm, active, sampling, *, config, sample: bool,
+            filtered: bool):
+    """One decode step over every slot; returns the next token per slot and the cache."""
+    logits, cache = family_module(config.family).decode_step(
+        weights, config, tokens, cache, gsm, active
+    )
+    return _pick(logits, *sampling, sample=sample, filtered=filtered), cache
+
+
+COMPILED = {"prefill": _prefill, "extend": _extend, "insert": _insert,
+            "prefill_insert": _prefill_insert, "decode": _decode}
+
+
+def compile_counts() -> dict[str, int]:
+    """How many programs each compiled function holds (process-wide): a config change
+    that recompiled would show up here."""
+    return {name: fn._cache_size() for name, fn in COMPILED.items()}
+
+
+# ----------------------------------------------------------------------------- engine
+
+
+@dataclass
+class _Sampling:
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+
+    @property
+    def sample(self) -> bool:
+        return self.temperature > 0
+
+    @property
+    def filtered(self) -> bool:
+        return self.sample and (self.top_k > 0 or self.top_p < 1.0)
+
+
+@dataclass
+class _Waiting:
+    record: RequestRecord
+    prompt: np.ndarray
+    sampling: _Sampling
+    gsm: Any  # DEFAULT | None | GSMConfig
+
+
+@dataclass
+class _Prefilling:
+    """A long prompt between its chunks: its one-row cache and how far it got."""
+
+    item: _Waiting
+    slot: int
+    cfg: Any  # the GSMConfig smoothing it, or None
+    rows: Any
+    done: int  # prompt tokens already in `rows`
+
+
+class Engine:
+    """Continuous batching over `max_batch` slots of a `max_len`-token KV cache.
+
+    `params`: a `ModelParams` (what `gsm_jax.load` returns). `gsm`: a GSMConfig,
+    dict, config path or ConfigWatcher (its current config) to compile GSM in
+    and use it by default; `compile_gsm=True` with `gsm=None` compiles GSM in at
+    zero strength. `eos_ids`: default the tokenizer's (or the config's); pass `()`
+    to ignore EOS. `prefill_chunk`: longest prompt prefilled in one step (a power
+    of two >= 16; longer prompts go in chunks of it; None: never chunk). Use
+    `submit` + `step` to drive it yourself, or `run`.
+    """
+
+    def __init__(self, params: ModelParams, *, max_batch: int = 8, max_len: int = 1024,
+                 gsm: Any = None, compile_gsm: bool = False,
+                 eos_ids: Sequence[int] | None = None, seed: int = 0,
+                 prefill_chunk: int | None = 512) -> None:
+        if not isinstance(params, ModelParams):
+            raise InvalidInputError(
+                f"params must be what gsm_jax.load returns (ModelParams), got "
+                f"{type(params).__name__}"
+            )
+        if int(max_batch) < 1:
+            raise InvalidInputError(f"max_batch must be >= 1, got {max_batch!r}")
+        self.params = params
+        self._mesh = mesh_of(params.weights)  # sharded params: the mesh, for expert parallelism
+        self.config = params.config
+        self.family = family_module(self.config.family)
+        if not hasattr(self.family, "cache_insert"):
+            raise InvalidInputError(
+                f"model family {self.config.family!r} has no cache_insert: it cannot join a "
+                "running batch"
+            )
+        context = self.config.max_position_embeddings
+        if not 1 <= int(max_len) <= context:
+            raise InvalidInputError(f"max_len must be in [1, {context}] (the model's context), "
+                                    f"got {max_len!r}")
+        self.max_batch = int(max_batch)
+        self.max_len = int(max_len)
+        if prefill_chunk is not None:
+            chunk = int(prefill_chunk)
+            if chunk < MIN_PROMPT_BUCKET or chunk & (chunk - 1):
+                raise InvalidInputError(f"prefill_chunk must be a power of two >= "
+                                        f"{MIN_PROMPT_BUCKET}, got {prefill_chunk!r}")
+            if not hasattr(self.family, "extend"):
+                chunk = None  # this family prefills whole prompts only
+            prefill_chunk = chunk
+        self.prefill_chunk = prefill_chunk
+        if eos_ids is None:
+            tok = params.tokenizer
+            eos_ids = tok.eos_ids if tok is not None else self.config.eos_token_ids
+        self.eos_ids = frozenset(int(e) for e in eos_ids)
+        self._seed = int(seed)
+        self._submitted = 0
+        # (kind, size, seconds) of every jitted call, host sync included: ("prefill",
+        # prompt bucket, s), ("extend", chunk, s) and ("decode", active slots, s).
+        # `run` starts a fresh list.
+        self.step_times: list[tuple[str, int, float]] = []
+        self.on_token: Callable[[RequestRecord, int], None] | None = None
+        self.on_finish: Callable[[RequestRecord], None] | None = None
+        self.gsm_compiled = gsm is not None or bool(compile_gsm)
+        self._gsm_cfg = None
+        self._gsm_static: tuple[int, str, str] | None = None
+        self._row_params_cache: dict[Any, tuple[np.ndarray, int]] = {}
+        self._protect = 0  # the batch's protect_first
+        self._cache = None
+        self.slots: list[RequestRecord | None] = [None] * self.max_batch
+        self.waiting: deque[_Waiting] = deque()
+        self._prefilling: _Prefilling | None = None
+        b, n_layers = self.max_batch, self.config.num_layers
+        self._last = np.zeros((b,), np.int32)
+        self._rows = np.zeros((b,), np.float32)
+        self._strength = np.zeros((b, n_layers, 2), np.float32)
+        self._window = np.zeros((b,), np.int32)
+        self._temps = np.zeros((b,), np.float32)
+        self._top_k = np.zeros((b,), np.int32)
+        self._top_p = np.ones((b,), np.float32)
+        self._seeds = np.zeros((b,), np.int32)
+        self._filtered = np.zeros((b,), bool)
+        if self.gsm_compiled:
+            self.set_gsm(gsm)
+        else:
+            self._new_cache()
+
+    # ------------------------------------------------------------------ configuration
+
+    @property
+    def gsm(self) -> Any:
+        """The default GSMConfig (None: no GSM compiled in, or zero strength)."""
+        return self._gsm_cfg
+
+    @property
+    def mode(self) -> str:
+        """"off" (no GSM compiled in), "zero" (compiled in, zero strength) or "on"."""
+        if not self.gsm_compiled:
+            return "off"
+        return "on" if self._gsm_cfg is not None else "zero"
+
+    @property
+    def gsm_static(self) -> tuple[int, str, str] | None:
+        """(max_window, precision, kernel impl) compiled in, or None without GSM."""
+        return self._gsm_static
+
+    def _static_of(self, cfg: Any) -> tuple[int, str, str]:
+        from gsm_jax.gsm_runtime import resolved_kernel_impl, resolved_precision
+
+        return (cfg.max_window, resolved_precision(cfg.precision), resolved_kernel_impl())
+
+    def check_gsm(self, gsm: Any) -> Any:
+        """The GSMConfig `gsm` names, if this engine can run it without recompiling;
+        otherwise a GSMConfigError that says which compiled value it changes."""
+        from gsm_jax.config import resolve_mask
+        from gsm_jax.gsm_runtime import as_gsm_config
+
+        if not self.gsm_compiled:
+            raise GSMConfigError("this engine was built without GSM; build it with gsm=... or "
+                                 "compile_gsm=True to run GSM configs")
+        cfg = as_gsm_config(gsm)
+        resolve_mask(cfg, self.config.num_layers)  # layers / profile must fit this model
+        static = self._static_of(cfg)
+        if self._gsm_static is not None and static[:2] != self._gsm_static[:2]:
+            raise GSMConfigError(
+                f"max_window={static[0]}, precision={static[1]!r} differ from the compiled "
+                f"max_window={self._gsm_static[0]}, precision={self._gsm_static[1]!r}: they "
+                "are static (ring buffer size, arithmetic); restart with the new values"
+            )
+        return cfg
+
+    def set_gsm(self, gsm: Any) -> None:
+        """Set the default config of requests submitted with `gsm=DEFAULT` (requests
+        already admitted keep theirs). `None` = zero strength, same compiled code. On a
+        running engine a config must keep the compiled `max_window` and `precision`."""
+        if not self.gsm_compiled:
+            if gsm is None:
+                return
+            raise GSMConfigError("this engine was built without GSM; build it with gsm=... or "
+                                 "compile_gsm=True to switch GSM configs")
+        if gsm is None:
+            cfg = None
+            if self._gsm_static is None:
+                from gsm_jax.config import GSMConfig
+
+                static = self._static_of(GSMConfig())
+            else:
+                static = self._gsm_static
+        else:
+            if self.has_work:
+                cfg = self.check_gsm(gsm)
+            else:
+                from gsm_jax.config import resolve_mask
+                from gsm_jax.gsm_runtime import as_gsm_config
+
+                cfg = as_gsm_config(gsm)
+                resolve_mask(cfg, self.config.num_layers)
+            static = self._static_of(cfg)
+        self._gsm_cfg = cfg
+        if static != self._gsm_static or self._cache is None:
+            self._gsm_static = static
+            self._new_cache()
+
+    def _new_cache(self) -> None:
+        window = self._gsm_static[0] if self.gsm_compiled else None
+        self._cache = self.family.init_cache(
+            self.config, self.max_batch, self.max_len, dtype=self.params.dtype,
+            gsm_max_window=window,
+        )
+
+    def _row_params(self, cfg: Any) -> tuple[np.ndarray, int]:
+        """(strength [layers, 2], window) of one smoothed row under `cfg`."""
+        hit = self._row_params_cache.get(cfg)
+        if hit is None:
+            from gsm_jax.config import resolve_mask
+
+            mask = resolve_mask(cfg, self.config.num_layers)
+            strength = np.where(mask & cfg.enable, cfg.smooth_strength, 0.0).astype(np.float32)
+            window = 0 if cfg.window_size == "adaptive" else int(cfg.window_size)
+            if len(self._row_params_cache) > 64:
+                self._row_params_cache.clear()
+            hit = self._row_params_cache[cfg] = (strength, window)
+        return hit
+
+    def _gsm_inputs(self, rows: np.ndarray, strength: np.ndarray,
+                    window: np.ndarray) -> GSMInputs | None:
+        if not self.gsm_compiled:
+            return None
+        max_window, precision, impl = self._gsm_static
+        return GSMInputs(strength=jnp.asarray(strength), row_enabled=jnp.asarray(rows),
+                         window=jnp.asarray(window, jnp.int32),
+                         protect_first=jnp.asarray(self._protect, jnp.int32),
+                         max_window=max_window, precision=precision, impl=impl)
+
+    def _resolve_gsm(self, item: _Waiting) -> Any:
+        """The GSMConfig smoothing this request (None: not smoothed)."""
+        if not self.gsm_compiled:
+            return None
+        if item.gsm is DEFAULT:
+            cfg = self._gsm_cfg
+            if cfg is None:
+                return None
+            from gsm_jax.config import row_enabled
+
+            rec = item.record
+            ok = row_enabled(cfg, [rec.request_id], [rec.prompt_len + rec.max_new_tokens])[0]
+            return cfg if ok else None
+        if item.gsm is None or not item.gsm.enable:
+            return None
+        return item.gsm
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def num_active(self) -> int:
+        return sum(s is not None for s in self.slots)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests not yet decoding: queued, or between the chunks of their prefill."""
+        return len(self.waiting) + (self._prefilling is not None)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting) or self.num_active > 0 or self._prefilling is not None
+
+    @property
+    def kv_tokens(self) -> int:
+        """Cache slots holding tokens of running requests (prompt + generated so far)."""
+        used = sum(r.prompt_len + r.n_tokens for r in self.slots if r is not None)
+        if self._prefilling is not None:
+            used += self._prefilling.done
+        return used
+
+    @property
+    def kv_usage(self) -> float:
+        """kv_tokens / (max_batch * max_len)."""
+        return self.kv_tokens / float(self.max_batch * self.max_len)
+
+    # ------------------------------------------------------------------ requests
+
+    def _check(self, req: Request) -> np.ndarray:
+        prompt = np.asarray(req.prompt)
+        if prompt.ndim != 1 or prompt.size == 0:
+            raise InvalidInputError("a request's prompt must be a non-empty flat list of ids")
+        if not np.issubdtype(prompt.dtype, np.integer):
+            raise InvalidInputError(f"a request's prompt holds non-integer ids ({prompt.dtype})")
+        if prompt.min() < 0 or prompt.max() >= self.config.vocab_size:
+            raise InvalidInputError(
+                f"a request's prompt has ids outside the vocabulary [0, {self.config.vocab_size})"
+            )
+        n_new = req.max_new_tokens
+        if isinstance(n_new, bool) or not isinstance(n_new, int | np.integer) or n_new < 1:
+            raise InvalidInputError(f"max_new_tokens must be an integer >= 1, got {n_new!r}")
+        if prompt.size + n_new > self.max_len:
+            raise InvalidInputError(
+                f"a request of {prompt.size} prompt + {n_new} new tokens does not fit the "
+                f"engine's max_len={self.max_len}"
+            )
+        if req.temperature is None or not req.temperature >= 0:
+            raise InvalidInputError(f"temperature must be >= 0, got {req.temperature!r}")
+        if isinstance(req.top_k, bool) or not isinstance(req.top_k, int | np.integer) \
+                or req.top_k < 0:
+            raise InvalidInputError(f"top_k must be an integer >= 0 (0 = off), got {req.top_k!r}")
+        if req.top_p is None or not 0.0 < req.top_p <= 1.0:
+            raise InvalidInputError(f"top_p must be in (0, 1], got {req.top_p!r}")
+        if req.seed is not None and (isinstance(req.seed, bool)
+                                     or not isinstance(req.seed, int | np.integer)):
+            raise InvalidInputError(f"seed must be an integer or None, got {req.seed!r}")
+        if req.gsm is not DEFAULT and req.gsm is not None:
+            self.check_gsm(req.gsm)
+        return prompt.astype(np.int32)
+
+    def submit(self, request: Request, arrival: float | None = None,
+               index: int | None = None) -> RequestRecord:
+        """Queue a request (arrived at `arrival`, default now); it joins at the next step."""
+        prompt = self._check(request)
+        rid = request.request_id if request.request_id is not None else self._submitted
+        record = RequestRecord(
+            index=self._submitted if index is None else index, request_id=rid, tag=request.tag,
+            prompt_len=int(prompt.size), max_new_tokens=int(request.max_new_tokens),
+            arrival=clock() if arrival is None else float(arrival),
+        )
+        seed = request.seed if request.seed is not None else self._seed * 1_000_003 + \
+            self._submitted
+        sampling = _Sampling(float(request.temperature), int(request.top_k),
+                             float(request.top_p), int(seed) & 0x7FFFFFFF)
+        gsm = request.gsm
+        if gsm is not DEFAULT and gsm is not None:
+            gsm = self.check_gsm(gsm)
+        self._submitted += 1
+        self.waiting.append(_Waiting(record, prompt, sampling, gsm))
+        return record
+
+    def abort(self, record: RequestRecord, reason: str = "abort") -> bool:
+        """End a request now (queued, prefilling or decoding) with `finish_reason=reason`;
+        its slot is free for the next step. False if it had already finished."""
+        if record.done:
+            return False
+        for item in self.waiting:
+            if item.record is record:
+                self.waiting.remove(item)
+                break
+        else:
+            if self._prefilling is not None and self._prefilling.item.record is record:
+                self._prefilling = None
+            elif 0 <= record.slot < self.max_batch and self.slots[record.slot] is record:
+                self._free(record.slot)
+        self._finish(record, reason, clock())
+        return True
+
+    # ------------------------------------------------------------------ stepping
+
+    def _finish(self, rec: RequestRecord, reason: str, t: float) -> None:
+        rec.finish, rec.finish_reason = t, reason
+        if self.on_finish is not None:
+            self.on_finish(rec)
+
+    def _free(self, slot: int) -> None:
+        self.slots[slot] = None
+        self._rows[slot] = 0.0
+        self._strength[slot] = 0.0
+        self._temps[slot] = 0.0
+        self._filtered[slot] = False
+        self._last[slot] = 0
+
+    def _emit(self, slot: int, rec: RequestRecord, token: int, t: float) -> bool:
+        """Record one output token; True if the request is finished."""
+        rec.tokens.append(token)
+        rec.token_times.append(t)
+        if len(rec.tokens) == 1:
+            rec.first_token = t
+        if self.on_token is not None:
+            self.on_token(rec, token)
+        if rec.done:  # the callback aborted it (a stop string)
+            return True
+        reason = ("eos" if token in self.eos_ids
+                  else "length" if len(rec.tokens) >= rec.max_new_tokens else "")
+        if not reason:
+            self._last[slot] = token
+            return False
+        self._free(slot)
+        self._finish(rec, reason, t)
+        return True
+
+    def _sampling_args(self, items: Sequence[_Sampling], counts: Sequence[int]):
+        return (jnp.asarray([s.temperature for s in items], jnp.float32),
+                jnp.asarray([s.top_k for s in items], jnp.int32),
+                jnp.asarray([s.top_p for s in items], jnp.float32),
+                jnp.asarray([s.seed for s in items], jnp.int32),
+                jnp.asarray(counts, jnp.int32))
+
+    def _one_row_gsm(self, cfg: Any) -> GSMInputs | None:
+        if not self.gsm_compiled:
+            return None
+        if cfg is None:
+            strength, window = np.zeros((self.config.num_layers, 2), np.float32), 0
+        else:
+            strength, window = self._row_params(cfg)
+        return self._gsm_inputs(np.ones((1,), np.float32), strength[None],
+                                np.asarray([window], np.int32))
+
+    def _occupy(self, slot: int, item: _Waiting, cfg: Any, token: int) -> bool:
+        """The request's row is in the running cache: it decodes from the next step on."""
+        rec = item.record
+        self.slots[slot] = rec
+        self._rows[slot] = float(cfg is not None)
+        if cfg is not None:
+            self._strength[slot], self._window[slot] = self._row_params(cfg)
+        s = item.sampling
+        self._temps[slot], self._top_k[slot], self._top_p[slot] = s.temperature, s.top_k, s.top_p
+        self._seeds[slot], self._filtered[slot] = s.seed, s.filtered
+        return self._emit(slot, rec, token, clock())
+
+    def _can_admit(self, cfg: Any) -> bool:
+        """protect_first is one value per batch: a smoothed request whose config changes it
+        waits until no smoothed row of the previous value is running."""
+        if cfg is None or cfg.protect_first == self._protect:
+            return True
+        smoothed = any(r is not None and self._rows[i] > 0 for i, r in enumerate(self.slots))
+        if self._prefilling is not None and self._prefilling.cfg is not None:
+            smoothed = True
+        if smoothed:
+            return False
+        self._protect = cfg.protect_first
+        return True
+
+    def _admit(self, slot: int, item: _Waiting, cfg: Any) -> bool:
+        """Prefill a request (its first chunk if long) for `slot`; True if it finished."""
+        rec, prompt, s = item.record, item.prompt, item.sampling
+        rec.slot = slot
+        rec.gsm = cfg is not None
+        rec.admitted = clock()
+        first = prompt.size if self.prefill_chunk is None else min(prompt.size,
+                                                                    self.prefill_chunk)
+        padded = min(bucket(first, MIN_PROMPT_BUCKET), self.max_len)
+        tokens = np.zeros((1, padded), np.int32)
+        tokens[0, :first] = prompt[:first]
+        gsm = self._one_row_gsm(cfg)
+        sampling = self._sampling_args([s], [0])
+        kw = dict(config=self.config, max_len=self.max_len, sample=s.sample, filtered=s.filtered)
+        with _on_mesh(self._mesh):
+            if first == prompt.size:
+                tok, self._cache = _prefill_insert(
+                    self.params.weights, jnp.asarray(tokens), jnp.asarray([first], jnp.int32),
+                    self._cache, jnp.asarray([slot], jnp.int32), gsm, sampling, **kw)
+            else:
+                _, rows = _prefill(self.params.weights, jnp.asarray(tokens),
+                                   jnp.asarray([first], jnp.int32), gsm, sampling, **kw)
+                jax.block_until_ready(rows)
+        self.step_times.append(("prefill", padded, clock() - rec.admitted))
+        if first < prompt.size:
+            self._prefilling = _Prefilling(item, slot, cfg, rows, first)
+            return False
+        return self._occupy(slot, item, cfg, int(np.asarray(tok)[0]))
+
+    def _advance_prefill(self) -> bool:
+        """One more chunk of the prompt being prefilled; True if its request finished."""
+        p = self._prefilling
+        item, s = p.item, p.item.sampling
+        prompt, chunk = item.prompt, self.prefill_chunk
+        n = min(chunk, prompt.size - p.done)
+        tokens = np.zeros((1, chunk), np.int32)
+        tokens[0, :n] = prompt[p.done: p.done + n]
+        t = clock()
+        with _on_mesh(self._mesh):
+            tok, rows = _extend(self.params.weights, jnp.asarray(tokens),
+                                jnp.asarray([n], jnp.int32), p.rows, self._one_row_gsm(p.cfg),
+                                self._sampling_args([s], [0]), config=self.config,
+                                sample=s.sample, filtered=s.filtered)
+            p.rows, p.done = rows, p.done + n
+            if p.done < prompt.size:
+                jax.block_until_ready(rows)
+                self.step_times.append(("extend", chunk, clock() - t))
+                return False
+            self._cache = _insert(self._cache, rows, jnp.asarray([p.slot], jnp.int32),
+                                  config=self.config)
+        token = int(np.asarray(tok)[0])
+        self.step_times.append(("extend", chunk, clock() - t))
+        self._prefilling = None
+        return self._occupy(p.slot, item, p.cfg, token)
+
+    def _decode_once(self) -> list[RequestRecord]:
+        active = np.array([s is not None for s in self.slots])
+        gsm = self._gsm_inputs(self._rows * active, self._strength, self._window)
+        counts = [0 if r is None else r.n_tokens for r in self.slots]
+        sampling = (jnp.asarray(self._temps), jnp.asarray(self._top_k),
+                    jnp.asarray(self._top_p), jnp.asarray(self._seeds),
+                    jnp.asarray(counts, jnp.int32))
+        sample = bool((self._temps[active] > 0).any())
+        t = clock()
+        with _on_mesh(self._mesh):
+            tok, self._cache = _decode(
+                self.params.weights, jnp.asarray(self._last), self._cache, gsm,
+                jnp.asarray(active), sampling, config=self.config, sample=sample,
+                filtered=sample and bool(self._filtered[active].any()),
+            )
+        tokens = np.asarray(tok)
+        self.step_times.append(("decode", int(active.sum()), clock() - t))
+        t = clock()
+        done = []
+        for slot in np.flatnonzero(active):
+            rec = self.slots[slot]
+            if rec is not None and self._emit(int(slot), rec, int(tokens[slot]), t):
+                done.append(rec)
+        return done
+
+    def step(self) -> list[RequestRecord]:
+        """Advance a chunked prefill by one chunk, or admit what fits (prefill each); then
+        one decode step. Returns the requests that finished."""
+        done: list[RequestRecord] = []
+        if self._prefilling is not None:
+            rec = self._prefilling.item.record
+            if self._advance_prefill():
+                done.append(rec)
+        now = clock()
+        while self._prefilling is None and self.waiting and self.waiting[0].record.arrival <= now:
+            free = [i for i, s in enumerate(self.slots) if s is None]
+            if not free:
+                break
+            item = self.waiting[0]
+            cfg = self._resolve_gsm(item)
+            if not self._can_admit(cfg):
+                break
+            self.waiting.popleft()
+            if self._admit(free[0], item, cfg):
+                done.append(item.record)
+        if self.num_active:
+            done.extend(self._decode_once())
+        return done
+
+    # ------------------------------------------------------------------ warm-up
+
+    def warmup(self, prompt_lengths: Sequence[int] = (16,), *,
+               sample: bool = False) -> dict[str, Any]:
+        """Compile and run, through the normal request path, the prefill of each prompt
+        bucket the given lengths fall in, and the decode step (greedy; also sampled
+        with `sample=True`).
+
+        Returns seconds per prompt bucket (a dummy request's prefill + one decode
+        step, compilation included) and in total. The engine is left idle; its
+        cache holds junk rows, which the next admissions overwrite.
+        """
+        if self.has_work:
+            raise InvalidInputError("warmup needs an idle engine")
+        by_bucket: dict[int, int] = {}
+        for n in sorted(int(n) for n in prompt_lengths):
+            n = max(1, min(n, self.max_len - 1))
+            by_bucket.setdefault(min(bucket(n, MIN_PROMPT_BUCKET), self.max_len), n)
+        out: dict[str, Any] = {"prefill_s": {}}
+        start = clock()
+        for padded, n in by_bucket.items():
+            t = clock()
+            for temperature in ([0.0, 1.0] if sample else [0.0]):
+                self.submit(Request([0] * n, min(2, self.max_len - n), request_id="warmup",
+                                    temperature=temperature))
+                while self.has_work:
+                    self.step()
+            out["prefill_s"][padded] = clock() - t
+        if all(n >= self.max_len - 1 for n in by_bucket.values()):  # decode not reached yet
+            self.submit(Request([0], 2, request_id="warmup"))
+            while self.has_work:
+                self.step()
+        out["total_s"] = clock() - start
+        return out
+
+    # ------------------------------------------------------------------ driver
+
+    def run(self, requests: Sequence[Request], *, arrival_times: Sequence[float] | None = None,
+            clients: int | None = None,
+            on_finish: Callable[[RequestRecord], None] | None = None) -> list[RequestRecord]:
+        """Serve `requests` to completion; returns their records in request order.
+
+        - `arrival_times` (seconds from the start, open loop): request i arrives then,
+          whatever the engine is doing;
+        - `clients=N` (closed loop): N clients each send their next request (the next
+          one not yet sent, in order) the moment their previous one completes;
+        - neither: everything arrives at once.
+
+        Record times stay absolute (`time.perf_counter()`); the run started at the
+        earliest arrival (closed loop / all at once) or at `min(arrival_times)` less
+        its offset.
+        """
+        if self.has_work:
+            raise InvalidInputError("run needs an idle engine")
+        n = len(requests)
+        for r in requests:
+            self._check(r)
+        if arrival_times is not None and clients is not None:
+            raise InvalidInputError("give arrival_times (open loop) or clients (closed loop)")
+        if arrival_times is not None:
+            if len(arrival_times) != n:
+                raise InvalidInputError(f"arrival_times has {len(arrival_times)} entries, "
+                                        f"requests {n}")
+            order = sorted(range(n), key=lambda i: float(arrival_times[i]))
+        else:
+            order = list(range(n))
+        if clients is not None and int(clients) < 1:
+            raise InvalidInputError(f"clients must be >= 1, got {clients!r}")
+        records: list[RequestRecord | None] = [None] * n
+        self.step_times = []
+        pending = deque(order)
+        t0 = clock()
+
+        def send(i: int, at: float) -> None:
+            self.submit(requests[i], arrival=at, index=i)
+
+        if arrival_times is None:
+            for _ in range(n if clients is None else min(int(clients), n)):
+                send(pending.popleft(), t0)
+        while True:
+            if arrival_times is not None:
+                now = clock()
+                while pending and t0 + float(arrival_times[pending[0]]) <= now:
+                    i = pending.popleft()
+                    send(i, t0 + float(arrival_times[i]))
+            if not self.has_work:
+                if not pending:
+                    break
+                if arrival_times is None:  # cannot happen: closed loop refills on finish
+                    send(pending.popleft(), clock())
+                    continue
+                time.sleep(max(0.0, t0 + float(arrival_times[pending[0]]) - clock()))
+                continue
+            for rec in self.step():
+                records[rec.index] = rec
+                if on_finish is not None:
+                    on_finish(rec)
+                if clients is not None and pending:
+                    send(pending.popleft(), rec.finish)
+        return records  # type: ignore[return-value]
