@@ -73,7 +73,8 @@ def _load_optional_subcommands() -> None:
     # The workflow tools add their subcommands on import; absent modules are skipped.
     import importlib
 
-    for mod in ("gsm_jax.workflow.cli", "gsm_jax.workflow.bench", "gsm_jax.planner"):
+    for mod in ("gsm_jax.workflow.cli", "gsm_jax.workflow.bench", "gsm_jax.planner",
+                "gsm_jax.serving.cli"):
         try:
             importlib.import_module(mod)
         except ModuleNotFoundError as e:

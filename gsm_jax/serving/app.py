@@ -1,0 +1,677 @@
+"""The OpenAI-compatible HTTP server (FastAPI + uvicorn, the stack of vLLM and SGLang).
+
+    gsm-jax serve --model smollm2-135m --port 8000 --max-batch 16 --gsm cal/gsm.yaml
+
+Endpoints: `/v1/completions`, `/v1/chat/completions` (the model's chat template),
+`/v1/models`, `/health` (503 while loading or draining), `/ready`, `/metrics`
+(Prometheus), and, with `--admin-token`, `GET/PUT /admin/gsm`,
+`POST /admin/gsm/rollout`, `POST /admin/gsm/rollback`, `GET /admin/stats`.
+
+Each HTTP request gets one id (`x-request-id` if the client sent one, else a new
+`cmpl-...`); it picks the GSM version and arm (`gsm_state`), which every response
+names in `x-gsm-version` / `x-gsm-arm` and in its `gsm` body field. Text is
+detokenized incrementally on the engine thread, where stop strings are matched:
+a matched stop ends the request at once (`finish_reason: "stop"`, the stop cut).
+A client that disconnects has its requests aborted at the next engine step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from gsm_jax.errors import GSMConfigError, GSMJaxError, InvalidInputError
+from gsm_jax.serving.engine import Engine
+from gsm_jax.serving.engine import Request as EngineRequest
+from gsm_jax.serving.gsm_state import GSMVersion, LiveGSM
+from gsm_jax.serving.metrics import CONTENT_TYPE_LATEST, ServerMetrics
+from gsm_jax.serving.protocol import (
+    ChatRequest,
+    CompletionRequest,
+    ValidationError,
+    error_body,
+    first_error,
+)
+from gsm_jax.serving.scheduler import Draining, EngineLoop, QueueFull, Ticket
+
+__all__ = ["GSMServer", "ServerOptions", "build_app"]
+
+log = logging.getLogger("gsm_jax.serving")
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    model: str = "smollm2-135m"
+    dtype: str | None = None
+    max_batch: int = 16
+    max_len: int = 2048
+    max_queue: int = 1024
+    prefill_chunk: int | None = 512
+    gsm: str | None = None  # a GSM config file (watched) or None
+    compile_gsm: bool = True  # False: no GSM code at all (PUT /admin/gsm is then refused)
+    admin_token: str | None = None
+    shutdown_timeout: float = 30.0
+    retry_after_s: int = 1
+    warmup_lengths: tuple[int, ...] = (16,)
+    served_model_name: str | None = None
+    seed: int = 0
+
+
+class HTTPError(Exception):
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.type, self.param, self.code = status, type, param, code
+        self.headers = headers or {}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(error_body(str(self), type=self.type, param=self.param,
+                                       code=self.code), status_code=self.status,
+                            headers=self.headers)
+
+
+# ----------------------------------------------------------------------------- text
+
+
+class TextStream:
+    """Incremental detokenization with stop strings (vLLM's prefix/read offsets): the
+    text of new tokens is the decode of a short tail minus its already-read prefix;
+    a tail ending in an incomplete UTF-8 sequence waits for the next token."""
+
+    def __init__(self, tokenizer: Any, stops: list[str], eos_ids: frozenset[int]) -> None:
+        self.tok, self.stops, self.eos = tokenizer, stops, eos_ids
+        self.ids: list[int] = []
+        self.text = ""
+        self.sent = 0  # characters handed to the client
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self._prefix = 0
+        self._read = 0
+        self.stopped = False
+
+    def add(self, token: int) -> bool:
+        """Take one token; True if a stop string matched (the text is cut before it)."""
+        if token in self.eos or self.stopped:
+            return False
+        self.ids.append(token)
+        before = self.tok.decode(self.ids[self._prefix:self._read])
+        after = self.tok.decode(self.ids[self._prefix:])
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self.text += after[len(before):]
+            self._prefix, self._read = self._read, len(self.ids)
+        if self.stops:
+            start = max(0, len(self.text) - len(after) - self.hold - 1)
+            cut = min((i for i in (self.text.find(s, start) for s in self.stops) if i >= 0),
+                      default=-1)
+            if cut >= 0:
+                self.text, self.stopped = self.text[:cut], True
+        return self.stopped
+
+    def pending(self, final: bool) -> str:
+        """Text not yet sent; while running, the last `hold` characters wait (they may be
+        the start of a stop string)."""
+        end = len(self.text) if final or self.stopped else max(self.sent,
+                                                                len(self.text) - self.hold)
+        out, self.sent = self.text[self.sent:end], end
+        return out
+
+
+FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
+
+
+# ----------------------------------------------------------------------------- server
+
+
+class GSMServer:
+    """Model, engine thread, live GSM config and metrics behind one FastAPI app."""
+
+    def __init__(self, options: ServerOptions, params: Any = None) -> None:
+        self.options = options
+        self.status = "loading"  # -> "ready" -> "draining" / "failed"
+        self.error: str | None = None
+        self.params = params
+        self.engine: Engine | None = None
+        self.loop: EngineLoop | None = None
+        self.live: LiveGSM | None = None
+        self.watcher: Any = None
+        self.name = options.served_model_name or options.model
+        self.metrics = ServerMetrics(self.name)
+        self.started = int(time.time())
+
+    # ---------------------------------------------------------------- lifecycle
+
+    def load(self) -> None:
+        """Load the model, build and warm the engine, start its thread (blocking)."""
+        try:
+            import gsm_jax
+            from gsm_jax.config import ConfigWatcher
+
+            o = self.options
+            if self.params is None:
+                self.params = gsm_jax.load(o.model, dtype=o.dtype)
+            if self.params.tokenizer is None:
+                raise InvalidInputError(f"{o.model}: no tokenizer; the server takes text")
+            initial = None
+            if o.gsm is not None:
+                self.watcher = ConfigWatcher(o.gsm, num_layers=self.params.config.num_layers,
+                                             on_change=lambda new, old: self._file_changed(new))
+                initial = self.watcher.config
+            compile_gsm = o.compile_gsm or initial is not None
+            # requests carry their own config (the arm's), so the engine's default is unused
+            self.engine = engine = Engine(
+                self.params, max_batch=o.max_batch, max_len=o.max_len, compile_gsm=compile_gsm,
+                gsm=initial, seed=o.seed, prefill_chunk=o.prefill_chunk)
+            self.live = LiveGSM(initial, check=self._check_gsm, on_change=self._gsm_changed)
+            self._gsm_changed(self.live.current)
+            engine.warmup(o.warmup_lengths)
+            self.loop = EngineLoop(engine, max_queue=o.max_queue,
+                                   on_step=self._engine_stepped).start()
+            if self.watcher is not None:
+                self.watcher.start()
+            self.status = "ready"
+            log.info("gsm-jax serve: %s ready (max_batch %d, max_len %d)", self.name,
+                     o.max_batch, o.max_len)
+        except Exception as e:
+            self.status, self.error = "failed", f"{type(e).__name__}: {e}"
+            log.exception("loading failed")
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Stop taking requests (503), finish the running ones within `timeout` s."""
+        if self.status == "ready":
+            self.status = "draining"
+        if self.loop is None:
+            return True
+        clean = self.loop.drain(self.options.shutdown_timeout if timeout is None else timeout)
+        log.info("gsm-jax serve: drained (%s)", "clean" if clean else "timed out; aborted")
+        return clean
+
+    def close(self) -> None:
+        if self.watcher is not None:
+            self.watcher.stop()
+        if self.loop is not None:
+            self.loop.stop()
+
+    # ---------------------------------------------------------------- GSM
+
+    def _check_gsm(self, cfg: Any) -> Any:
+        if not self.engine.gsm_compiled:
+            raise GSMConfigError("this server was started with --no-gsm: GSM is compiled out")
+        return self.engine.check_gsm(cfg)
+
+    def _gsm_changed(self, v: GSMVersion) -> None:
+        self.metrics.observe_gsm(v.number, v.rollout_fraction)
+        log.info("GSM version %d (%s): %s", v.number, v.source,
+                 None if v.config is None else v.config.to_dict())
+
+    def _file_changed(self, cfg: Any) -> None:
+        if self.live is None:
+            return
+        try:
+            self.live.put(cfg, source="file")
+        except GSMJaxError as e:
+            log.error("GSM file %s refused: %s", self.options.gsm, e)
+
+    def _engine_stepped(self, engine: Engine) -> None:
+        self.metrics.observe_engine(self.loop.num_running, self.loop.num_waiting,
+                                    engine.kv_usage)
+
+    # ---------------------------------------------------------------- requests
+
+    def _ready(self) -> None:
+        if self.status == "loading":
+            raise HTTPError(503, "the model is still loading", type="unavailable_error",
+                            code="loading", headers={"Retry-After": "5"})
+        if self.status == "draining":
+            raise HTTPError(503, "the server is shutting down", type="unavailable_error",
+                            code="draining")
+        if self.status != "ready" or not self.loop.alive:
+            raise HTTPError(503, f"the engine is not running: {self.error or self.loop.error}",
+                            type="server_error", code="engine_dead")
+
+    def _prompt_ids(self, body: CompletionRequest | ChatRequest) -> list[list[int]]:
+        tok = self.params.tokenizer
+        if isinstance(body, ChatRequest):
+            try:
+                text = tok.apply_chat_template([m.model_dump() for m in body.messages])
+            except GSMJaxError as e:
+                raise HTTPError(400, str(e), param="messages") from e
+            return [tok.encode(text)]
+        p = body.prompt
+        if isinstance(p, str):
+            prompts: list[Any] = [p]
+        elif p and all(isinstance(x, int) for x in p):
+            prompts = [list(p)]
+        else:
+            prompts = list(p)
+        if not prompts:
+            raise HTTPError(400, "prompt is empty", param="prompt")
+        out = []
+        for i, one in enumerate(prompts):
+            if isinstance(one, str):
+                if not one:
+                    raise HTTPError(400, f"prompt {i} is empty", param="prompt")
+                out.append(tok.encode(one))
+            else:
+                if not one:
+                    raise HTTPError(400, f"prompt {i} has no tokens", param="prompt")
+                vocab = self.params.config.vocab_size
+                if any(t < 0 or t >= vocab for t in one):
+                    raise HTTPError(400, f"prompt {i} has token ids outside [0, {vocab})",
+                                    param="prompt")
+                out.append(list(one))
+        return out
+
+    def _max_tokens(self, body: Any, n_prompt: int) -> int:
+        room = self.options.max_len - n_prompt
+        limit = body.max_tokens
+        if isinstance(body, ChatRequest) and body.max_completion_tokens is not None:
+            limit = body.max_completion_tokens
+        if limit is None:
+            limit = 16 if isinstance(body, CompletionRequest) else room
+        if limit < 1:
+            raise HTTPError(400, f"max_tokens must be >= 1, got {limit}", param="max_tokens")
+        if room < 1 or limit > room:
+            raise HTTPError(
+                400, f"this model's context is {self.options.max_len} tokens; the prompt has "
+                f"{n_prompt} and max_tokens asks for {limit}: shorten the prompt or lower "
+                "max_tokens", param="max_tokens" if room >= 1 else "prompt",
+                code="context_length_exceeded")
+        return limit
+
+    async def handle(self, http: Request, kind: str) -> Response:
+        self._ready()
+        try:
+            raw = await http.json()
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise HTTPError(400, f"the body is not valid JSON: {e}", code="invalid_json") from e
+        if not isinstance(raw, dict):
+            raise HTTPError(400, "the body must be a JSON object", code="invalid_json")
+        model_cls = ChatRequest if kind == "chat" else CompletionRequest
+        try:
+            body = model_cls.model_validate(raw)
+        except ValidationError as e:
+            msg, param = first_error(e)
+            raise HTTPError(400, msg, param=param, code="invalid_value") from e
+        if body.model != self.name:
+            raise HTTPError(404, f"the model {body.model!r} does not exist; this server "
+                            f"serves {self.name!r}", type="not_found_error", param="model",
+                            code="model_not_found")
+        if body.logprobs not in (None, False, 0):
+            raise HTTPError(400, "logprobs is not supported by this server", param="logprobs",
+                            code="unsupported")
+        if isinstance(body, CompletionRequest) and body.echo:
+            raise HTTPError(400, "echo is not supported by this server", param="echo",
+                            code="unsupported")
+        stops = body.stops()
+        if any(not s for s in stops):
+            raise HTTPError(400, "stop strings must be non-empty", param="stop")
+        prompts = self._prompt_ids(body)
+        limits = [self._max_tokens(body, len(p)) for p in prompts]
+        rid = http.headers.get("x-request-id") or f"cmpl-{uuid.uuid4().hex}"
+        version, arm = self.live.assign(rid, len(prompts[0]) + limits[0])
+        cfg = version.config if arm == "gsm" else None
+        top_k = max(0, body.top_k)
+        base_seed = body.seed
+        specs = []
+        for pi, (ids, limit) in enumerate(zip(prompts, limits, strict=True)):
+            for j in range(body.n):
+                seed = None if base_seed is None else base_seed + j
+                req = EngineRequest(ids, limit, request_id=rid, temperature=body.temperature,
+                                    top_k=top_k, top_p=body.top_p, seed=seed, gsm=cfg)
+                try:
+                    self.engine._check(req)
+                except GSMJaxError as e:
+                    raise HTTPError(400, str(e)) from e
+                specs.append((pi * body.n + j, req))
+        call = _Call(self, kind, body, rid, version, arm, stops, specs,
+                     asyncio.get_running_loop())
+        call.submit()
+        headers = {"x-request-id": rid, "x-gsm-version": str(version.number), "x-gsm-arm": arm}
+        ignored = body.ignored_fields()
+        if ignored:
+            headers["x-ignored-fields"] = ",".join(ignored)
+            log.warning("request %s: ignored fields %s", rid, ignored)
+        if body.stream:
+            return StreamingResponse(call.stream(http), media_type="text/event-stream",
+                                     headers=headers)
+        return JSONResponse(await call.result(http), headers=headers)
+
+
+class _Call:
+    """One HTTP request's engine requests (prompts x n), their text, their events."""
+
+    def __init__(self, server: GSMServer, kind: str, body: Any, rid: str, version: GSMVersion,
+                 arm: str, stops: list[str], specs: list[tuple[int, EngineRequest]],
+                 aloop: asyncio.AbstractEventLoop) -> None:
+        self.server, self.kind, self.body, self.rid = server, kind, body, rid
+        self.version, self.arm, self.aloop = version, arm, aloop
+        self.created = int(time.time())
+        self.events: asyncio.Queue = asyncio.Queue()
+        eos = server.engine.eos_ids
+        tok = server.params.tokenizer
+        self.texts = {i: TextStream(tok, stops, eos) for i, _ in specs}
+        self.tickets: list[Ticket] = []
+        for i, req in specs:
+            self.tickets.append(Ticket(req, on_token=self._token, on_finish=self._finish,
+                                       meta={"choice": i}))
+        self.open = len(self.tickets)
+        self.lock = threading.Lock()
+        self.prompt_tokens = sum({i // body.n: len(r.prompt) for i, r in specs}.values())
+
+    def submit(self) -> None:
+        loop = self.server.loop
+        try:
+            for t in self.tickets:
+                loop.submit(t)
+        except (QueueFull, Draining) as e:
+            for t in self.tickets:
+                loop.abort(t, "rejected")
+            reason = "queue_full" if isinstance(e, QueueFull) else "draining"
+            self.server.metrics.reject(reason)
+            raise HTTPError(503, str(e), type="unavailable_error", code=reason,
+                            headers={"Retry-After": str(self.server.options.retry_after_s)}
+                            ) from e
+
+    # engine thread
+    def _token(self, ticket: Ticket, token: int) -> str | None:
+        stream = self.texts[ticket.meta["choice"]]
+        stopped = stream.add(token)
+        self.server.metrics.observe_token(ticket.record, self.arm)
+        self.aloop.call_soon_threadsafe(self.events.put_nowait, ("token", ticket))
+        return "stop" if stopped else None
+
+    def _finish(self, ticket: Ticket) -> None:
+        rec = ticket.record
+        if rec is not None:
+            self.server.metrics.observe_finish(rec, self.version.number, self.arm)
+        self.aloop.call_soon_threadsafe(self.events.put_nowait, ("finish", ticket))
+
+    # event loop
+    def abort(self) -> None:
+        for t in self.tickets:
+            if not t.done:
+                self.server.loop.abort(t, "abort")
+
+    def _finish_reason(self, ticket: Ticket) -> str:
+        rec = ticket.record
+        if rec is None:
+            return "abort"
+        return FINISH_REASONS.get(rec.finish_reason, "abort")
+
+    def _usage(self) -> dict[str, int]:
+        done = sum(t.record.n_tokens for t in self.tickets if t.record is not None)
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": done,
+                "total_tokens": self.prompt_tokens + done}
+
+    def _gsm(self) -> dict[str, Any]:
+        return {"version": self.version.number, "arm": self.arm}
+
+    def _object(self, chunk: bool) -> str:
+        if self.kind == "chat":
+            return "chat.completion.chunk" if chunk else "chat.completion"
+        return "text_completion"
+
+    def _choice(self, i: int, text: str, finish: str | None, *, chunk: bool,
+                first: bool = False) -> dict[str, Any]:
+        if self.kind == "chat":
+            if chunk:
+                delta: dict[str, Any] = {"role": "assistant"} if first else {}
+                if text:
+                    delta["content"] = text
+                return {"index": i, "delta": delta, "finish_reason": finish, "logprobs": None}
+            return {"index": i, "message": {"role": "assistant", "content": text},
+                    "finish_reason": finish, "logprobs": None}
+        return {"index": i, "text": text, "finish_reason": finish, "logprobs": None}
+
+    def _envelope(self, choices: list[dict], *, chunk: bool) -> dict[str, Any]:
+        return {"id": self.rid, "object": self._object(chunk), "created": self.created,
+                "model": self.server.name, "choices": choices, "gsm": self._gsm()}
+
+    async def _next(self, http: Request) -> tuple[str, Ticket] | None:
+        """The next engine event; None once the client is gone (its requests aborted)."""
+        while True:
+            try:
+                return await asyncio.wait_for(self.events.get(), timeout=0.25)
+            except TimeoutError:
+                if await http.is_disconnected():
+                    self.abort()
+                    return None
+
+    async def result(self, http: Request) -> dict[str, Any]:
+        while self.open:
+            ev = await self._next(http)
+            if ev is None:
+                return {}
+            if ev[0] == "finish":
+                self.open -= 1
+        choices = []
+        for t in sorted(self.tickets, key=lambda t: t.meta["choice"]):
+            i = t.meta["choice"]
+            if "error" in t.meta:
+                raise HTTPError(500, f"request {self.rid} failed: {t.meta['error']}",
+                                type="server_error")
+            choices.append(self._choice(i, self.texts[i].pending(final=True),
+                                        self._finish_reason(t), chunk=False))
+        out = self._envelope(choices, chunk=False)
+        out["usage"] = self._usage()
+        return out
+
+    async def stream(self, http: Request) -> AsyncIterator[bytes]:
+        include_usage = bool(self.body.stream_options and self.body.stream_options.include_usage)
+        started: set[int] = set()
+        try:
+            while self.open:
+                ev = await self._next(http)
+                if ev is None:
+                    return
+                kind, ticket = ev
+                i = ticket.meta["choice"]
+                final = kind == "finish"
+                if final:
+                    self.open -= 1
+                text = self.texts[i].pending(final=final)
+                first = i not in started
+                if not text and not final and not (first and self.kind == "chat"):
+                    continue
+                started.add(i)
+                finish = self._finish_reason(ticket) if final else None
+                chunk = self._envelope([self._choice(i, text, finish, chunk=True, first=first)],
+                                       chunk=True)
+                if include_usage:
+                    chunk["usage"] = None
+                yield _sse(chunk)
+            if include_usage:
+                last = self._envelope([], chunk=True)
+                last["usage"] = self._usage()
+                yield _sse(last)
+            yield b"data: [DONE]\n\n"
+        finally:  # the client went away mid-stream (the task is cancelled): free the slots
+            self.abort()
+
+
+def _sse(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+# ----------------------------------------------------------------------------- app
+
+
+def build_app(server: GSMServer, *, load_in_background: bool = True) -> FastAPI:
+    """The FastAPI app of `server`; its lifespan loads the model (in a thread, so
+    /health answers 503 "loading" meanwhile) and stops the engine at exit."""
+    from contextlib import asynccontextmanager
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        if server.status == "loading":
+            if load_in_background:
+                threading.Thread(target=server.load, name="gsm-jax-load", daemon=True).start()
+            else:
+                server.load()
+        yield
+        server.close()
+
+    app = FastAPI(title="gsm-jax", lifespan=lifespan)
+
+    @app.exception_handler(HTTPError)
+    async def _http_error(request: Request, e: HTTPError) -> JSONResponse:
+        return e.response()
+
+    @app.exception_handler(Exception)
+    async def _server_error(request: Request, e: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        return JSONResponse(error_body(f"{type(e).__name__}: {e}", type="server_error"),
+                            status_code=500)
+
+    def admin(http: Request) -> None:
+        token = server.options.admin_token
+        if token is None:
+            raise HTTPError(404, "the admin endpoints are off: start the server with "
+                            "--admin-token", type="not_found_error", code="admin_disabled")
+        got = http.headers.get("authorization", "")
+        if not hmac.compare_digest(got.encode(), f"Bearer {token}".encode()):
+            raise HTTPError(401, "admin endpoints need 'Authorization: Bearer <admin token>'",
+                            type="authentication_error", code="invalid_admin_token")
+        server._ready()
+
+    async def json_body(http: Request) -> Any:
+        try:
+            return await http.json()
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise HTTPError(400, f"the body is not valid JSON: {e}", code="invalid_json") from e
+
+    def gsm_state() -> JSONResponse:
+        state = server.live.state()
+        return JSONResponse(state, headers={"x-gsm-version": str(state["version"])})
+
+    @app.post("/v1/completions")
+    async def completions(http: Request) -> Response:
+        return await server.handle(http, "completion")
+
+    @app.post("/v1/chat/completions")
+    async def chat(http: Request) -> Response:
+        return await server.handle(http, "chat")
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [
+            {"id": server.name, "object": "model", "created": server.started,
+             "owned_by": "gsm-jax", "max_model_len": server.options.max_len}]})
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        alive = server.status == "ready" and server.loop is not None and server.loop.alive
+        body = {"status": server.status if alive or server.status != "ready" else "failed"}
+        if server.error:
+            body["error"] = server.error
+        return JSONResponse(body, status_code=200 if alive else 503)
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        ok = server.status == "ready" and server.loop is not None and server.loop.alive
+        full = ok and server.loop.num_waiting >= server.loop.max_queue
+        status = "queue_full" if full else server.status
+        return JSONResponse({"status": status}, status_code=200 if ok and not full else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(server.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/admin/gsm")
+    async def get_gsm(http: Request) -> JSONResponse:
+        admin(http)
+        return gsm_state()
+
+    @app.put("/admin/gsm")
+    async def put_gsm(http: Request) -> JSONResponse:
+        admin(http)
+        data = await json_body(http)
+        try:
+            server.live.put(data)
+        except GSMJaxError as e:
+            raise HTTPError(400, f"GSM config refused: {e}", param="config",
+                            code="invalid_gsm_config") from e
+        return gsm_state()
+
+    @app.post("/admin/gsm/rollout")
+    async def rollout(http: Request) -> JSONResponse:
+        admin(http)
+        data = await json_body(http)
+        if not isinstance(data, dict) or set(data) != {"fraction"}:
+            raise HTTPError(400, 'the body must be {"fraction": f} with f in [0, 1]',
+                            param="fraction")
+        try:
+            server.live.rollout(data["fraction"])
+        except GSMJaxError as e:
+            raise HTTPError(400, str(e), param="fraction") from e
+        return gsm_state()
+
+    @app.post("/admin/gsm/rollback")
+    async def rollback(http: Request) -> JSONResponse:
+        admin(http)
+        try:
+            server.live.rollback()
+        except GSMJaxError as e:
+            raise HTTPError(409, str(e), code="no_previous_version") from e
+        return gsm_state()
+
+    @app.get("/admin/stats")
+    async def stats(http: Request) -> JSONResponse:
+        admin(http)
+        from gsm_jax.serving.engine import compile_counts
+
+        eng = server.engine
+        return JSONResponse({
+            "compiles": compile_counts(), "running": server.loop.num_running,
+            "waiting": server.loop.num_waiting, "kv_usage": eng.kv_usage,
+            "max_batch": eng.max_batch, "max_len": eng.max_len,
+            "prefill_chunk": eng.prefill_chunk, "gsm_compiled": eng.gsm_compiled,
+        })
+
+    return app
+
+
+# ----------------------------------------------------------------------------- launch
+
+
+def serve(options: ServerOptions, *, host: str = "127.0.0.1", port: int = 8000,
+          log_level: str = "info") -> None:
+    """Run the server until SIGTERM / SIGINT. The first signal drains: /health turns 503,
+    new requests get 503, running ones finish within `options.shutdown_timeout` s (then
+    are aborted), and the process exits; a second signal exits at once."""
+    import uvicorn
+
+    server = GSMServer(options)
+    app = build_app(server)
+
+    class DrainingServer(uvicorn.Server):
+        draining = False
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if self.draining:  # second signal: uvicorn's own (forced) exit
+                self.force_exit = True
+                return super().handle_exit(sig, frame)
+            self.draining = True
+            log.info("gsm-jax serve: signal %s: draining (up to %.0f s)", sig,
+                     options.shutdown_timeout)
+
+            def drain_then_exit() -> None:
+                server.drain()
+                self.should_exit = True
+
+            threading.Thread(target=drain_then_exit, name="gsm-jax-drain", daemon=True).start()
+
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                            timeout_graceful_shutdown=5)
+    DrainingServer(config).run()

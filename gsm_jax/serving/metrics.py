@@ -1,0 +1,102 @@
+"""Prometheus metrics of the server: vLLM's names with a `gsm_jax:` prefix.
+
+Latency histograms (TTFT, inter-token latency, e2e, queue time) carry the GSM
+arm, and the request / token counters the GSM version and arm, so a canary's
+latency and finish reasons can be compared live (`rate(...{gsm_arm="gsm"}[5m])`
+against `{gsm_arm="control"}`). Bucket edges are vLLM's.
+"""
+
+from __future__ import annotations
+
+import math
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from gsm_jax.serving.engine import RequestRecord
+
+__all__ = ["CONTENT_TYPE_LATEST", "ServerMetrics"]
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+               7.5, 10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+               60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+class ServerMetrics:
+    """One registry per server (tests start several in one process)."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        r = self.registry = CollectorRegistry()
+        arm = ["model_name", "gsm_arm"]
+        self.ttft = Histogram("gsm_jax:time_to_first_token_seconds",
+                              "Time to first token (arrival to first token).", arm,
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.itl = Histogram("gsm_jax:inter_token_latency_seconds",
+                             "Time between consecutive output tokens of a request.", arm,
+                             buckets=ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("gsm_jax:e2e_request_latency_seconds",
+                             "End-to-end request latency (arrival to last token).", arm,
+                             buckets=E2E_BUCKETS, registry=r)
+        self.queue = Histogram("gsm_jax:request_queue_time_seconds",
+                               "Time a request waited before its prefill started.", arm,
+                               buckets=E2E_BUCKETS, registry=r)
+        self.running = Gauge("gsm_jax:num_requests_running", "Requests decoding.",
+                             ["model_name"], registry=r)
+        self.waiting = Gauge("gsm_jax:num_requests_waiting",
+                             "Requests waiting (queued or prefilling).", ["model_name"],
+                             registry=r)
+        self.kv_usage = Gauge("gsm_jax:kv_cache_usage_perc",
+                              "Fraction of KV-cache slots holding running requests' tokens.",
+                              ["model_name"], registry=r)
+        self.gsm_version = Gauge("gsm_jax:gsm_config_version",
+                                 "The GSM config version in force.", ["model_name"], registry=r)
+        self.gsm_fraction = Gauge("gsm_jax:gsm_rollout_fraction",
+                                  "Fraction of requests the version in force smooths.",
+                                  ["model_name"], registry=r)
+        ver = ["model_name", "gsm_version", "gsm_arm"]
+        self.prompt_tokens = Counter("gsm_jax:prompt_tokens", "Prefilled prompt tokens.", ver,
+                                     registry=r)
+        self.generation_tokens = Counter("gsm_jax:generation_tokens", "Generated tokens.", ver,
+                                         registry=r)
+        self.requests = Counter("gsm_jax:request_success", "Finished requests.",
+                                ver + ["finished_reason"], registry=r)
+        self.rejections = Counter("gsm_jax:admission_rejections",
+                                  "Requests refused at admission (full queue or draining).",
+                                  ["model_name", "reason"], registry=r)
+
+    def observe_token(self, rec: RequestRecord, arm: str) -> None:
+        if rec.n_tokens >= 2:
+            self.itl.labels(self.model_name, arm).observe(
+                rec.token_times[-1] - rec.token_times[-2])
+
+    def observe_finish(self, rec: RequestRecord, version: int, arm: str) -> None:
+        m, v = self.model_name, str(version)
+        if not math.isnan(rec.first_token):
+            self.ttft.labels(m, arm).observe(rec.ttft)
+        if not math.isnan(rec.admitted):
+            self.queue.labels(m, arm).observe(rec.queue)
+            self.prompt_tokens.labels(m, v, arm).inc(rec.prompt_len)
+        if rec.n_tokens:
+            self.e2e.labels(m, arm).observe(rec.e2e)
+            self.generation_tokens.labels(m, v, arm).inc(rec.n_tokens)
+        self.requests.labels(m, v, arm, rec.finish_reason or "unknown").inc()
+
+    def observe_engine(self, running: int, waiting: int, kv_usage: float) -> None:
+        m = self.model_name
+        self.running.labels(m).set(running)
+        self.waiting.labels(m).set(waiting)
+        self.kv_usage.labels(m).set(kv_usage)
+
+    def observe_gsm(self, version: int, fraction: float) -> None:
+        self.gsm_version.labels(self.model_name).set(version)
+        self.gsm_fraction.labels(self.model_name).set(fraction)
+
+    def reject(self, reason: str) -> None:
+        self.rejections.labels(self.model_name, reason).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
