@@ -406,3 +406,20 @@ def bar_chart(path: str | os.PathLike, groups: Sequence[str], series: dict[str, 
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+# ----------------------------------------------------------------------------- cpu features
+
+
+def cpu_flags(names: Iterable[str] = ("avx2", "avx512f", "avx512_vnni", "avx_vnni",
+                                      "avx512_bf16", "amx_tile", "amx_bf16",
+                                      "amx_int8")) -> dict[str, bool | None]:
+    """Which of `names` the first CPU's `flags` line in /proc/cpuinfo lists (None each
+    when there is no /proc/cpuinfo, e.g. not Linux)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return {n: None for n in names}
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    have = set(line.split(":", 1)[-1].split())
+    return {n: n in have for n in names}

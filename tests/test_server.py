@@ -1,0 +1,400 @@
+"""The OpenAI-compatible server over loopback HTTP, with the embedded model.
+
+One server process (`gsm-jax serve`, GSM compiled in, admin on) serves most tests;
+a second, tiny one (one slot, a queue of one) is filled up and then sent SIGTERM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+import gsm_jax
+from gsm_jax.config import rollout_value
+
+openai = pytest.importorskip("openai")
+
+MODEL = "smollm2-135m"
+TOKEN = "test-admin-token"
+ADMIN = {"Authorization": f"Bearer {TOKEN}"}
+GSM_V = {"target_layers": "all", "smooth_strength": 0.3, "window_size": 8}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(tmp: Path, *args: str) -> tuple[subprocess.Popen, str]:
+    port = _free_port()
+    log = open(tmp / f"server_{port}.log", "w")  # noqa: SIM115 - closed with the process
+    cmd = [sys.executable, "-c", "import sys; from gsm_jax.cli import main; sys.exit(main())",
+           "serve", "--model", MODEL, "--port", str(port), "--log-level", "warning", *args]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 240
+    while time.time() < deadline:
+        assert proc.poll() is None, (tmp / f"server_{port}.log").read_text()[-3000:]
+        try:
+            r = httpx.get(f"{url}/health", timeout=2)
+            if r.status_code == 200:
+                return proc, url
+            assert r.json()["status"] == "loading", r.text  # 503 while loading
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise AssertionError("the server did not become healthy in 240 s")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("server")
+    proc, url = _start(tmp, "--max-batch", "16", "--max-len", "256", "--prefill-chunk", "32",
+                       "--admin-token", TOKEN, "--warmup-lengths", "16,32")
+    yield url
+    _stop(proc)
+
+
+@pytest.fixture(scope="module")
+def params():
+    return gsm_jax.load(MODEL)
+
+
+def _client(url: str):
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=300)
+
+
+def _complete(url: str, prompt, max_tokens: int, **kw) -> httpx.Response:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **kw}
+    return httpx.post(f"{url}/v1/completions", json=body, timeout=300)
+
+
+# ----------------------------------------------------------------------------- API
+
+
+def test_openai_client_completion_chat_stream_equal_generate(server, params):
+    client = _client(server)
+    prompt = "The capital of France is"
+    ref = gsm_jax.generate(params, prompt, max_new_tokens=24)[0]
+    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0)
+    assert out.choices[0].text == ref
+    assert out.usage.prompt_tokens == len(params.tokenizer.encode(prompt))
+    assert out.model_extra["gsm"] == {"version": 1, "arm": "off"}
+
+    question = "What is the capital of France?"
+    ref_chat = gsm_jax.generate(params, question, max_new_tokens=24, chat=True)[0]
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": question}], max_tokens=24,
+        temperature=0)
+    assert chat.choices[0].message.content == ref_chat
+    assert chat.choices[0].message.role == "assistant"
+
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": question}], max_tokens=24,
+        temperature=0, stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == ref_chat
+    assert chunks[-1].usage.completion_tokens == chat.usage.completion_tokens
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("stop", "length")
+
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+
+
+def test_stop_strings_n_and_seed(server, params):
+    full = _complete(server, "Counting: 1, 2, 3,", 24).json()["choices"][0]["text"]
+    stop = full.split(",")[2] if full.count(",") >= 3 else full[4:6]
+    cut = _complete(server, "Counting: 1, 2, 3,", 24, stop=[stop]).json()
+    choice = cut["choices"][0]
+    assert choice["finish_reason"] == "stop" and choice["text"] == full[: full.find(stop)]
+    assert cut["usage"]["completion_tokens"] < 24  # ended when the stop appeared
+
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 12, "temperature": 1.0,
+            "top_p": 0.9, "top_k": 40, "seed": 7, "n": 3}
+    a = httpx.post(f"{server}/v1/completions", json=body, timeout=300).json()
+    b = httpx.post(f"{server}/v1/completions", json=body, timeout=300).json()
+    assert [c["index"] for c in a["choices"]] == [0, 1, 2]
+    assert [c["text"] for c in a["choices"]] == [c["text"] for c in b["choices"]]  # seeded
+    assert len({c["text"] for c in a["choices"]}) > 1  # n samples, seeds seed + i
+
+
+def test_200_concurrent_streams_none_lost_none_mixed(server):
+    """200 streaming requests of mixed lengths at once (16 slots, the rest queued; the
+    long prompts are prefilled in chunks of 32): every one completes, and each output
+    equals what its prompt gives when it runs alone."""
+    rng = np.random.default_rng(0)
+    words = Path(__file__).resolve().parents[2].joinpath("shared/data/wikitext2_test.txt")
+    text = words.read_text().split() if words.exists() else ["the", "cat", "sat"] * 400
+    prompts = []
+    for i in range(20):
+        n = [3, 10, 25, 60, 90][i % 5]
+        start = int(rng.integers(0, len(text) - n))
+        prompts.append(" ".join(text[start:start + n]))
+    new = [4, 9, 16, 6, 12]
+    alone = [_complete(server, p, new[i % 5]).json()["choices"][0]["text"]
+             for i, p in enumerate(prompts)]
+
+    async def one(client, i):
+        p = i % len(prompts)
+        body = {"model": MODEL, "prompt": prompts[p], "max_tokens": new[p % 5],
+                "temperature": 0, "stream": True}
+        t0 = time.perf_counter()
+        ttft, parts, done = None, [], False
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200, await r.aread()
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    done = True
+                    break
+                chunk = json.loads(line[6:])
+                if ttft is None:
+                    ttft = time.perf_counter() - t0
+                parts.append(chunk["choices"][0]["text"])
+        return p, "".join(parts), done, ttft
+
+    async def run():
+        limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
+        async with httpx.AsyncClient(base_url=server, timeout=600, limits=limits) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(200)))
+
+    results = asyncio.run(run())
+    assert len(results) == 200 and all(done for _, _, done, _ in results)
+    for p, got, _, _ in results:
+        assert got == alone[p], (p, prompts[p])
+    ttfts = sorted(t for *_, t in results)
+    print(f"200 concurrent streams: TTFT P50 {np.percentile(ttfts, 50):.3f} s, "
+          f"P99 {np.percentile(ttfts, 99):.3f} s")
+
+
+# ----------------------------------------------------------------------------- admin
+
+
+def test_admin_put_rollout_rollback_under_load(server):
+    state = httpx.get(f"{server}/admin/gsm", headers=ADMIN).json()
+    base = state["version"]
+    prompt = "The history of the city began"
+    # warm the shapes used below, then count compiled programs
+    for arm_cfg in (None, GSM_V):
+        if arm_cfg is not None:
+            assert httpx.put(f"{server}/admin/gsm", json=arm_cfg, headers=ADMIN).status_code == 200
+        _complete(server, prompt, 8)
+    compiles = httpx.get(f"{server}/admin/stats", headers=ADMIN).json()["compiles"]
+    v_on = httpx.get(f"{server}/admin/gsm", headers=ADMIN).json()["version"]
+    assert v_on == base + 1
+
+    async def load(ids, gate=None):
+        async with httpx.AsyncClient(base_url=server, timeout=600) as c:
+            async def one(rid):
+                r = await c.post("/v1/completions", headers={"x-request-id": rid}, json={
+                    "model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0})
+                assert r.status_code == 200, r.text
+                body = r.json()
+                assert body["gsm"]["version"] == int(r.headers["x-gsm-version"])
+                assert body["gsm"]["arm"] == r.headers["x-gsm-arm"]
+                return rid, body["gsm"]["version"], body["gsm"]["arm"], body["choices"][0]
+            return await asyncio.gather(*(one(r) for r in ids))
+
+    async def put_while_running():
+        task = asyncio.create_task(load([f"pre{i}" for i in range(24)]))
+        await asyncio.sleep(0.3)
+        async with httpx.AsyncClient(base_url=server, timeout=60) as c:
+            r = await c.put("/admin/gsm", headers=ADMIN,
+                            json={**GSM_V, "smooth_strength": 0.2, "window_size": 6})
+            assert r.status_code == 200, r.text
+            new = r.json()["version"]
+        return await task, new
+
+    pre, v_new = asyncio.run(put_while_running())
+    assert v_new == v_on + 1
+    assert {v for _, v, _, _ in pre} <= {v_on, v_new}  # each names the version it got
+    assert all(arm == "gsm" for _, _, arm, _ in pre)
+
+    r = httpx.post(f"{server}/admin/gsm/rollout", json={"fraction": 0.5}, headers=ADMIN)
+    assert r.status_code == 200 and r.json()["rollout_fraction"] == 0.5
+    v_half = r.json()["version"]
+    ids = [f"user-{i}" for i in range(120)]
+    half = asyncio.run(load(ids))
+    arms = {rid: arm for rid, v, arm, _ in half}
+    assert all(v == v_half for _, v, _, _ in half)
+    for rid in ids:  # the arm is the stable hash of the request id, nothing else
+        assert arms[rid] == ("gsm" if rollout_value(rid) < 0.5 else "control"), rid
+    share = sum(a == "gsm" for a in arms.values()) / len(ids)
+    assert abs(share - 0.5) < 0.15  # 3 sigma of a binomial(120, 0.5) share is 0.137
+    again = asyncio.run(load(ids[:20]))  # retries land in the same arm
+    assert [a for _, _, a, _ in again] == [arms[r] for r in ids[:20]]
+
+    r = httpx.post(f"{server}/admin/gsm/rollback", headers=ADMIN)
+    assert r.status_code == 200 and r.json()["version"] == v_new
+    assert r.json()["rollout_fraction"] == 1.0
+    back = asyncio.run(load(ids[:10]))
+    assert all(v == v_new and a == "gsm" for _, v, a, _ in back)
+
+    # refused: an invalid config (the version stays), a missing or wrong token
+    r = httpx.put(f"{server}/admin/gsm", json={"smooth_strength": 0.9}, headers=ADMIN)
+    assert r.status_code == 400 and "max_strength" in r.json()["error"]["message"]
+    r = httpx.put(f"{server}/admin/gsm", json={"window_size": "wide"}, headers=ADMIN)
+    assert r.status_code == 400
+    r = httpx.put(f"{server}/admin/gsm", json={**GSM_V, "max_window": 16}, headers=ADMIN)
+    assert r.status_code == 400 and "static" in r.json()["error"]["message"]
+    assert httpx.get(f"{server}/admin/gsm", headers=ADMIN).json()["version"] == v_new
+    assert httpx.put(f"{server}/admin/gsm", json=GSM_V).status_code == 401
+    assert httpx.get(f"{server}/admin/gsm",
+                     headers={"Authorization": "Bearer nope"}).status_code == 401
+    # no change recompiled anything
+    assert httpx.get(f"{server}/admin/stats", headers=ADMIN).json()["compiles"] == compiles
+    metrics = httpx.get(f"{server}/metrics").text
+    assert f'gsm_jax:request_success_total{{finished_reason="length",gsm_arm="control",' \
+           f'gsm_version="{v_half}"' in metrics
+    assert f"gsm_jax:gsm_config_version{{model_name=\"{MODEL}\"}} {float(v_new)}" in metrics
+
+
+def test_gsm_arm_changes_what_is_generated(server, params):
+    """The "gsm" arm really runs the filter: at strength 0.3 on every layer, its greedy
+    text equals gsm_jax.generate with the same config (and differs from no GSM on some
+    prompt)."""
+    cfg = {"target_layers": "all", "smooth_strength": 0.3, "window_size": 4,
+           "protect_first": 1}
+    assert httpx.put(f"{server}/admin/gsm", json=cfg, headers=ADMIN).status_code == 200
+    prompts = ["The old man walked slowly to the", "In 1850 the railway company decided to"]
+    got = [_complete(server, p, 16).json() for p in prompts]
+    assert all(g["gsm"]["arm"] == "gsm" for g in got)
+    ref = gsm_jax.generate(params, prompts, max_new_tokens=16, gsm=gsm_jax.GSMConfig(**cfg))
+    assert [g["choices"][0]["text"] for g in got] == ref
+    off = gsm_jax.generate(params, prompts, max_new_tokens=16)
+    assert ref != off
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def test_bad_input_gets_openai_errors(server):
+    def err(r, status, code=None):
+        assert r.status_code == status, r.text
+        e = r.json()["error"]
+        assert e["message"] and e["type"]
+        if code is not None:
+            assert e["code"] == code
+        return e
+
+    url = f"{server}/v1/completions"
+    post = functools.partial(httpx.post, timeout=120)
+    err(post(url, content=b"{not json", headers={"content-type": "application/json"}),
+        400, "invalid_json")
+    err(post(url, json=[1, 2]), 400, "invalid_json")
+    e = err(post(url, json={"model": MODEL, "prompt": "hi", "max_tokens": "5"}), 400)
+    assert e["param"] == "max_tokens"
+    err(post(url, json={"model": MODEL, "prompt": "hi", "temperature": "hot"}), 400)
+    err(post(url, json={"model": MODEL, "prompt": "hi", "max_tokens": 0}), 400)
+    err(post(url, json={"model": MODEL, "prompt": ""}), 400)
+    err(post(url, json={"model": MODEL}), 400)
+    err(post(url, json={"model": MODEL, "prompt": "word " * 300, "max_tokens": 8}), 400,
+        "context_length_exceeded")
+    err(post(url, json={"model": "gpt-5", "prompt": "hi"}), 404, "model_not_found")
+    err(post(f"{server}/v1/chat/completions",
+                   json={"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}), 400)
+    err(post(url, json={"model": MODEL, "prompt": "hi", "logprobs": 2}), 400, "unsupported")
+    r = post(url, json={"model": MODEL, "prompt": "hi", "max_tokens": 2, "temperature": 0,
+                              "frobnicate": True})
+    assert r.status_code == 200 and r.headers["x-ignored-fields"] == "frobnicate"
+
+
+def test_client_disconnect_frees_the_slot(server):
+    """A client that leaves mid-stream: its request is aborted at the next step (no
+    zombie decode runs on to max_tokens)."""
+    def aborted() -> float:
+        text = httpx.get(f"{server}/metrics").text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("gsm_jax:request_success_total")
+                   and 'finished_reason="abort"' in line)
+
+    before = aborted()
+    body = {"model": MODEL, "prompt": "Tell me a long story about", "max_tokens": 200,
+            "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{server}/v1/completions", json=body, timeout=60) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i >= 6:
+                break  # leave after a few chunks
+    deadline = time.time() + 20
+    while time.time() < deadline:
+        stats = httpx.get(f"{server}/admin/stats", headers=ADMIN).json()
+        if stats["running"] == 0 and aborted() == before + 1:
+            break
+        time.sleep(0.1)
+    assert stats["running"] == 0 and stats["waiting"] == 0
+    assert aborted() == before + 1
+    gen = [line for line in httpx.get(f"{server}/metrics").text.splitlines()
+           if line.startswith("gsm_jax:generation_tokens_total")]
+    assert gen  # counted, and below the 200 it asked for
+    health = httpx.get(f"{server}/health")
+    assert health.status_code == 200 and health.json()["status"] == "ready"
+
+
+def test_full_queue_503_and_sigterm_drains(tmp_path):
+    proc, url = _start(tmp_path, "--max-batch", "1", "--max-queue", "1", "--max-len", "128",
+                       "--shutdown-timeout", "60", "--no-gsm")
+    try:
+        assert httpx.put(f"{url}/admin/gsm", json=GSM_V).status_code == 404  # admin is off
+
+        async def burst():
+            async with httpx.AsyncClient(base_url=url, timeout=300) as c:
+                async def one(i):
+                    return await c.post("/v1/completions", json={
+                        "model": MODEL, "prompt": f"Story {i}:", "max_tokens": 40,
+                        "temperature": 0})
+                first = asyncio.create_task(one(0))
+                await asyncio.sleep(0.5)  # it runs in the one slot
+                rest = await asyncio.gather(*(one(i) for i in range(1, 6)))
+                return [await first, *rest]
+
+        rs = asyncio.run(burst())
+        codes = [r.status_code for r in rs]
+        assert codes[0] == 200 and 503 in codes and codes.count(200) >= 2, codes
+        full = next(r for r in rs if r.status_code == 503)
+        assert full.headers["Retry-After"] and full.json()["error"]["code"] == "queue_full"
+        assert 'reason="queue_full"' in httpx.get(f"{url}/metrics").text
+
+        # SIGTERM with a request in flight: it finishes; new ones get 503; the process exits
+        async def drain():
+            async with httpx.AsyncClient(base_url=url, timeout=300) as c:
+                task = asyncio.create_task(c.post("/v1/completions", json={
+                    "model": MODEL, "prompt": "A long tale:", "max_tokens": 60,
+                    "temperature": 0}))
+                await asyncio.sleep(0.5)
+                proc.send_signal(signal.SIGTERM)
+                await asyncio.sleep(0.5)
+                late = await c.post("/v1/completions", json={"model": MODEL, "prompt": "hi"})
+                health = await c.get("/health")
+                return await task, late, health
+
+        inflight, late, health = asyncio.run(drain())
+        assert inflight.status_code == 200
+        assert inflight.json()["usage"]["completion_tokens"] == 60
+        assert inflight.json()["choices"][0]["finish_reason"] == "length"
+        assert late.status_code == 503 and late.json()["error"]["code"] == "draining"
+        assert health.status_code == 503 and health.json()["status"] == "draining"
+        assert proc.wait(timeout=60) == 0
+    finally:
+        _stop(proc)
