@@ -64,6 +64,7 @@ class ServerOptions:
     shutdown_timeout: float = 30.0
     retry_after_s: int = 1
     warmup_lengths: tuple[int, ...] = (16,)
+    warmup_sampling: bool = True  # also compile the sampled (temperature > 0) programs
     served_model_name: str | None = None
     seed: int = 0
 
@@ -174,7 +175,7 @@ class GSMServer:
                 gsm=initial, seed=o.seed, prefill_chunk=o.prefill_chunk)
             self.live = LiveGSM(initial, check=self._check_gsm, on_change=self._gsm_changed)
             self._gsm_changed(self.live.current)
-            engine.warmup(o.warmup_lengths)
+            engine.warmup(o.warmup_lengths, sample=o.warmup_sampling)
             self.loop = EngineLoop(engine, max_queue=o.max_queue,
                                    on_step=self._engine_stepped).start()
             if self.watcher is not None:
@@ -328,7 +329,8 @@ class GSMServer:
             for j in range(body.n):
                 seed = None if base_seed is None else base_seed + j
                 req = EngineRequest(ids, limit, request_id=rid, temperature=body.temperature,
-                                    top_k=top_k, top_p=body.top_p, seed=seed, gsm=cfg)
+                                    top_k=top_k, top_p=body.top_p, seed=seed, gsm=cfg,
+                                    ignore_eos=body.ignore_eos)
                 try:
                     self.engine._check(req)
                 except GSMJaxError as e:

@@ -32,7 +32,7 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="enables /admin/* behind 'Authorization: Bearer <token>'")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds SIGTERM waits for running requests")
-    p.add_argument("--warmup-lengths", default="16",
+    p.add_argument("--warmup-lengths", default="16,32,64,128",
                    help="prompt lengths whose prefill compiles before serving (comma list)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-level", default="info")
@@ -61,3 +61,58 @@ def _run_serve(args: argparse.Namespace) -> int:
 
 
 SUBCOMMANDS["serve"] = (_add_serve_args, _run_serve)
+
+
+def _add_bench_serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--url", default="http://127.0.0.1:8000")
+    p.add_argument("--model", default=None, help="default: the server's (GET /v1/models)")
+    p.add_argument("--clients", type=int, default=16, help="closed loop: concurrent clients")
+    p.add_argument("--rate", type=float, default=None,
+                   help="open loop: Poisson arrivals per second (instead of --clients)")
+    p.add_argument("--requests", type=int, default=256)
+    p.add_argument("--long-share", type=float, default=0.25,
+                   help="share of long requests (prompt 256-512, 64 new; short: 16-64, 16)")
+    p.add_argument("--short-new", type=int, default=16)
+    p.add_argument("--long-new", type=int, default=64)
+    p.add_argument("--gsm-ab", action="store_true",
+                   help="split the run into the GSM arms by rollout 0.5 (needs --admin-token)")
+    p.add_argument("--admin-token", default=None)
+    p.add_argument("--slo-ttft-ms", type=float, default=None)
+    p.add_argument("--slo-tpot-ms", type=float, default=None)
+    p.add_argument("--slo-e2e-ms", type=float, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="runs/bench_serve", help="results.json + results.png here")
+
+
+def _run_bench_serve(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from gsm_jax.errors import InvalidInputError
+    from gsm_jax.serving import bench_client as bc
+
+    if args.requests < 1:
+        raise InvalidInputError(f"--requests must be >= 1, got {args.requests}")
+    if args.rate is not None and args.rate <= 0:
+        raise InvalidInputError(f"--rate must be > 0, got {args.rate}")
+    reqs = bc.wikitext_requests(args.requests, long_share=args.long_share,
+                                short_new=args.short_new, long_new=args.long_new, seed=args.seed)
+    try:
+        result = bc.run_bench(
+            args.url, reqs, model=args.model, clients=None if args.rate else args.clients,
+            rate=args.rate, gsm_ab=args.gsm_ab, admin_token=args.admin_token, seed=args.seed,
+            slo_ms={"ttft": args.slo_ttft_ms, "tpot": args.slo_tpot_ms, "e2e": args.slo_e2e_ms})
+    except (ValueError, RuntimeError) as e:
+        raise InvalidInputError(str(e)) from e
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(result, indent=1))
+    bc.plot(result, out / "results.png")
+    print(bc.table(result))
+    print(f"[bench-serve] load {result['load_before']:.2f} -> {result['load_after']:.2f}"
+          f"{'' if result['comparable'] else ' (above 1.5: not comparable)'}; "
+          f"wrote {out}/results.json, results.png")
+    return 0 if result["summary"]["all"]["failed"] == 0 else 1
+
+
+SUBCOMMANDS["bench-serve"] = (_add_bench_serve_args, _run_bench_serve)

@@ -98,6 +98,7 @@ class Request:
     seed: int | None = None  # None: derived from the engine's seed and submission counter
     tag: str = ""  # free label carried into the record (the benchmark uses "short"/"long")
     gsm: Any = DEFAULT  # DEFAULT | None (not smoothed) | a GSMConfig smoothing this request
+    ignore_eos: bool = False  # run to max_new_tokens (load tests: equal work per request)
 
 
 @dataclass
@@ -119,6 +120,7 @@ class RequestRecord:
     tokens: list[int] = field(default_factory=list)
     token_times: list[float] = field(default_factory=list)
     meta: dict[str, Any] = field(default_factory=dict)  # the caller's (a server's) fields
+    ignore_eos: bool = False
 
     @property
     def n_tokens(self) -> int:
@@ -571,6 +573,7 @@ class Engine:
             index=self._submitted if index is None else index, request_id=rid, tag=request.tag,
             prompt_len=int(prompt.size), max_new_tokens=int(request.max_new_tokens),
             arrival=clock() if arrival is None else float(arrival),
+            ignore_eos=bool(request.ignore_eos),
         )
         seed = request.seed if request.seed is not None else self._seed * 1_000_003 + \
             self._submitted
@@ -625,7 +628,7 @@ class Engine:
             self.on_token(rec, token)
         if rec.done:  # the callback aborted it (a stop string)
             return True
-        reason = ("eos" if token in self.eos_ids
+        reason = ("eos" if token in self.eos_ids and not rec.ignore_eos
                   else "length" if len(rec.tokens) >= rec.max_new_tokens else "")
         if not reason:
             self._last[slot] = token

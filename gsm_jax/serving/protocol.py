@@ -41,6 +41,7 @@ class _Sampling(_Body):
     stream_options: StreamOptions | None = None
     logprobs: Any = None
     user: str | None = None
+    ignore_eos: bool = False  # vLLM's extra: generate exactly max_tokens (load tests)
 
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

@@ -416,6 +416,20 @@ def run_report(
                 bench_note = f"the serving benchmark failed: {type(e).__name__}: {e}"
     elif sizes.bench_requests <= 0:
         bench_note = "skipped (--bench-requests 0)"
+    # 5b. the same through the real server (HTTP + SSE, `gsm-jax serve` subprocesses)
+    if not have("serve/serve_http.json") and sizes.bench_requests > 0 and chosen is not None:
+        from gsm_jax.serving.bench_client import http_gsm_on_off, wikitext_requests
+
+        def _serve():
+            reqs = wikitext_requests(sizes.bench_requests, seed=0)
+            return http_gsm_on_off(params.source, chosen, reqs, clients=sizes.bench_clients,
+                                   out=data_dir / "serve", progress=progress)
+        try:
+            clock.run("serving through HTTP", _serve)
+            added.append("serving through HTTP")
+        except Exception as e:  # noqa: BLE001 - the report must still be written
+            bench_note = (bench_note or "") + (
+                f" The HTTP serving run failed: {type(e).__name__}: {e}")
 
     meta = {
         "schema": "gsm-jax/report-meta/v1",
@@ -867,6 +881,18 @@ def _markdown(*, out: Path, model: dict, machine: dict, prof: Profile, cal: Cali
         w(f"**Not measured here** ({bench_note}). Run `gsm-jax bench --model {model['source']} "
           "--gsm <chosen gsm.yaml>` and put its table here.")
     w("")
+    serve_json = out / "data" / "serve" / "serve_http.json"
+    if serve_json.exists():
+        from gsm_jax.serving.bench_client import on_off_table
+
+        w("Through the real server (`gsm-jax serve` subprocesses, one with GSM compiled out "
+          "and one with the chosen config on every request; `gsm-jax bench-serve`'s client, "
+          f"closed loop, {sizes.bench_clients} clients, {sizes.bench_requests} requests, "
+          "streaming, `ignore_eos`; client-side times from SSE chunks; one warm-up pass "
+          "first):")
+        w("")
+        w(on_off_table(json.loads(serve_json.read_text())))
+        w("")
     # ---- honest conclusion
     w("## What GSM does and does not buy (plain words)")
     w("")
