@@ -15,11 +15,12 @@ served closed loop by `--clients` (16) concurrent clients, three ways in one run
 
 Same engine settings everywhere (max_batch, max_len 1024, prefill_chunk 512); each
 server compiles every prompt bucket before serving and gets one unmeasured warm-up
-pass of the same requests. Reported: output tokens/s (first send to last token) and
-the ratio http/engine (target >= 0.9), client-side P50/P90/P95/P99 TTFT, ITL, TPOT
-and e2e for both HTTP runs, the load average before and after each run (above 1.5:
-marked not comparable). Server and client share the machine's cores, as they do for
-a user benchmarking on one host.
+pass of the same requests. Both servers stay up and the measured rounds alternate
+between them (`--repeats`, off/on then on/off). Reported: output tokens/s (first send
+to last token; mean over repeats) and the ratio http/engine (target >= 0.9),
+client-side P50/P90/P95/P99 TTFT, ITL, TPOT and e2e pooled over the repeats, the load
+average before and after each run (above 1.5: marked not comparable). `--threads 1`
+puts the model (engine or server) on core 0 and the HTTP client on core 1.
 
 Outputs: results.json, results.md, results.png.
 """
@@ -33,6 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from common import REPO_ROOT, load_average, machine_info, markdown_table, write_json
 
 from gsm_jax.serving.launch import ServerProcess
@@ -52,22 +54,37 @@ def server_args(args: argparse.Namespace, *, gsm: bool) -> list[str]:
     return out if gsm else out + ["--no-gsm"]
 
 
-def http_run(args, requests, *, gsm: bool, log: Path) -> dict[str, Any]:
+def http_runs(args, requests) -> dict[str, list[dict[str, Any]]]:
+    """Both servers up (GSM compiled out / on), warmed, then `--repeats` rounds of the same
+    requests alternating between them (off, on / on, off, ...)."""
     import httpx
 
     from gsm_jax.serving import bench_client as bc
 
-    with ServerProcess(server_args(args, gsm=gsm), log_path=log, admin_token=TOKEN,
-                       env={"PYTHONPATH": str(REPO_ROOT)}, cpus=args.model_cpus) as srv:
-        print(f"[bench_serve] server up in {srv.startup_s:.0f} s "
-              f"({'GSM on' if gsm else 'GSM compiled out'})", file=sys.stderr)
-        if gsm:
-            httpx.put(f"{srv.url}/admin/gsm", json=GSM, timeout=60,
-                      headers=srv.admin_headers).raise_for_status()
-        bc.run_bench(srv.url, requests, clients=args.clients, progress=False)  # warm-up pass
-        result = bc.run_bench(srv.url, requests, clients=args.clients, progress=True)
-    result.pop("requests", None)
-    return result
+    servers = {}
+    try:
+        for arm in ("off", "on"):
+            srv = ServerProcess(server_args(args, gsm=arm == "on"),
+                                log_path=args.out / f"server_{arm}.log", admin_token=TOKEN,
+                                env={"PYTHONPATH": str(REPO_ROOT)}, cpus=args.model_cpus)
+            servers[arm] = srv.start()
+            print(f"[bench_serve] server up in {srv.startup_s:.0f} s (GSM {arm})",
+                  file=sys.stderr)
+            if arm == "on":
+                httpx.put(f"{srv.url}/admin/gsm", json=GSM, timeout=60,
+                          headers=srv.admin_headers).raise_for_status()
+            bc.run_bench(srv.url, requests, clients=args.clients, progress=False)  # warm-up
+        runs: dict[str, list[dict[str, Any]]] = {"off": [], "on": []}
+        for rep in range(args.repeats):
+            for arm in (("off", "on") if rep % 2 == 0 else ("on", "off")):
+                print(f"[bench_serve] repeat {rep + 1}/{args.repeats}: HTTP, GSM {arm}",
+                      file=sys.stderr)
+                runs[arm].append(bc.run_bench(servers[arm].url, requests,
+                                              clients=args.clients, progress=False))
+        return runs
+    finally:
+        for srv in servers.values():
+            srv.stop()
 
 
 def engine_run(args, requests) -> dict[str, Any]:
@@ -81,15 +98,22 @@ def engine_run(args, requests) -> dict[str, Any]:
     eng = Engine(params, max_batch=args.clients, max_len=1024, prefill_chunk=512)
     eng.warmup([1 << k for k in range(4, 10)])
     eng.run(reqs, clients=args.clients)  # warm-up pass
-    before = _load1()
-    t = time.perf_counter()
-    recs = eng.run(reqs, clients=args.clients)
-    wall = time.perf_counter() - t
-    after = _load1()
-    tokens = sum(r.n_tokens for r in recs)
-    return {"output_tokens": tokens, "wall_s": wall, "output_tok_per_s": tokens / wall,
-            "load_before": before, "load_after": after,
-            "comparable": max(before, after) <= 1.5}
+    runs = []
+    for _ in range(args.repeats):
+        before = _load1()
+        t = time.perf_counter()
+        recs = eng.run(reqs, clients=args.clients)
+        wall = time.perf_counter() - t
+        after = _load1()
+        tokens = sum(r.n_tokens for r in recs)
+        runs.append({"output_tokens": tokens, "wall_s": wall, "output_tok_per_s": tokens / wall,
+                     "load_before": before, "load_after": after,
+                     "comparable": max(before, after) <= 1.5})
+    return {"runs": runs, "output_tok_per_s": float(np.mean([r["output_tok_per_s"]
+                                                              for r in runs])),
+            "load_before": max(r["load_before"] for r in runs),
+            "load_after": max(r["load_after"] for r in runs),
+            "comparable": all(r["comparable"] for r in runs)}
 
 
 def main() -> int:
@@ -99,6 +123,7 @@ def main() -> int:
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--out", type=Path, default=Path("runs/bench_serve"))
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=2, help="measured rounds per run kind")
     p.add_argument("--threads", type=int, choices=(1,), default=None,
                    help="1: the model (engine or server) on core 0 only, the HTTP client on "
                    "core 1; the run's own load then stays near 1")
@@ -116,17 +141,31 @@ def main() -> int:
     print(f"[bench_serve] engine: {engine['output_tok_per_s']:.1f} tok/s", file=sys.stderr)
     if args.threads == 1:
         os.sched_setaffinity(0, {1})  # this (client) thread; the engine's threads keep core 0
-    off = http_run(args, requests, gsm=False, log=args.out / "server_off.log")
-    on = http_run(args, requests, gsm=True, log=args.out / "server_on.log")
+    runs = http_runs(args, requests)
+
+    def side(arm: str) -> dict[str, Any]:
+        rs = runs[arm]
+        return {"summary": {"all": bc.pooled_summary(rs)},
+                "runs_tok_per_s": [r["summary"]["all"]["output_tok_per_s"] for r in rs],
+                "output_tok_per_s": float(np.mean([r["summary"]["all"]["output_tok_per_s"]
+                                                   for r in rs])),
+                "load_before": max(r["load_before"] for r in rs),
+                "load_after": max(r["load_after"] for r in rs),
+                "comparable": all(r["comparable"] for r in rs)}
+
+    off, on = side("off"), side("on")
     s_off, s_on = off["summary"]["all"], on["summary"]["all"]
     result = {
         "machine": machine_info(), "model": args.model, "clients": args.clients,
-        "requests": args.requests, "cpu_count": os.cpu_count(), "gsm_config": GSM,
-        "threads": args.threads, "model_cpus": sorted(args.model_cpus or []),
+        "requests": args.requests, "repeats": args.repeats, "cpu_count": os.cpu_count(),
+        "gsm_config": GSM, "threads": args.threads, "model_cpus": sorted(args.model_cpus or []),
         "engine": engine, "http_gsm_off": off, "http_gsm_on": on,
-        "ratio_http_over_engine": s_off["output_tok_per_s"] / engine["output_tok_per_s"],
-        "ratio_gsm_on_over_off": s_on["output_tok_per_s"] / s_off["output_tok_per_s"],
+        "ratio_http_over_engine": off["output_tok_per_s"] / engine["output_tok_per_s"],
+        "ratio_gsm_on_over_off": on["output_tok_per_s"] / off["output_tok_per_s"],
         "target_http_over_engine": 0.9,
+        "definitions": "output tok/s: mean over repeats of a run's output tokens / its wall "
+                       "time (first send to last token); percentiles pooled over the repeats' "
+                       "requests, client-side (SSE chunk arrival)",
     }
     result["comparable"] = all(r["comparable"] for r in (engine, off, on))
     write_json(args.out / "results.json", result)
@@ -139,8 +178,8 @@ def main() -> int:
              "1.00", "-", "-", "-", f"{engine['load_before']:.2f} / {engine['load_after']:.2f}"]]
     for name, r in (("HTTP, GSM compiled out", off), ("HTTP, GSM on (all layers)", on)):
         s = r["summary"]["all"]
-        rows.append([name, f"{s['output_tok_per_s']:.1f}",
-                     f"{s['output_tok_per_s'] / engine['output_tok_per_s']:.2f}",
+        rows.append([name, f"{r['output_tok_per_s']:.1f}",
+                     f"{r['output_tok_per_s'] / engine['output_tok_per_s']:.2f}",
                      f"{ms(s, 'ttft_s', 50)} / {ms(s, 'ttft_s', 99)}",
                      f"{ms(s, 'itl_s', 50)} / {ms(s, 'itl_s', 99)}",
                      f"{ms(s, 'e2e_s', 50)} / {ms(s, 'e2e_s', 99)}",

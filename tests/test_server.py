@@ -70,10 +70,18 @@ def _stop(proc: subprocess.Popen) -> None:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("server")
+    gsm_file = tmp / "gsm.json"  # watched: GSM off until a PUT or a file change
+    gsm_file.write_text(json.dumps({"enable": False, "target_layers": "all"}))
     proc, url = _start(tmp, "--max-batch", "16", "--max-len", "256", "--prefill-chunk", "32",
-                       "--admin-token", TOKEN, "--warmup-lengths", "16,32")
-    yield url
+                       "--admin-token", TOKEN, "--warmup-lengths", "16,32",
+                       "--gsm", str(gsm_file))
+    yield url, gsm_file
     _stop(proc)
+
+
+@pytest.fixture(scope="module")
+def url(server):
+    return server[0]
 
 
 @pytest.fixture(scope="module")
@@ -93,8 +101,8 @@ def _complete(url: str, prompt, max_tokens: int, **kw) -> httpx.Response:
 # ----------------------------------------------------------------------------- API
 
 
-def test_openai_client_completion_chat_stream_equal_generate(server, params):
-    client = _client(server)
+def test_openai_client_completion_chat_stream_equal_generate(url, params):
+    client = _client(url)
     prompt = "The capital of France is"
     ref = gsm_jax.generate(params, prompt, max_new_tokens=24)[0]
     out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0)
@@ -122,24 +130,24 @@ def test_openai_client_completion_chat_stream_equal_generate(server, params):
     assert [m.id for m in models.data] == [MODEL]
 
 
-def test_stop_strings_n_and_seed(server, params):
-    full = _complete(server, "Counting: 1, 2, 3,", 24).json()["choices"][0]["text"]
+def test_stop_strings_n_and_seed(url, params):
+    full = _complete(url, "Counting: 1, 2, 3,", 24).json()["choices"][0]["text"]
     stop = full.split(",")[2] if full.count(",") >= 3 else full[4:6]
-    cut = _complete(server, "Counting: 1, 2, 3,", 24, stop=[stop]).json()
+    cut = _complete(url, "Counting: 1, 2, 3,", 24, stop=[stop]).json()
     choice = cut["choices"][0]
     assert choice["finish_reason"] == "stop" and choice["text"] == full[: full.find(stop)]
     assert cut["usage"]["completion_tokens"] < 24  # ended when the stop appeared
 
     body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 12, "temperature": 1.0,
             "top_p": 0.9, "top_k": 40, "seed": 7, "n": 3}
-    a = httpx.post(f"{server}/v1/completions", json=body, timeout=300).json()
-    b = httpx.post(f"{server}/v1/completions", json=body, timeout=300).json()
+    a = httpx.post(f"{url}/v1/completions", json=body, timeout=300).json()
+    b = httpx.post(f"{url}/v1/completions", json=body, timeout=300).json()
     assert [c["index"] for c in a["choices"]] == [0, 1, 2]
     assert [c["text"] for c in a["choices"]] == [c["text"] for c in b["choices"]]  # seeded
     assert len({c["text"] for c in a["choices"]}) > 1  # n samples, seeds seed + i
 
 
-def test_200_concurrent_streams_none_lost_none_mixed(server):
+def test_200_concurrent_streams_none_lost_none_mixed(url):
     """200 streaming requests of mixed lengths at once (16 slots, the rest queued; the
     long prompts are prefilled in chunks of 32): every one completes, and each output
     equals what its prompt gives when it runs alone."""
@@ -152,7 +160,7 @@ def test_200_concurrent_streams_none_lost_none_mixed(server):
         start = int(rng.integers(0, len(text) - n))
         prompts.append(" ".join(text[start:start + n]))
     new = [4, 9, 16, 6, 12]
-    alone = [_complete(server, p, new[i % 5]).json()["choices"][0]["text"]
+    alone = [_complete(url, p, new[i % 5]).json()["choices"][0]["text"]
              for i, p in enumerate(prompts)]
 
     async def one(client, i):
@@ -177,7 +185,7 @@ def test_200_concurrent_streams_none_lost_none_mixed(server):
 
     async def run():
         limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
-        async with httpx.AsyncClient(base_url=server, timeout=600, limits=limits) as client:
+        async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
             return await asyncio.gather(*(one(client, i) for i in range(200)))
 
     results = asyncio.run(run())
@@ -192,21 +200,21 @@ def test_200_concurrent_streams_none_lost_none_mixed(server):
 # ----------------------------------------------------------------------------- admin
 
 
-def test_admin_put_rollout_rollback_under_load(server):
-    state = httpx.get(f"{server}/admin/gsm", headers=ADMIN).json()
+def test_admin_put_rollout_rollback_under_load(url):
+    state = httpx.get(f"{url}/admin/gsm", headers=ADMIN).json()
     base = state["version"]
     prompt = "The history of the city began"
     # warm the shapes used below, then count compiled programs
     for arm_cfg in (None, GSM_V):
         if arm_cfg is not None:
-            assert httpx.put(f"{server}/admin/gsm", json=arm_cfg, headers=ADMIN).status_code == 200
-        _complete(server, prompt, 8)
-    compiles = httpx.get(f"{server}/admin/stats", headers=ADMIN).json()["compiles"]
-    v_on = httpx.get(f"{server}/admin/gsm", headers=ADMIN).json()["version"]
+            assert httpx.put(f"{url}/admin/gsm", json=arm_cfg, headers=ADMIN).status_code == 200
+        _complete(url, prompt, 8)
+    compiles = httpx.get(f"{url}/admin/stats", headers=ADMIN).json()["compiles"]
+    v_on = httpx.get(f"{url}/admin/gsm", headers=ADMIN).json()["version"]
     assert v_on == base + 1
 
     async def load(ids, gate=None):
-        async with httpx.AsyncClient(base_url=server, timeout=600) as c:
+        async with httpx.AsyncClient(base_url=url, timeout=600) as c:
             async def one(rid):
                 r = await c.post("/v1/completions", headers={"x-request-id": rid}, json={
                     "model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0})
@@ -220,7 +228,7 @@ def test_admin_put_rollout_rollback_under_load(server):
     async def put_while_running():
         task = asyncio.create_task(load([f"pre{i}" for i in range(24)]))
         await asyncio.sleep(0.3)
-        async with httpx.AsyncClient(base_url=server, timeout=60) as c:
+        async with httpx.AsyncClient(base_url=url, timeout=60) as c:
             r = await c.put("/admin/gsm", headers=ADMIN,
                             json={**GSM_V, "smooth_strength": 0.2, "window_size": 6})
             assert r.status_code == 200, r.text
@@ -232,7 +240,7 @@ def test_admin_put_rollout_rollback_under_load(server):
     assert {v for _, v, _, _ in pre} <= {v_on, v_new}  # each names the version it got
     assert all(arm == "gsm" for _, _, arm, _ in pre)
 
-    r = httpx.post(f"{server}/admin/gsm/rollout", json={"fraction": 0.5}, headers=ADMIN)
+    r = httpx.post(f"{url}/admin/gsm/rollout", json={"fraction": 0.5}, headers=ADMIN)
     assert r.status_code == 200 and r.json()["rollout_fraction"] == 0.5
     v_half = r.json()["version"]
     ids = [f"user-{i}" for i in range(120)]
@@ -246,40 +254,40 @@ def test_admin_put_rollout_rollback_under_load(server):
     again = asyncio.run(load(ids[:20]))  # retries land in the same arm
     assert [a for _, _, a, _ in again] == [arms[r] for r in ids[:20]]
 
-    r = httpx.post(f"{server}/admin/gsm/rollback", headers=ADMIN)
+    r = httpx.post(f"{url}/admin/gsm/rollback", headers=ADMIN)
     assert r.status_code == 200 and r.json()["version"] == v_new
     assert r.json()["rollout_fraction"] == 1.0
     back = asyncio.run(load(ids[:10]))
     assert all(v == v_new and a == "gsm" for _, v, a, _ in back)
 
     # refused: an invalid config (the version stays), a missing or wrong token
-    r = httpx.put(f"{server}/admin/gsm", json={"smooth_strength": 0.9}, headers=ADMIN)
+    r = httpx.put(f"{url}/admin/gsm", json={"smooth_strength": 0.9}, headers=ADMIN)
     assert r.status_code == 400 and "max_strength" in r.json()["error"]["message"]
-    r = httpx.put(f"{server}/admin/gsm", json={"window_size": "wide"}, headers=ADMIN)
+    r = httpx.put(f"{url}/admin/gsm", json={"window_size": "wide"}, headers=ADMIN)
     assert r.status_code == 400
-    r = httpx.put(f"{server}/admin/gsm", json={**GSM_V, "max_window": 16}, headers=ADMIN)
+    r = httpx.put(f"{url}/admin/gsm", json={**GSM_V, "max_window": 16}, headers=ADMIN)
     assert r.status_code == 400 and "static" in r.json()["error"]["message"]
-    assert httpx.get(f"{server}/admin/gsm", headers=ADMIN).json()["version"] == v_new
-    assert httpx.put(f"{server}/admin/gsm", json=GSM_V).status_code == 401
-    assert httpx.get(f"{server}/admin/gsm",
+    assert httpx.get(f"{url}/admin/gsm", headers=ADMIN).json()["version"] == v_new
+    assert httpx.put(f"{url}/admin/gsm", json=GSM_V).status_code == 401
+    assert httpx.get(f"{url}/admin/gsm",
                      headers={"Authorization": "Bearer nope"}).status_code == 401
     # no change recompiled anything
-    assert httpx.get(f"{server}/admin/stats", headers=ADMIN).json()["compiles"] == compiles
-    metrics = httpx.get(f"{server}/metrics").text
+    assert httpx.get(f"{url}/admin/stats", headers=ADMIN).json()["compiles"] == compiles
+    metrics = httpx.get(f"{url}/metrics").text
     assert f'gsm_jax:request_success_total{{finished_reason="length",gsm_arm="control",' \
            f'gsm_version="{v_half}"' in metrics
     assert f"gsm_jax:gsm_config_version{{model_name=\"{MODEL}\"}} {float(v_new)}" in metrics
 
 
-def test_gsm_arm_changes_what_is_generated(server, params):
+def test_gsm_arm_changes_what_is_generated(url, params):
     """The "gsm" arm really runs the filter: at strength 0.3 on every layer, its greedy
     text equals gsm_jax.generate with the same config (and differs from no GSM on some
     prompt)."""
     cfg = {"target_layers": "all", "smooth_strength": 0.3, "window_size": 4,
            "protect_first": 1}
-    assert httpx.put(f"{server}/admin/gsm", json=cfg, headers=ADMIN).status_code == 200
+    assert httpx.put(f"{url}/admin/gsm", json=cfg, headers=ADMIN).status_code == 200
     prompts = ["The old man walked slowly to the", "In 1850 the railway company decided to"]
-    got = [_complete(server, p, 16).json() for p in prompts]
+    got = [_complete(url, p, 16).json() for p in prompts]
     assert all(g["gsm"]["arm"] == "gsm" for g in got)
     ref = gsm_jax.generate(params, prompts, max_new_tokens=16, gsm=gsm_jax.GSMConfig(**cfg))
     assert [g["choices"][0]["text"] for g in got] == ref
@@ -287,10 +295,34 @@ def test_gsm_arm_changes_what_is_generated(server, params):
     assert ref != off
 
 
+def test_gsm_file_watcher_reloads_and_keeps_last_good(server):
+    url, gsm_file = server
+    before = httpx.get(f"{url}/admin/gsm", headers=ADMIN).json()["version"]
+
+    def wait_for(pred, what):
+        deadline = time.time() + 20
+        while time.time() < deadline:
+            state = httpx.get(f"{url}/admin/gsm", headers=ADMIN).json()
+            if pred(state):
+                return state
+            time.sleep(0.2)
+        raise AssertionError(f"no {what} within 20 s: {state}")
+
+    gsm_file.write_text(json.dumps({**GSM_V, "smooth_strength": 0.05}))
+    state = wait_for(lambda s: s["version"] > before, "reload")
+    assert state["source"] == "file" and state["config"]["smooth_strength"] == 0.05
+    r = _complete(url, "A file-watched config", 4)
+    assert r.headers["x-gsm-version"] == str(state["version"])
+    assert r.headers["x-gsm-arm"] == "gsm"
+    gsm_file.write_text("{ not json")  # refused: the last good config stays
+    time.sleep(2.5)
+    assert httpx.get(f"{url}/admin/gsm", headers=ADMIN).json()["version"] == state["version"]
+
+
 # ----------------------------------------------------------------------------- bad input
 
 
-def test_bad_input_gets_openai_errors(server):
+def test_bad_input_gets_openai_errors(url):
     def err(r, status, code=None):
         assert r.status_code == status, r.text
         e = r.json()["error"]
@@ -299,33 +331,35 @@ def test_bad_input_gets_openai_errors(server):
             assert e["code"] == code
         return e
 
-    url = f"{server}/v1/completions"
+    comp = f"{url}/v1/completions"
     post = functools.partial(httpx.post, timeout=120)
-    err(post(url, content=b"{not json", headers={"content-type": "application/json"}),
+    err(post(comp, content=b"{not json", headers={"content-type": "application/json"}),
         400, "invalid_json")
-    err(post(url, json=[1, 2]), 400, "invalid_json")
-    e = err(post(url, json={"model": MODEL, "prompt": "hi", "max_tokens": "5"}), 400)
+    err(post(comp, json=[1, 2]), 400, "invalid_json")
+    e = err(post(comp, json={"model": MODEL, "prompt": "hi", "max_tokens": "5"}), 400)
     assert e["param"] == "max_tokens"
-    err(post(url, json={"model": MODEL, "prompt": "hi", "temperature": "hot"}), 400)
-    err(post(url, json={"model": MODEL, "prompt": "hi", "max_tokens": 0}), 400)
-    err(post(url, json={"model": MODEL, "prompt": ""}), 400)
-    err(post(url, json={"model": MODEL}), 400)
-    err(post(url, json={"model": MODEL, "prompt": "word " * 300, "max_tokens": 8}), 400,
+    err(post(comp, json={"model": MODEL, "prompt": "hi", "temperature": "hot"}), 400)
+    err(post(comp, json={"model": MODEL, "prompt": "hi", "max_tokens": 0}), 400)
+    err(post(comp, json={"model": MODEL, "prompt": ""}), 400)
+    err(post(comp, json={"model": MODEL}), 400)
+    err(post(comp, json={"model": MODEL, "prompt": "word " * 300, "max_tokens": 8}), 400,
         "context_length_exceeded")
-    err(post(url, json={"model": "gpt-5", "prompt": "hi"}), 404, "model_not_found")
-    err(post(f"{server}/v1/chat/completions",
+    err(post(comp, json={"model": "gpt-5", "prompt": "hi"}), 404, "model_not_found")
+    err(post(f"{url}/v1/chat/completions",
                    json={"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}), 400)
-    err(post(url, json={"model": MODEL, "prompt": "hi", "logprobs": 2}), 400, "unsupported")
-    r = post(url, json={"model": MODEL, "prompt": "hi", "max_tokens": 2, "temperature": 0,
+    err(post(comp, json={"model": MODEL, "prompt": "hi", "logprobs": 2}), 400, "unsupported")
+    r = post(comp, json={"model": MODEL, "prompt": "hi", "max_tokens": 2, "temperature": 0,
                               "frobnicate": True})
     assert r.status_code == 200 and r.headers["x-ignored-fields"] == "frobnicate"
+    err(httpx.get(f"{url}/v1/nothing-here"), 404)  # unknown routes: the same error shape
+    err(httpx.get(comp), 405)
 
 
-def test_client_disconnect_frees_the_slot(server):
+def test_client_disconnect_frees_the_slot(url):
     """A client that leaves mid-stream: its request is aborted at the next step (no
     zombie decode runs on to max_tokens)."""
     def aborted() -> float:
-        text = httpx.get(f"{server}/metrics").text
+        text = httpx.get(f"{url}/metrics").text
         return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                    if line.startswith("gsm_jax:request_success_total")
                    and 'finished_reason="abort"' in line)
@@ -333,22 +367,22 @@ def test_client_disconnect_frees_the_slot(server):
     before = aborted()
     body = {"model": MODEL, "prompt": "Tell me a long story about", "max_tokens": 200,
             "temperature": 0, "stream": True}
-    with httpx.stream("POST", f"{server}/v1/completions", json=body, timeout=60) as r:
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
         for i, _ in enumerate(r.iter_lines()):
             if i >= 6:
                 break  # leave after a few chunks
     deadline = time.time() + 20
     while time.time() < deadline:
-        stats = httpx.get(f"{server}/admin/stats", headers=ADMIN).json()
+        stats = httpx.get(f"{url}/admin/stats", headers=ADMIN).json()
         if stats["running"] == 0 and aborted() == before + 1:
             break
         time.sleep(0.1)
     assert stats["running"] == 0 and stats["waiting"] == 0
     assert aborted() == before + 1
-    gen = [line for line in httpx.get(f"{server}/metrics").text.splitlines()
+    gen = [line for line in httpx.get(f"{url}/metrics").text.splitlines()
            if line.startswith("gsm_jax:generation_tokens_total")]
     assert gen  # counted, and below the 200 it asked for
-    health = httpx.get(f"{server}/health")
+    health = httpx.get(f"{url}/health")
     assert health.status_code == 200 and health.json()["status"] == "ready"
 
 

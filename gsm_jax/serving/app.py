@@ -30,6 +30,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gsm_jax.errors import GSMConfigError, GSMJaxError, InvalidInputError
 from gsm_jax.serving.engine import Engine
@@ -529,6 +530,12 @@ def build_app(server: GSMServer, *, load_in_background: bool = True) -> FastAPI:
     @app.exception_handler(HTTPError)
     async def _http_error(request: Request, e: HTTPError) -> JSONResponse:
         return e.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _route_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return JSONResponse(error_body(f"{request.method} {request.url.path}: {e.detail}",
+                                       type=kind), status_code=e.status_code)
 
     @app.exception_handler(Exception)
     async def _server_error(request: Request, e: Exception) -> JSONResponse:

@@ -352,3 +352,16 @@ def on_off_table(results: dict[str, Any]) -> str:
                      f"{ms('itl_s')} | {ms('e2e_s')} | {s['failed']} | "
                      f"{r['load_before']:.2f} / {r['load_after']:.2f} |")
     return "\n".join(lines)
+
+
+def pooled_summary(results: list[dict[str, Any]], slo: dict[str, float] | None = None
+                   ) -> dict[str, Any]:
+    """One summary over several runs of the same requests (their per-request rows pooled,
+    their wall times summed): percentiles over every request of every run."""
+    names = {f.name for f in Outcome.__dataclass_fields__.values()}
+    outs = [Outcome(**{k: v for k, v in row.items() if k in names})
+            for r in results for row in r["requests"]]
+    for o in outs:
+        o.ttft = math.nan if o.ttft is None else o.ttft
+        o.e2e = math.nan if o.e2e is None else o.e2e
+    return summarize(outs, sum(r["wall_s"] for r in results), slo or {})

@@ -180,8 +180,13 @@ class RequestRecord:
 # ----------------------------------------------------------------------------- jitted steps
 
 
-def _pick(logits, temperature, top_k, top_p, seeds, counts, *, sample: bool, filtered: bool):
-    """Next token per row: greedy, or sampled from key fold_in(key(seed), count) per row."""
+@functools.partial(jax.jit, static_argnames=("sample", "filtered"))
+def _pick(logits, sampling, *, sample: bool, filtered: bool):
+    """Next token per row: greedy, or sampled from key fold_in(key(seed), count) per row.
+
+    Its own (small) program: the model's programs return logits, so each compiles once
+    per shape, not once per sampling mode (greedy / sampled / top-k-top-p)."""
+    temperature, top_k, top_p, seeds, counts = sampling
     if not sample:  # greedy: the same argmax generate_tokens takes at temperature 0
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
@@ -193,26 +198,21 @@ def _pick(logits, temperature, top_k, top_p, seeds, counts, *, sample: bool, fil
     return jax.vmap(one)(logits, seeds, counts, temperature, top_k, top_p)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "max_len", "sample", "filtered"))
-def _prefill(weights, tokens, lengths, gsm, sampling, *, config, max_len: int, sample: bool,
-             filtered: bool):
+@functools.partial(jax.jit, static_argnames=("config", "max_len"))
+def _prefill(weights, tokens, lengths, gsm, *, config, max_len: int):
     """Prefill `tokens` [1, T] into a fresh one-row cache of `max_len` slots."""
     family = family_module(config.family)
     rows = family.init_cache(
         config, tokens.shape[0], max_len, dtype=jax.tree.leaves(weights)[0].dtype,
         gsm_max_window=None if gsm is None else gsm.max_window,
     )
-    logits, rows = family.prefill(weights, config, tokens, lengths, rows, gsm)
-    return _pick(logits, *sampling, sample=sample, filtered=filtered), rows
+    return family.prefill(weights, config, tokens, lengths, rows, gsm)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "sample", "filtered"),
-                   donate_argnames=("rows",))
-def _extend(weights, tokens, n_new, rows, gsm, sampling, *, config, sample: bool,
-            filtered: bool):
+@functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("rows",))
+def _extend(weights, tokens, n_new, rows, gsm, *, config):
     """Append the next chunk `tokens` [1, C] (n_new real) of a prompt to its one-row cache."""
-    logits, rows = family_module(config.family).extend(weights, config, tokens, n_new, rows, gsm)
-    return _pick(logits, *sampling, sample=sample, filtered=filtered), rows
+    return family_module(config.family).extend(weights, config, tokens, n_new, rows, gsm)
 
 
 @functools.partial(jax.jit, donate_argnames=("cache",), static_argnames=("config",))
@@ -221,10 +221,8 @@ def _insert(cache, rows, slots, *, config):
     return family_module(config.family).cache_insert(cache, rows, slots)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "max_len", "sample", "filtered"),
-                   donate_argnames=("cache",))
-def _prefill_insert(weights, tokens, lengths, cache, slots, gsm, sampling, *, config,
-                    max_len: int, sample: bool, filtered: bool):
+@functools.partial(jax.jit, static_argnames=("config", "max_len"), donate_argnames=("cache",))
+def _prefill_insert(weights, tokens, lengths, cache, slots, gsm, *, config, max_len: int):
     """Prefill and insert in one call: a prompt that fits one chunk."""
     family = family_module(config.family)
     rows = family.init_cache(
@@ -232,22 +230,16 @@ def _prefill_insert(weights, tokens, lengths, cache, slots, gsm, sampling, *, co
         gsm_max_window=None if gsm is None else gsm.max_window,
     )
     logits, rows = family.prefill(weights, config, tokens, lengths, rows, gsm)
-    cache = family.cache_insert(cache, rows, slots)
-    return _pick(logits, *sampling, sample=sample, filtered=filtered), cache
+    return logits, family.cache_insert(cache, rows, slots)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "sample", "filtered"),
-                   donate_argnames=("cache",))
-def _decode(weights, tokens, cache, gsm, active, sampling, *, config, sample: bool,
-            filtered: bool):
-    """One decode step over every slot; returns the next token per slot and the cache."""
-    logits, cache = family_module(config.family).decode_step(
-        weights, config, tokens, cache, gsm, active
-    )
-    return _pick(logits, *sampling, sample=sample, filtered=filtered), cache
+@functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("cache",))
+def _decode(weights, tokens, cache, gsm, active, *, config):
+    """One decode step over every slot; returns the logits per slot and the cache."""
+    return family_module(config.family).decode_step(weights, config, tokens, cache, gsm, active)
 
 
-COMPILED = {"prefill": _prefill, "extend": _extend, "insert": _insert,
+COMPILED = {"pick": _pick, "prefill": _prefill, "extend": _extend, "insert": _insert,
             "prefill_insert": _prefill_insert, "decode": _decode}
 
 
@@ -692,15 +684,16 @@ class Engine:
         tokens[0, :first] = prompt[:first]
         gsm = self._one_row_gsm(cfg)
         sampling = self._sampling_args([s], [0])
-        kw = dict(config=self.config, max_len=self.max_len, sample=s.sample, filtered=s.filtered)
+        kw = dict(config=self.config, max_len=self.max_len)
         with _on_mesh(self._mesh):
             if first == prompt.size:
-                tok, self._cache = _prefill_insert(
+                logits, self._cache = _prefill_insert(
                     self.params.weights, jnp.asarray(tokens), jnp.asarray([first], jnp.int32),
-                    self._cache, jnp.asarray([slot], jnp.int32), gsm, sampling, **kw)
+                    self._cache, jnp.asarray([slot], jnp.int32), gsm, **kw)
+                tok = _pick(logits, sampling, sample=s.sample, filtered=s.filtered)
             else:
                 _, rows = _prefill(self.params.weights, jnp.asarray(tokens),
-                                   jnp.asarray([first], jnp.int32), gsm, sampling, **kw)
+                                   jnp.asarray([first], jnp.int32), gsm, **kw)
                 jax.block_until_ready(rows)
         self.step_times.append(("prefill", padded, clock() - rec.admitted))
         if first < prompt.size:
@@ -718,10 +711,9 @@ class Engine:
         tokens[0, :n] = prompt[p.done: p.done + n]
         t = clock()
         with _on_mesh(self._mesh):
-            tok, rows = _extend(self.params.weights, jnp.asarray(tokens),
-                                jnp.asarray([n], jnp.int32), p.rows, self._one_row_gsm(p.cfg),
-                                self._sampling_args([s], [0]), config=self.config,
-                                sample=s.sample, filtered=s.filtered)
+            logits, rows = _extend(self.params.weights, jnp.asarray(tokens),
+                                   jnp.asarray([n], jnp.int32), p.rows,
+                                   self._one_row_gsm(p.cfg), config=self.config)
             p.rows, p.done = rows, p.done + n
             if p.done < prompt.size:
                 jax.block_until_ready(rows)
@@ -729,6 +721,8 @@ class Engine:
                 return False
             self._cache = _insert(self._cache, rows, jnp.asarray([p.slot], jnp.int32),
                                   config=self.config)
+            tok = _pick(logits, self._sampling_args([s], [0]), sample=s.sample,
+                        filtered=s.filtered)
         token = int(np.asarray(tok)[0])
         self.step_times.append(("extend", chunk, clock() - t))
         self._prefilling = None
@@ -744,11 +738,12 @@ class Engine:
         sample = bool((self._temps[active] > 0).any())
         t = clock()
         with _on_mesh(self._mesh):
-            tok, self._cache = _decode(
+            logits, self._cache = _decode(
                 self.params.weights, jnp.asarray(self._last), self._cache, gsm,
-                jnp.asarray(active), sampling, config=self.config, sample=sample,
-                filtered=sample and bool(self._filtered[active].any()),
+                jnp.asarray(active), config=self.config,
             )
+            tok = _pick(logits, sampling, sample=sample,
+                        filtered=sample and bool(self._filtered[active].any()))
         tokens = np.asarray(tok)
         self.step_times.append(("decode", int(active.sum()), clock() - t))
         t = clock()
