@@ -38,13 +38,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start(tmp: Path, *args: str) -> tuple[subprocess.Popen, str]:
+def _start(tmp: Path, *args: str, env: dict[str, str] | None = None
+           ) -> tuple[subprocess.Popen, str]:
     port = _free_port()
     log = open(tmp / f"server_{port}.log", "w")  # noqa: SIM115 - closed with the process
     cmd = [sys.executable, "-c", "import sys; from gsm_jax.cli import main; sys.exit(main())",
            "serve", "--model", MODEL, "--port", str(port), "--log-level", "warning", *args]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, "JAX_PLATFORMS": "cpu"})
+                            env={**os.environ, "JAX_PLATFORMS": "cpu", **(env or {})})
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 240
     while time.time() < deadline:
@@ -430,5 +431,21 @@ def test_full_queue_503_and_sigterm_drains(tmp_path):
         assert late.status_code == 503 and late.json()["error"]["code"] == "draining"
         assert health.status_code == 503 and health.json()["status"] == "draining"
         assert proc.wait(timeout=60) == 0
+    finally:
+        _stop(proc)
+
+
+def test_serve_on_a_mesh_equals_one_device(tmp_path, params):
+    """`--mesh 1x2` (two forced host devices): weights sharded over "model", the same
+    greedy text as one device."""
+    proc, url = _start(tmp_path, "--mesh", "1x2", "--max-batch", "2", "--max-len", "128",
+                       "--no-gsm", "--warmup-lengths", "16",
+                       env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
+    try:
+        prompt = "The capital of France is"
+        r = _complete(url, prompt, 12)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == gsm_jax.generate(params, prompt,
+                                                                   max_new_tokens=12)[0]
     finally:
         _stop(proc)

@@ -68,6 +68,7 @@ class ServerOptions:
     warmup_sampling: bool = True  # also compile the sampled (temperature > 0) programs
     served_model_name: str | None = None
     seed: int = 0
+    mesh: tuple[int, int] | None = None  # (data, model): weights sharded, JAX SPMD
 
 
 class HTTPError(Exception):
@@ -161,7 +162,12 @@ class GSMServer:
 
             o = self.options
             if self.params is None:
-                self.params = gsm_jax.load(o.model, dtype=o.dtype)
+                mesh = None
+                if o.mesh is not None:
+                    import jax
+
+                    mesh = jax.make_mesh(tuple(o.mesh), ("data", "model"))
+                self.params = gsm_jax.load(o.model, dtype=o.dtype, mesh=mesh)
             if self.params.tokenizer is None:
                 raise InvalidInputError(f"{o.model}: no tokenizer; the server takes text")
             initial = None

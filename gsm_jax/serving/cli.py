@@ -35,6 +35,9 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup-lengths", default="16,32,64,128",
                    help="prompt lengths whose prefill compiles before serving (comma list)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--mesh", default=None,
+                   help="DATAxMODEL devices, e.g. 1x8: weights sharded by the rules table "
+                   "(tensor / expert parallel), one engine over the mesh")
     p.add_argument("--log-level", default="info")
 
 
@@ -48,6 +51,14 @@ def _run_serve(args: argparse.Namespace) -> int:
         warm = tuple(int(x) for x in str(args.warmup_lengths).split(",") if x.strip())
     except ValueError as e:
         raise InvalidInputError(f"--warmup-lengths must be integers: {e}") from e
+    mesh = None
+    if args.mesh:
+        try:
+            data, model = (int(x) for x in args.mesh.lower().split("x"))
+        except ValueError as e:
+            raise InvalidInputError(f"--mesh must be DATAxMODEL, e.g. 1x8; got {args.mesh!r}"
+                                    ) from e
+        mesh = (data, model)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     options = ServerOptions(
@@ -55,7 +66,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         max_queue=args.max_queue, prefill_chunk=args.prefill_chunk, gsm=args.gsm,
         compile_gsm=not args.no_gsm, admin_token=args.admin_token,
         shutdown_timeout=args.shutdown_timeout, warmup_lengths=warm,
-        served_model_name=args.served_model_name, seed=args.seed)
+        served_model_name=args.served_model_name, seed=args.seed, mesh=mesh)
     serve(options, host=args.host, port=args.port, log_level=args.log_level)
     return 0
 

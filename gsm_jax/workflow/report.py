@@ -417,13 +417,14 @@ def run_report(
     elif sizes.bench_requests <= 0:
         bench_note = "skipped (--bench-requests 0)"
     # 5b. the same through the real server (HTTP + SSE, `gsm-jax serve` subprocesses)
-    if not have("serve/serve_http.json") and sizes.bench_requests > 0 and chosen is not None:
+    if (not have("serve_http/serve_http.json") and sizes.bench_requests > 0
+            and chosen is not None):
         from gsm_jax.serving.bench_client import http_gsm_on_off, wikitext_requests
 
         def _serve():
             reqs = wikitext_requests(sizes.bench_requests, seed=0)
             return http_gsm_on_off(params.source, chosen, reqs, clients=sizes.bench_clients,
-                                   out=data_dir / "serve", progress=progress)
+                                   out=data_dir / "serve_http", progress=progress)
         try:
             clock.run("serving through HTTP", _serve)
             added.append("serving through HTTP")
@@ -881,7 +882,7 @@ def _markdown(*, out: Path, model: dict, machine: dict, prof: Profile, cal: Cali
         w(f"**Not measured here** ({bench_note}). Run `gsm-jax bench --model {model['source']} "
           "--gsm <chosen gsm.yaml>` and put its table here.")
     w("")
-    serve_json = out / "data" / "serve" / "serve_http.json"
+    serve_json = out / "data" / "serve_http" / "serve_http.json"
     if serve_json.exists():
         from gsm_jax.serving.bench_client import on_off_table
 
