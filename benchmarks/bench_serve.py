@@ -10,8 +10,8 @@ served closed loop by `--clients` (16) concurrent clients, three ways in one run
    compiled out: the peer the server's overhead is measured against;
 2. **http, GSM off**: `gsm-jax serve --no-gsm` (GSM compiled out) in a subprocess,
    driven by `gsm-jax bench-serve`'s client (httpx, SSE, same process as this script);
-3. **http, GSM on**: `gsm-jax serve` with a GSM config PUT on every layer and both
-   sites (every request in the "gsm" arm).
+3. **http, GSM on**: `gsm-jax serve --gsm <file>` with a config on every layer and both
+   sites (every request in the "gsm" arm; the ring buffers sized for its window).
 
 Same engine settings everywhere (max_batch, max_len 1024, prefill_chunk 512); each
 server compiles every prompt bucket before serving and gets one unmeasured warm-up
@@ -28,6 +28,7 @@ Outputs: results.json, results.md, results.png.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -51,13 +52,16 @@ def server_args(args: argparse.Namespace, *, gsm: bool) -> list[str]:
     warm = ",".join(str(1 << k) for k in range(4, 10))  # 16 .. 512: every prompt bucket
     out = ["--model", args.model, "--max-batch", str(args.clients), "--max-len", "1024",
            "--prefill-chunk", "512", "--warmup-lengths", warm, "--log-level", "warning"]
-    return out if gsm else out + ["--no-gsm"]
+    if not gsm:
+        return out + ["--no-gsm"]
+    path = args.out / "server_gsm.json"  # a deployment's config file: rings sized for it
+    path.write_text(json.dumps(GSM))
+    return out + ["--gsm", str(path)]
 
 
 def http_runs(args, requests) -> dict[str, list[dict[str, Any]]]:
     """Both servers up (GSM compiled out / on), warmed, then `--repeats` rounds of the same
     requests alternating between them (off, on / on, off, ...)."""
-    import httpx
 
     from gsm_jax.serving import bench_client as bc
 
@@ -70,9 +74,6 @@ def http_runs(args, requests) -> dict[str, list[dict[str, Any]]]:
             servers[arm] = srv.start()
             print(f"[bench_serve] server up in {srv.startup_s:.0f} s (GSM {arm})",
                   file=sys.stderr)
-            if arm == "on":
-                httpx.put(f"{srv.url}/admin/gsm", json=GSM, timeout=60,
-                          headers=srv.admin_headers).raise_for_status()
             bc.run_bench(srv.url, requests, clients=args.clients, progress=False)  # warm-up
         runs: dict[str, list[dict[str, Any]]] = {"off": [], "on": []}
         for rep in range(args.repeats):

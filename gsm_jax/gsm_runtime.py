@@ -83,8 +83,9 @@ def gsm_inputs_for_batch(gsm: Any, num_layers: int, batch_size: int,
 
     Padding rows (bucketed batch) are never smoothed. `fit_ring`: size the ring buffers
     for this call's windows (`ring_rows`) instead of `max_window` - for one-shot calls
-    (generate, forward) whose lengths are known; the engine keeps `max_window` so a live
-    config change never needs another compiled size.
+    (generate, forward) whose lengths are known; the serving engine sizes its ring once,
+    for its max_len (`ring_rows(cfg, [max_len])`), so a live config change never
+    needs another compiled size.
     """
     cfg = as_gsm_config(gsm)
     mask = resolve_mask(cfg, num_layers)

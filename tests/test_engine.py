@@ -225,5 +225,21 @@ def test_protect_first_change_waits_for_smoothed_rows(tiny):
     while eng.has_work:
         eng.step()
     assert second.admitted >= first.finish
-    with pytest.raises(GSMConfigError, match="max_window"):
-        eng.submit(Request([5], 2, gsm=a.replace(max_window=32)))
+    with pytest.raises(GSMConfigError, match="ring"):  # window 4: ring of 8 rows compiled
+        eng.submit(Request([5], 2, gsm=a.replace(window_size=16)))
+    eng.submit(Request([5], 2, gsm=a.replace(max_window=32)))  # max_window alone is no static
+
+
+def test_ring_sized_for_the_windows_used(tiny):
+    """The ring holds what the config's windows can reach up to max_len (window 4: 8 rows,
+    not max_window's 64); adaptive windows clamped by max_window need exactly it."""
+    eng = Engine(tiny, max_batch=2, max_len=MAX_LEN, gsm=GSM, eos_ids=[])
+    assert eng.gsm_static[0] == 8 and eng._cache.rings[0].shape[2] == 8
+    adaptive = GSM.replace(window_size="adaptive", max_window=64)
+    eng.check_gsm(adaptive)  # max_len 48: adaptive windows reach 4, fit 8 rows
+    big = Engine(tiny, max_batch=1, max_len=256, gsm=adaptive, eos_ids=[])
+    assert big.gsm_static[0] == 16  # 256 // 16
+    with pytest.raises(GSMConfigError, match="exactly 8"):
+        big.check_gsm(adaptive.replace(max_window=8))
+    assert Engine(tiny, max_batch=1, max_len=MAX_LEN, gsm=GSM, gsm_ring=32,
+                  eos_ids=[]).gsm_static[0] == 32

@@ -69,6 +69,7 @@ class ServerOptions:
     served_model_name: str | None = None
     seed: int = 0
     mesh: tuple[int, int] | None = None  # (data, model): weights sharded, JAX SPMD
+    gsm_ring: int | None = None  # GSM ring rows; default: what `gsm` needs, else 16
 
 
 class HTTPError(Exception):
@@ -179,7 +180,8 @@ class GSMServer:
             # requests carry their own config (the arm's), so the engine's default is unused
             self.engine = engine = Engine(
                 self.params, max_batch=o.max_batch, max_len=o.max_len, compile_gsm=compile_gsm,
-                gsm=initial, seed=o.seed, prefill_chunk=o.prefill_chunk)
+                gsm=initial, seed=o.seed, prefill_chunk=o.prefill_chunk,
+                gsm_ring=o.gsm_ring or (None if initial is not None else 16))
             self.live = LiveGSM(initial, check=self._check_gsm, on_change=self._gsm_changed)
             self._gsm_changed(self.live.current)
             engine.warmup(o.warmup_lengths, sample=o.warmup_sampling)

@@ -26,6 +26,10 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-chunk", type=int, default=512,
                    help="longest prompt prefilled in one step; longer ones go in chunks")
     p.add_argument("--gsm", default=None, help="GSM config file (YAML/JSON), reloaded on change")
+    p.add_argument("--gsm-ring", type=int, default=None,
+                   help="rows of the GSM ring buffers (compiled in): default what the --gsm "
+                   "config's windows need up to --max-len (8 for window 8), else 16; a live "
+                   "config needing more is refused")
     p.add_argument("--no-gsm", action="store_true",
                    help="compile GSM out (no filter code; PUT /admin/gsm is refused)")
     p.add_argument("--admin-token", default=None,
@@ -66,7 +70,8 @@ def _run_serve(args: argparse.Namespace) -> int:
         max_queue=args.max_queue, prefill_chunk=args.prefill_chunk, gsm=args.gsm,
         compile_gsm=not args.no_gsm, admin_token=args.admin_token,
         shutdown_timeout=args.shutdown_timeout, warmup_lengths=warm,
-        served_model_name=args.served_model_name, seed=args.seed, mesh=mesh)
+        served_model_name=args.served_model_name, seed=args.seed, mesh=mesh,
+        gsm_ring=args.gsm_ring)
     serve(options, host=args.host, port=args.port, log_level=args.log_level)
     return 0
 

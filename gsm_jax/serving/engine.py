@@ -295,14 +295,16 @@ class Engine:
     and use it by default; `compile_gsm=True` with `gsm=None` compiles GSM in at
     zero strength. `eos_ids`: default the tokenizer's (or the config's); pass `()`
     to ignore EOS. `prefill_chunk`: longest prompt prefilled in one step (a power
-    of two >= 16; longer prompts go in chunks of it; None: never chunk). Use
+    of two >= 16; longer prompts go in chunks of it; None: never chunk). `gsm_ring`:
+    rows of the GSM ring buffers (default: what the config's windows need up to
+    max_len, e.g. 8 for window 8; a live config needing more is refused). Use
     `submit` + `step` to drive it yourself, or `run`.
     """
 
     def __init__(self, params: ModelParams, *, max_batch: int = 8, max_len: int = 1024,
                  gsm: Any = None, compile_gsm: bool = False,
                  eos_ids: Sequence[int] | None = None, seed: int = 0,
-                 prefill_chunk: int | None = 512) -> None:
+                 prefill_chunk: int | None = 512, gsm_ring: int | None = None) -> None:
         if not isinstance(params, ModelParams):
             raise InvalidInputError(
                 f"params must be what gsm_jax.load returns (ModelParams), got "
@@ -334,6 +336,9 @@ class Engine:
                 chunk = None  # this family prefills whole prompts only
             prefill_chunk = chunk
         self.prefill_chunk = prefill_chunk
+        if gsm_ring is not None and (isinstance(gsm_ring, bool) or int(gsm_ring) < 1):
+            raise InvalidInputError(f"gsm_ring must be an integer >= 1, got {gsm_ring!r}")
+        self._ring_request = None if gsm_ring is None else int(gsm_ring)
         if eos_ids is None:
             tok = params.tokenizer
             eos_ids = tok.eos_ids if tok is not None else self.config.eos_token_ids
@@ -386,38 +391,68 @@ class Engine:
 
     @property
     def gsm_static(self) -> tuple[int, str, str] | None:
-        """(max_window, precision, kernel impl) compiled in, or None without GSM."""
+        """(ring rows, precision, kernel impl) compiled in, or None without GSM."""
         return self._gsm_static
 
     def _static_of(self, cfg: Any) -> tuple[int, str, str]:
-        from gsm_jax.gsm_runtime import resolved_kernel_impl, resolved_precision
+        """The statics a config needs: a ring of `ring_rows(cfg, [max_len])` rows (every
+        window a request up to max_len can use: 8 rows for window 8, not max_window's
+        64), or the `gsm_ring` the engine was given."""
+        from gsm_jax.gsm_runtime import resolved_kernel_impl, resolved_precision, ring_rows
 
-        return (cfg.max_window, resolved_precision(cfg.precision), resolved_kernel_impl())
+        ring = self._ring_request or ring_rows(cfg, [self.max_len])
+        return (ring, resolved_precision(cfg.precision), resolved_kernel_impl())
+
+    def _ring_misfit(self, cfg: Any, ring: int) -> str | None:
+        """Why a ring of `ring` rows cannot run `cfg` exactly (None if it can). The ring
+        size is also the adaptive window's upper clamp, so where `max_window` clamps the
+        adaptive window below max_len's, the ring must be exactly `max_window`."""
+        from gsm_jax.config import ADAPTIVE_MIN_WINDOW
+
+        if cfg.window_size != "adaptive":
+            if int(cfg.window_size) <= ring:
+                return None
+            return f"window_size={cfg.window_size} needs a ring of >= {cfg.window_size} rows"
+        reach = max(self.max_len // 16, ADAPTIVE_MIN_WINDOW)  # largest adaptive window used
+        if cfg.max_window < reach:
+            if cfg.max_window == ring:
+                return None
+            return (f"adaptive windows clamped at max_window={cfg.max_window} need a ring of "
+                    f"exactly {cfg.max_window} rows")
+        if reach <= ring:
+            return None
+        return f"adaptive windows up to {reach} (max_len {self.max_len}) need a ring of {reach}"
 
     def check_gsm(self, gsm: Any) -> Any:
         """The GSMConfig `gsm` names, if this engine can run it without recompiling;
         otherwise a GSMConfigError that says which compiled value it changes."""
         from gsm_jax.config import resolve_mask
-        from gsm_jax.gsm_runtime import as_gsm_config
+        from gsm_jax.gsm_runtime import as_gsm_config, resolved_precision
 
         if not self.gsm_compiled:
             raise GSMConfigError("this engine was built without GSM; build it with gsm=... or "
                                  "compile_gsm=True to run GSM configs")
         cfg = as_gsm_config(gsm)
         resolve_mask(cfg, self.config.num_layers)  # layers / profile must fit this model
-        static = self._static_of(cfg)
-        if self._gsm_static is not None and static[:2] != self._gsm_static[:2]:
+        if self._gsm_static is None:
+            return cfg
+        ring, precision, _ = self._gsm_static
+        if resolved_precision(cfg.precision) != precision:
             raise GSMConfigError(
-                f"max_window={static[0]}, precision={static[1]!r} differ from the compiled "
-                f"max_window={self._gsm_static[0]}, precision={self._gsm_static[1]!r}: they "
-                "are static (ring buffer size, arithmetic); restart with the new values"
-            )
+                f"precision={resolved_precision(cfg.precision)!r} differs from the compiled "
+                f"precision={precision!r}: the filter's arithmetic is static; restart with it")
+        why = self._ring_misfit(cfg, ring)
+        if why is not None:
+            raise GSMConfigError(
+                f"{why}, but the ring buffers were compiled with {ring} rows (static: their "
+                "size); restart with a larger ring (gsm_ring= / --gsm-ring)")
         return cfg
 
     def set_gsm(self, gsm: Any) -> None:
         """Set the default config of requests submitted with `gsm=DEFAULT` (requests
-        already admitted keep theirs). `None` = zero strength, same compiled code. On a
-        running engine a config must keep the compiled `max_window` and `precision`."""
+        already admitted keep theirs). `None` = zero strength, same compiled code. An idle
+        engine sizes its ring for the new config (a new size compiles once); a running
+        one keeps its ring and precision, and refuses a config that does not fit them."""
         if not self.gsm_compiled:
             if gsm is None:
                 return
@@ -431,15 +466,14 @@ class Engine:
                 static = self._static_of(GSMConfig())
             else:
                 static = self._gsm_static
+        elif self.has_work:
+            cfg, static = self.check_gsm(gsm), self._gsm_static
         else:
-            if self.has_work:
-                cfg = self.check_gsm(gsm)
-            else:
-                from gsm_jax.config import resolve_mask
-                from gsm_jax.gsm_runtime import as_gsm_config
+            from gsm_jax.config import resolve_mask
+            from gsm_jax.gsm_runtime import as_gsm_config
 
-                cfg = as_gsm_config(gsm)
-                resolve_mask(cfg, self.config.num_layers)
+            cfg = as_gsm_config(gsm)
+            resolve_mask(cfg, self.config.num_layers)
             static = self._static_of(cfg)
         self._gsm_cfg = cfg
         if static != self._gsm_static or self._cache is None:
