@@ -3,7 +3,9 @@
 Measured in one run, interleaved (on, off, on, off, ...) so machine noise hits both:
 - what a user runs: the whole `gsm_jax.generate_tokens` call (prefill + 64 greedy
   tokens) at batch 1 and 16, GSM on vs off, and GSM compiled in at strength 0;
-- the jitted decode step at batch 1 and 16 (donated cache, 128 tokens already cached);
+- the jitted decode step at batch 1 and 16 (donated cache, 128 tokens already cached),
+  with rings of `max_window` rows and with rings sized as the serving engine sizes them
+  (`ring_rows` at its max_len: 8 rows for window 8);
 - the jitted prefill of 512-token prompts (batch 1);
 - the filter alone on CPU: the fused XLA path vs the pure-jnp reference, prefill
   [1, 512, 1536] and decode [16, 1536] with a 64-row ring.
@@ -51,12 +53,16 @@ from gsm_jax.pallas_kernels.reference import (  # noqa: E402
 from gsm_jax.smoothing import ring_from_prefill, smooth_decode, smooth_prefill  # noqa: E402
 
 
-def _decode_case(params, batch: int, gsm_cfg, repeats: int, context: int = 128):
+def _decode_case(params, batch: int, gsm_cfg, repeats: int, context: int = 128,
+                 engine_ring: bool = False):
+    """engine_ring: rings sized as the serving engine sizes them (`ring_rows` of the
+    config at its max_len: 8 rows for window 8); else `max_window` rows (64)."""
     cfg = params.config
     fam = family_module(cfg.family)
     step = jax.jit(functools.partial(fam.decode_step, cfg=cfg), donate_argnames=("cache",))
     max_len = 256
-    gsm = gsm_inputs_for_batch(gsm_cfg, cfg.num_layers, batch, [context + 64] * batch)
+    gsm = gsm_inputs_for_batch(gsm_cfg, cfg.num_layers, batch, [max_len] * batch,
+                               fit_ring=engine_ring)
     caches = {}
     for name, g in (("on", gsm), ("off", None)):
         cache = fam.init_cache(cfg, batch, max_len, dtype=jnp.float32,
@@ -169,8 +175,14 @@ def main(argv: list[str] | None = None) -> int:
               lambda: _generate_case(params, 1, gsm_cfg, gen_repeats)),
              ("generate_tokens, batch 16, 64 tokens",
               lambda: _generate_case(params, 16, gsm_cfg, gen_repeats)),
-             ("decode step, batch 1", lambda: _decode_case(params, 1, gsm_cfg, args.repeats)),
-             ("decode step, batch 16", lambda: _decode_case(params, 16, gsm_cfg, args.repeats)),
+             ("decode step, ring of max_window rows, batch 1",
+              lambda: _decode_case(params, 1, gsm_cfg, args.repeats)),
+             ("decode step, ring of max_window rows, batch 16",
+              lambda: _decode_case(params, 16, gsm_cfg, args.repeats)),
+             ("engine decode step (ring sized for the window), batch 1",
+              lambda: _decode_case(params, 1, gsm_cfg, args.repeats, engine_ring=True)),
+             ("engine decode step (ring sized for the window), batch 16",
+              lambda: _decode_case(params, 16, gsm_cfg, args.repeats, engine_ring=True)),
              ("prefill 512 tokens, batch 1",
               lambda: _prefill_case(params, gsm_cfg, max(args.repeats // 3, 5)))]
     for name, fn in cases:
