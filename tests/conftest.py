@@ -89,3 +89,18 @@ def _release_compiled_programs():
     import jax
 
     jax.clear_caches()
+
+
+@pytest.fixture(scope="session")
+def tiny_llama():
+    """A tiny random Llama (2 layers, vocabulary 64, EOS 3) for tests of the machinery
+    around the model: generation, the engine, the server's pieces."""
+    import jax
+
+    from gsm_jax.models import llama
+    from gsm_jax.params import ModelParams
+
+    cfg = llama.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2,
+                            num_heads=4, num_kv_heads=2, head_dim=8,
+                            max_position_embeddings=256, eos_token_ids=(3,))
+    return ModelParams(llama.init_weights(cfg, jax.random.key(0)), cfg, None, "tiny")

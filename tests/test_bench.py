@@ -6,13 +6,11 @@ from __future__ import annotations
 import json
 import math
 
-import jax
 import numpy as np
 import pytest
 
 from gsm_jax import cli
 from gsm_jax.errors import InvalidInputError
-from gsm_jax.models import llama
 from gsm_jax.params import ModelParams
 from gsm_jax.workflow import bench as bench_mod
 from gsm_jax.workflow.bench import (
@@ -26,11 +24,8 @@ from gsm_jax.workflow.bench import (
 
 
 @pytest.fixture(scope="module")
-def tiny():
-    cfg = llama.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2,
-                            num_heads=4, num_kv_heads=2, head_dim=8,
-                            max_position_embeddings=256, eos_token_ids=(3,))
-    return ModelParams(llama.init_weights(cfg, jax.random.key(0)), cfg, None, "tiny")
+def tiny(tiny_llama):
+    return tiny_llama
 
 
 # ----------------------------------------------------------------------------- synthetic

@@ -16,11 +16,8 @@ from gsm_jax.params import ModelParams
 
 
 @pytest.fixture(scope="module")
-def tiny():
-    cfg = llama.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2,
-                            num_heads=4, num_kv_heads=2, head_dim=8,
-                            max_position_embeddings=256, eos_token_ids=(3,))
-    return ModelParams(llama.init_weights(cfg, jax.random.key(0)), cfg, None, "tiny")
+def tiny(tiny_llama):
+    return tiny_llama
 
 
 @pytest.mark.parametrize(

@@ -5,14 +5,11 @@ from __future__ import annotations
 
 import math
 
-import jax
 import pytest
 
 import gsm_jax
 from gsm_jax.config import rollout_value
 from gsm_jax.errors import GSMConfigError
-from gsm_jax.models import llama
-from gsm_jax.params import ModelParams
 from gsm_jax.serving.app import TextStream
 from gsm_jax.serving.bench_client import Outcome, summarize
 from gsm_jax.serving.engine import Engine, Request
@@ -96,11 +93,8 @@ def test_text_stream_stops_and_holds_back():
 
 
 @pytest.fixture(scope="module")
-def tiny():
-    cfg = llama.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2,
-                            num_heads=4, num_kv_heads=2, head_dim=8,
-                            max_position_embeddings=256, eos_token_ids=(3,))
-    return ModelParams(llama.init_weights(cfg, jax.random.key(0)), cfg, None, "tiny")
+def tiny(tiny_llama):
+    return tiny_llama
 
 
 def test_engine_loop_bounds_the_queue_and_aborts(tiny):
