@@ -351,6 +351,10 @@ def on_off_table(results: dict[str, Any]) -> str:
         lines.append(f"| {name} | {s['output_tok_per_s']:.1f} | {ms('ttft_s')} | "
                      f"{ms('itl_s')} | {ms('e2e_s')} | {s['failed']} | "
                      f"{r['load_before']:.2f} / {r['load_after']:.2f} |")
+    if any(not results[arm]["comparable"] for arm in ("off", "on")):
+        lines += ["", "A load average above 1.5 was seen around a run: the two rows are not "
+                  "comparable (the serving benchmark `benchmarks/bench_serve.py --threads 1` "
+                  "is the measurement to quote)."]
     return "\n".join(lines)
 
 
