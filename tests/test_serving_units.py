@@ -139,3 +139,16 @@ def test_bench_summary_percentiles_and_goodput():
     assert s["output_tok_per_s"] == pytest.approx(9.9)
     assert s["itl_s"]["p99"] == pytest.approx(0.05)
     assert math.isnan(Outcome(0, "", "x", ok=True, tokens=1).tpot)
+
+
+def test_on_off_table_flags_loaded_runs():
+    from gsm_jax.serving.bench_client import on_off_table
+
+    o = Outcome(0, "short", "r0", ok=True, status=200)
+    o.ttft, o.e2e, o.tokens, o.itl = 0.2, 1.0, 5, [0.1] * 4
+    run = {"summary": {"all": summarize([o], wall=2.0, slo={})}, "load_before": 1.0,
+           "load_after": 1.1, "comparable": True}
+    table = on_off_table({"off": run, "on": {**run, "load_after": 1.7, "comparable": False}})
+    assert "| GSM compiled out | 2.5 | 200 / 200 | 100 / 100 | 1000 / 1000 | 0 |" in table
+    assert "not comparable" in table
+    assert "not comparable" not in on_off_table({"off": run, "on": run})
