@@ -19,12 +19,11 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+import openai  # a test dependency (pyproject's [test] extra): the official client
 import pytest
 
 import gsm_jax
 from gsm_jax.config import rollout_value
-
-openai = pytest.importorskip("openai")
 
 MODEL = "smollm2-135m"
 TOKEN = "test-admin-token"
