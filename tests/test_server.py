@@ -448,3 +448,12 @@ def test_serve_on_a_mesh_equals_one_device(tmp_path, params):
                                                                    max_new_tokens=12)[0]
     finally:
         _stop(proc)
+
+
+def test_unknown_model_exits_with_a_clear_error():
+    r = subprocess.run(
+        [sys.executable, "-c", "import sys; from gsm_jax.cli import main; sys.exit(main())",
+         "serve", "--model", "no-such-model", "--port", str(_free_port())],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "gsm-jax serve: error:" in r.stderr and "no-such-model" in r.stderr

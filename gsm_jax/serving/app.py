@@ -144,6 +144,7 @@ class GSMServer:
         self.options = options
         self.status = "loading"  # -> "ready" -> "draining" / "failed"
         self.error: str | None = None
+        self.exception: BaseException | None = None
         self.params = params
         self.engine: Engine | None = None
         self.loop: EngineLoop | None = None
@@ -193,8 +194,8 @@ class GSMServer:
             log.info("gsm-jax serve: %s ready (max_batch %d, max_len %d)", self.name,
                      o.max_batch, o.max_len)
         except Exception as e:
-            self.status, self.error = "failed", f"{type(e).__name__}: {e}"
-            log.exception("loading failed")
+            self.status, self.error, self.exception = "failed", f"{type(e).__name__}: {e}", e
+            log.error("loading failed: %s", self.error)
 
     def drain(self, timeout: float | None = None) -> bool:
         """Stop taking requests (503), finish the running ones within `timeout` s."""
@@ -691,4 +692,18 @@ def serve(options: ServerOptions, *, host: str = "127.0.0.1", port: int = 8000,
 
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=5)
-    DrainingServer(config).run()
+    uv = DrainingServer(config)
+
+    def exit_if_loading_fails() -> None:  # an unknown model or a corrupt file ends the process
+        while server.status == "loading":
+            time.sleep(0.1)
+        if server.status == "failed":
+            uv.should_exit = True
+
+    threading.Thread(target=exit_if_loading_fails, name="gsm-jax-load-watch",
+                     daemon=True).start()
+    uv.run()
+    if server.status == "failed":
+        if isinstance(server.exception, GSMJaxError):
+            raise server.exception
+        raise InvalidInputError(f"the server could not start: {server.error}")
