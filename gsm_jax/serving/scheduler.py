@@ -7,9 +7,8 @@ the engine's callbacks (same thread) feed its `on_token` / `on_finish`.
 
 Admission is bounded: `submit` refuses with `QueueFull` once `max_queue` requests
 are waiting (not yet decoding), and with `Draining` after `drain` started. A
-ticket aborted before it reached the engine is dropped there; one aborted while
-queued, prefilling or decoding is ended by `Engine.abort`, its slot free for the
-next step (no decode goes on for a client that left).
+ticket aborted while queued, prefilling or decoding is ended by `Engine.abort`, its
+slot free for the next step (no decode goes on for a client that left).
 """
 
 from __future__ import annotations
@@ -51,7 +50,7 @@ class Ticket:
         self.on_finish = on_finish
         self.meta = dict(meta or {})
         self.record: RequestRecord | None = None
-        self.cancel_reason: str | None = None
+        self.submitted = False
         self.finished = threading.Event()
 
     @property
@@ -115,6 +114,7 @@ class EngineLoop:
             if self._queued >= self.max_queue:
                 raise QueueFull(f"the admission queue is full ({self.max_queue} waiting)")
             self._queued += 1
+            ticket.submitted = True
             self._inbox.append(("submit", ticket))
             self._cv.notify()
         return ticket
@@ -122,7 +122,7 @@ class EngineLoop:
     def abort(self, ticket: Ticket, reason: str = "abort") -> None:
         """End a ticket's request at the next step (a client that went away)."""
         with self._cv:
-            if ticket.done:
+            if ticket.done or not ticket.submitted:  # never queued: nothing to end
                 return
             self._inbox.append(("abort", (ticket, reason)))
             self._cv.notify()
@@ -202,19 +202,12 @@ class EngineLoop:
         eng = self.engine
         if kind == "submit":
             ticket: Ticket = item
-            if ticket.cancel_reason is not None:  # aborted before it got here
-                with self._cv:
-                    self._queued -= 1
-                self._finish_ticket(ticket)
-                return
             rec = eng.submit(ticket.request, arrival=ticket.arrival)
             rec.meta["ticket"] = ticket
             ticket.record = rec
         elif kind == "abort":
-            ticket, reason = item
-            if ticket.record is None:
-                ticket.cancel_reason = reason
-            else:
+            ticket, reason = item  # the inbox is in order: its submit came first
+            if ticket.record is not None:
                 eng.abort(ticket.record, reason)
         elif kind == "call":
             item(eng)
