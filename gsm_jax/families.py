@@ -15,6 +15,7 @@ from gsm_jax.errors import UnsupportedModelError
 _FAMILY_MODULES = {
     "llama": "gsm_jax.models.llama",
     "deepseek_v4": "gsm_jax.models.deepseek_v4",
+    "gemma3": "gsm_jax.models.gemma3",
 }
 # Hugging Face `model_type` -> family
 HF_MODEL_TYPES = {
@@ -22,6 +23,8 @@ HF_MODEL_TYPES = {
     "qwen2": "llama",
     "mistral": "llama",
     "deepseek_v4": "deepseek_v4",
+    "gemma3_text": "gemma3",
+    "gemma3": "gemma3",
 }
 
 

