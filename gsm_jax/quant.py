@@ -10,14 +10,15 @@ Schemes (GSM_SPEC.md section 7, question 3):
 - ``w8a8``: the same weights, plus per-token dynamic symmetric int8
   activations; the product runs int8 x int8 -> int32 and is rescaled after.
 
-What is quantized: every linear layer of the Llama family (qkv, o, gate_up,
-down of every layer). DeepSeek-V4: the dense attention projections (q_a, q_b,
-kv, o_b), the compressors' kv_gate and the shared experts; routed experts only
-with ``routed_experts=True``. The router, the indexer, the hyper-connections and
-the grouped first half of the output projection (o_a, an einsum) stay float:
-they select or mix rather than project. Embedding and LM head stay float unless
-``head=True``, which rounds them to the int8 grid (one scale per vocabulary row)
-but stores them dequantized: a quality study of the head, not a speed path.
+What is quantized: every linear layer of the Llama and Gemma 3 families (qkv, o,
+gate_up, down of every layer; Gemma 3's q/k norms and post-norms stay float).
+DeepSeek-V4: the dense attention projections (q_a, q_b, kv, o_b), the compressors'
+kv_gate and the shared experts; routed experts only with ``routed_experts=True``.
+The router, the indexer, the hyper-connections and the grouped first half of the
+output projection (o_a, an einsum) stay float: they select or mix rather than
+project. Embedding and LM head stay float unless ``head=True``, which rounds them
+to the int8 grid (one scale per vocabulary row) but stores them dequantized: a
+quality study of the head, not a speed path.
 
 "Quantize, then smooth": at the GSM sites (``attn_out``, ``ffn_mid``) the filter
 runs on the float activation, then the per-token scale is taken and it is cast
@@ -73,6 +74,8 @@ __all__ = [
 ALL_SCHEMES = (*SCHEMES, "fp8")
 QUANTIZE_CHOICES = ("none", *ALL_SCHEMES)
 LLAMA_LINEARS = ("qkv", "o", "gate_up", "down")
+# Families whose layers hold these four projections under these names (same transforms)
+DENSE_FAMILIES = ("llama", "gemma3")
 DSV4_ATTN_LINEARS = ("q_a", "q_b", "kv", "o_b")
 
 
@@ -131,13 +134,14 @@ def _fake_quant_cols(w: jax.Array) -> jax.Array:
 
 
 def stacked_weights(params: ModelParams) -> tuple[dict, bool]:
-    """Llama-family weights with stacked [L, ...] layers (what quantization and
+    """Llama / Gemma 3 weights with stacked [L, ...] layers (what quantization and
     SmoothQuant compute on), and whether params held per-layer arrays instead."""
     from gsm_jax.models.llama import is_per_layer, stack_layers
 
-    if params.config.family != "llama":
-        raise UnsupportedModelError(f"this weight transform is implemented for the Llama "
-                                    f"family only, not {params.config.family!r}")
+    if params.config.family not in DENSE_FAMILIES:
+        raise UnsupportedModelError(f"this weight transform is implemented for the "
+                                    f"{' and '.join(DENSE_FAMILIES)} families only, not "
+                                    f"{params.config.family!r}")
     return stack_layers(dict(params.weights)), is_per_layer(params.weights)
 
 
@@ -181,7 +185,7 @@ def quantize(params: ModelParams, scheme: str = "w8a8", *, head: bool = False,
                          is_leaf=is_block)
         return dataclasses.replace(params, weights=w,
                                    extra={**dict(params.extra), "quantization": scheme})
-    if family == "llama":
+    if family in DENSE_FAMILIES:
         w, per_layer = stacked_weights(params)
         layers = dict(w["layers"])
         for name in LLAMA_LINEARS:
@@ -194,7 +198,8 @@ def quantize(params: ModelParams, scheme: str = "w8a8", *, head: bool = False,
         w = _in_layout({**w, "layers": layers}, per_layer)
     elif family == "deepseek_v4":
         if hadamard_down:
-            raise UnsupportedModelError("hadamard_down is implemented for the Llama family only")
+            raise UnsupportedModelError("hadamard_down is implemented for the Llama and "
+                                        "Gemma 3 families only")
         w["layers"] = tuple(_quantize_dsv4_layer(lw, scheme, routed_experts)
                             for lw in w["layers"])
     else:
@@ -264,13 +269,21 @@ def _capture_layer_inputs(weights: dict, cfg: Any, tokens: jax.Array,
     """The model's prefill, layer by layer, returning the final hidden states and, per
     layer, the per-channel max |x| (over real tokens) at the inputs of the four linears
     (values=True: the inputs themselves, [L, B, T, C] each). Built from `DecoderLayer`'s
-    own methods, so it follows the model."""
+    own methods, so it follows the model (Gemma 3: its `linear_inputs`)."""
     from gsm_jax.models.linear import linear
     from gsm_jax.models.llama import _embed, _layer_apply, attention, rms_norm
 
     b, t = tokens.shape
     steps = jnp.arange(t)
     valid = steps[None, :] < lengths[:, None]
+    if cfg.family == "gemma3":
+        from gsm_jax.models.gemma3 import linear_inputs
+
+        x, inputs = linear_inputs(weights, cfg, tokens, lengths)
+        if values:
+            return x, inputs
+        return x, {k: jnp.max(jnp.where(valid[None, ..., None], jnp.abs(v), 0.0), axis=(1, 2))
+                   for k, v in inputs.items()}
     positions = jnp.where(valid, steps[None, :], -1)
     mask = (steps[None, :, None] >= steps[None, None, :]) & valid[:, None, :]
     x = _embed(weights, tokens)
@@ -295,8 +308,8 @@ def _capture_layer_inputs(weights: dict, cfg: Any, tokens: jax.Array,
 
 def _check_calibration(params: Any, tokens: Any) -> tuple[ModelParams, np.ndarray]:
     params = _check_params(params)
-    if params.config.family != "llama" or quantization_of(params) is not None:
-        raise UnsupportedModelError("activation statistics need float Llama-family params")
+    if params.config.family not in DENSE_FAMILIES or quantization_of(params) is not None:
+        raise UnsupportedModelError("activation statistics need float Llama / Gemma 3 params")
     tokens = np.asarray(tokens, np.int32)
     if tokens.ndim != 2 or tokens.shape[0] < 1:
         raise InvalidInputError(f"calibration tokens must be [N, T], got {tokens.shape}")
@@ -414,8 +427,9 @@ def smoothquant(params: ModelParams, tokens: Any = None, *, alpha: float = 0.5,
     evaluation sets take theirs from its end); or pass precomputed `act_absmax`.
     The result is the same function in float (to fp32 rounding)."""
     params = _check_params(params)
-    if params.config.family != "llama":
-        raise UnsupportedModelError("SmoothQuant is implemented for the Llama family only")
+    if params.config.family not in DENSE_FAMILIES:
+        raise UnsupportedModelError("SmoothQuant is implemented for the Llama and Gemma 3 "
+                                    "families only")
     if quantization_of(params) is not None:
         raise InvalidInputError("SmoothQuant migrates float params; apply it before quantize()")
     # one stacked view for the capture, the scales and the migration (each would stack

@@ -67,6 +67,15 @@ LOGICAL_AXES: dict[str, dict[str, tuple[str | None, ...]]] = {
         "gate_up": (None, "mlp"),
         "down": ("mlp", None),
     },
+    # the same projection names as Llama; q/k norms and the four block norms replicated
+    "gemma3": {
+        "embed": ("vocab", None),
+        "lm_head": (None, "vocab"),
+        "qkv": (None, "heads"),
+        "o": ("heads", None),
+        "gate_up": (None, "mlp"),
+        "down": ("mlp", None),
+    },
     "deepseek_v4": {
         "embed": ("vocab", None),
         "lm_head": (None, "vocab"),

@@ -447,6 +447,35 @@ def extend(weights: dict, cfg: Gemma3Config, tokens: jax.Array, n_new: jax.Array
     return _logits(weights, cfg, last), new_cache
 
 
+def linear_inputs(weights: dict, cfg: Gemma3Config, tokens: jax.Array, lengths: jax.Array
+                  ) -> tuple[jax.Array, dict]:
+    """The prefill again, returning the final hidden states and, per layer, the inputs of
+    the four projections {"qkv", "o", "gate_up", "down"} ([L, B, T, C] each): what
+    SmoothQuant calibrates on (`gsm_jax.quant`). Built from `DecoderLayer`'s methods."""
+    b, t = tokens.shape
+    steps = jnp.arange(t)
+    valid = steps[None, :] < lengths[:, None]
+    positions = jnp.maximum(jnp.where(valid, steps[None, :], -1), 0)
+    masks = _masks(cfg, steps[None, :].repeat(b, 0), steps, valid[:, None, :])
+    x = _embed(weights, cfg, tokens)
+    eps = cfg.rms_norm_eps
+
+    def run(mdl: DecoderLayer, x: jax.Array):
+        h_attn = rms_norm(x, mdl.attn_norm, eps)
+        q, k, v = mdl._qkv(x, positions)
+        attn = attention(q, k, v, masks[mdl.sliding], cfg.attn_scale)
+        x = x + mdl._attn_out(attn)
+        h_ffn = rms_norm(x, mdl.ffn_norm, eps)
+        mid = mdl._mlp_in(x)
+        return x + mdl._mlp_out(mid), {"qkv": h_attn, "o": attn, "gate_up": h_ffn, "down": mid}
+
+    captured = []
+    for layer, lw in enumerate(_layers(weights, cfg)):
+        x, inputs = nn.apply(run, DecoderLayer(cfg, layer))({"params": lw}, x)
+        captured.append(inputs)
+    return x, jax.tree.map(lambda *a: jnp.stack(a), *captured)
+
+
 # ----------------------------------------------------------------------------- weights
 
 
