@@ -145,6 +145,16 @@ def test_budget():
     v = b.violations({"mean_kld": 0.02, "same_top1_pct": 96.0}, {"accuracy_drop_points": 1.5})
     assert len(v) == 3
     assert b.margin(ok_q, None) > 0 > b.margin({"mean_kld": 0.02, "same_top1_pct": 98}, None)
+    # a search margin: the result must stay 2 of its own standard errors inside the limits
+    near = {"mean_kld": 0.009, "mean_kld_stderr": 0.0006, "same_top1_pct": 97.5,
+            "same_top1_stderr_pct": 0.36}
+    assert b.violations(near, None) == []
+    strict = Budget(margin_se=2.0)
+    v = strict.violations(near, None)
+    assert len(v) == 2 and "2 s.e." in v[0] and "96.78" in v[1]
+    assert strict.violations({"mean_kld": 0.001, "same_top1_pct": 99.0}, None) == []
+    with pytest.raises(InvalidInputError):
+        Budget(margin_se=-1)
     with pytest.raises(InvalidInputError):
         Budget(max_mean_kld=float("nan"))
     with pytest.raises(InvalidInputError):

@@ -56,7 +56,13 @@ def test_report_end_to_end_and_render_only(tmp_path):
     assert meta["resumed"][-1]["measured"] == ["final: chosen, protect_first 0"]
     again = json.loads(final_path.read_text())["chosen, protect_first 0"]
     assert again["quality"] == dropped["quality"]
-    assert "Resumed" in (out / report.REPORT_NAME).read_text()
+    assert "Resumed" in (out / report.report_name(str(model))).read_text()
+
+
+def test_report_names_per_model():
+    assert report.report_name("smollm2-135m") == report.REPORT_NAME == "gsm_smollm2.md"
+    assert report.report_name("gemma3-270m") == "gsm_gemma3.md"
+    assert report.report_name("/x/My-Model.gguf") == "gsm_my.md"
 
 
 def test_recommend_protect_first():

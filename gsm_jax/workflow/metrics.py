@@ -211,11 +211,18 @@ class Budget:
 
     mean KLD <= max_mean_kld; same-top-1 >= min_same_top1_pct;
     LAMBADA accuracy drop <= max_accuracy_drop_points (percentage points).
+
+    margin_se: how many standard errors of the measurement (its own `mean_kld_stderr`,
+    `same_top1_stderr_pct`) a result must stay inside the KLD and top-1 limits. A
+    calibration search on a small set uses 2, so that what it accepts still holds on a
+    larger evaluation set with ~97.7% probability per limit (one-sided normal bound);
+    final evaluations are judged at 0.
     """
 
     max_mean_kld: float = 0.01
     min_same_top1_pct: float = 97.0
     max_accuracy_drop_points: float = 1.0
+    margin_se: float = 0.0
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -224,6 +231,8 @@ class Budget:
                 raise InvalidInputError(f"budget {f.name}={v!r}: must be a finite number")
         if self.max_mean_kld < 0:
             raise InvalidInputError("budget max_mean_kld must be >= 0")
+        if self.margin_se < 0:
+            raise InvalidInputError("budget margin_se must be >= 0")
         if not 0 <= self.min_same_top1_pct <= 100:
             raise InvalidInputError("budget min_same_top1_pct must be in [0, 100]")
 
@@ -235,12 +244,15 @@ class Budget:
         """Which limits a result breaks (empty: within budget). Missing parts are skipped."""
         out = []
         if quality is not None:
-            if quality["mean_kld"] > self.max_mean_kld:
-                out.append(f"mean KLD {quality['mean_kld']:.4g} > {self.max_mean_kld:g}")
-            if quality["same_top1_pct"] < self.min_same_top1_pct:
-                out.append(
-                    f"same-top-1 {quality['same_top1_pct']:.2f}% < {self.min_same_top1_pct:g}%"
-                )
+            m = self.margin_se
+            kld = quality["mean_kld"] + m * quality.get("mean_kld_stderr", 0.0)
+            top1 = quality["same_top1_pct"] - m * quality.get("same_top1_stderr_pct", 0.0)
+            what = f" (+{m:g} s.e.)" if m else ""
+            if kld > self.max_mean_kld:
+                out.append(f"mean KLD{what} {kld:.4g} > {self.max_mean_kld:g}")
+            if top1 < self.min_same_top1_pct:
+                what = f" (-{m:g} s.e.)" if m else ""
+                out.append(f"same-top-1{what} {top1:.2f}% < {self.min_same_top1_pct:g}%")
         if lambada is not None:
             drop = lambada["accuracy_drop_points"]
             if drop > self.max_accuracy_drop_points + 1e-9:
