@@ -1,4 +1,4 @@
-"""`gsm-jax profile | calibrate | eval | report`: the GSM workflow on the command line.
+"""`gsm-jax profile | calibrate | eval | report | evidence`: the GSM workflow on the command line.
 
     gsm-jax profile   --model smollm2-135m --data ../shared/data/wikitext2_test.txt --out prof/
     gsm-jax calibrate --model smollm2-135m --profile prof/profile.json \\
@@ -8,6 +8,7 @@
                       --data ../shared/data/wikitext2_test.txt \\
                       --lambada ../shared/data/lambada_dev.jsonl
     gsm-jax report    --model smollm2-135m --out reports/
+    gsm-jax evidence  --models smollm2-135m,gemma3-270m --out reports [--resume] [--claims 1,4]
 
 ``--data`` defaults to the shared WikiText-2 copy and ``--lambada`` to the shared
 LAMBADA dev set (``--lambada none`` skips the task metric). A ``.npy`` file of
@@ -279,7 +280,47 @@ def _run_report(args: argparse.Namespace) -> int:
     return 0
 
 
+# ----------------------------------------------------------------------------- evidence
+
+
+def _add_evidence(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--models", default="smollm2-135m,gemma3-270m",
+                   help="comma-separated models (default smollm2-135m,gemma3-270m)")
+    p.add_argument("--out", type=Path, default=Path("reports"))
+    p.add_argument("--claims", default=None, help="comma-separated claim numbers (default all)")
+    p.add_argument("--resume", action="store_true", help="keep claims already measured")
+    p.add_argument("--smoke", action="store_true", help="tiny sizes (numbers meaningless)")
+    p.add_argument("--render-only", action="store_true",
+                   help="rewrite <out>/gsm_evidence.md from the JSON (no measuring)")
+    p.add_argument("--quiet", action="store_true")
+
+
+def _run_evidence(args: argparse.Namespace) -> int:
+    from gsm_jax.workflow.evidence.render import render_evidence
+    from gsm_jax.workflow.evidence.runner import (
+        EvidenceSizes,
+        check_models,
+        errors,
+        parse_claims,
+        run_evidence,
+    )
+
+    if args.render_only:
+        print(f"[gsm-jax] wrote {render_evidence(args.out)}")
+        return 0
+    models, claims = check_models(args.models), parse_claims(args.claims)
+    sizes = EvidenceSizes.smoke() if args.smoke else EvidenceSizes()
+    path = run_evidence(models, args.out, sizes=sizes, resume=args.resume, claims=claims,
+                        smoke=args.smoke, progress=not args.quiet)
+    print(f"[gsm-jax] wrote {path}")
+    failed = errors(args.out, models)
+    for f in failed:
+        print(f"gsm-jax evidence: a claim failed, see {f}", file=sys.stderr)
+    return 1 if failed else 0
+
+
 SUBCOMMANDS["profile"] = (_add_profile, _run_profile)
 SUBCOMMANDS["calibrate"] = (_add_calibrate, _run_calibrate)
 SUBCOMMANDS["eval"] = (_add_eval, _run_eval)
 SUBCOMMANDS["report"] = (_add_report, _run_report)
+SUBCOMMANDS["evidence"] = (_add_evidence, _run_evidence)

@@ -1,0 +1,16 @@
+"""Claim-by-claim evidence: the source document's 12 claims, measured on several models.
+
+    gsm-jax evidence --models smollm2-135m,gemma3-270m --out reports
+
+Modules (imported on use; nothing is imported here):
+
+- `runner`: `EvidenceSizes`, the registry `CLAIMS` (claim number -> statement and the
+  ``module:function`` that measures it) and `run_evidence`, which writes one JSON per
+  claim and model to ``<out>/data/evidence/<model>/claim_<N>.json``.
+- `quality_claims`: claims 1, 2, 4, 5, 8, 11 and 12 (quality against the unsmoothed
+  model, step time, bytes per decode step, back-off, protect_first).
+- `lowp_claims` (claims 3 and 9), `serving_claim` (6 and 7), `speculative_claim` (10):
+  written elsewhere; a claim whose module is absent is reported as not measured.
+- `render`: `render_evidence`, the markdown ``<out>/gsm_evidence.md`` and one PNG per
+  claim in ``<out>/figures/evidence/`` from those JSONs (measures nothing).
+"""

@@ -1,0 +1,441 @@
+"""Write ``<out>/gsm_evidence.md`` and its figures from the JSONs `run_evidence` left.
+
+Measures nothing: ``<out>/data/evidence/<model>/claim_<N>.json`` are read as they
+are, one table row per claim of `runner.CLAIMS`, one column per model (number and
+verdict) and a verdict across models ("supported on both", "refuted on both",
+"mixed: ..."). A claim without JSON reads "not measured" (with the reason: its
+module is missing, or its last run failed). Figures, one per claim where a
+picture reads faster, go to ``<out>/figures/evidence/claim_<N>.png``; a claim's
+JSON may also name figures of its own (``figures``: paths relative to ``out``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from gsm_jax.workflow.evidence.runner import (
+    CLAIMS,
+    EVIDENCE_MD,
+    META_FILE,
+    VERDICTS,
+    evidence_command,
+    load_average,
+    model_slug,
+    resolve_claim,
+)
+
+Results = dict[str, dict[int, dict[str, Any]]]  # model -> claim -> result
+
+
+def _read(path: Path) -> Any | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def collect(out: str | os.PathLike) -> tuple[list[str], Results, Results, dict]:
+    """(models, results, errors, meta) from ``<out>/data/evidence``."""
+    root = Path(out) / "data" / "evidence"
+    meta = _read(root / META_FILE) or {}
+    models = [m for m in meta.get("models", []) if (root / model_slug(m)).is_dir()]
+    known = {model_slug(m) for m in models}
+    if root.is_dir():
+        models += sorted(p.name for p in root.iterdir() if p.is_dir() and p.name not in known)
+    results: Results = {}
+    errors: Results = {}
+    for m in models:
+        d = root / model_slug(m)
+        results[m], errors[m] = {}, {}
+        for n in CLAIMS:
+            r = _read(d / f"claim_{n}.json")
+            if isinstance(r, dict) and r.get("verdict") in VERDICTS:
+                results[m][n] = r
+            e = _read(d / f"claim_{n}.error.json")
+            if isinstance(e, dict):
+                errors[m][n] = e
+    return models, results, errors, meta
+
+
+def combined_verdict(verdicts: Mapping[str, str | None]) -> str:
+    """One verdict across models (None: that model has no result for the claim)."""
+    measured = {m: v for m, v in verdicts.items() if v in VERDICTS}
+    if not measured:
+        return "not measured"
+    everyone = "both" if len(verdicts) == 2 else "all"
+    values = set(measured.values())
+    if len(verdicts) == 1:
+        return next(iter(values))
+    if len(values) == 1 and len(measured) == len(verdicts):
+        v = next(iter(values))
+        return f"{v} on {everyone}"
+    parts = []
+    for v in VERDICTS:
+        ms = [m for m, x in measured.items() if x == v]
+        if ms:
+            parts.append(f"{v} on {', '.join(ms)}")
+    missing = [m for m in verdicts if m not in measured]
+    if missing:
+        parts.append(f"not measured on {', '.join(missing)}")
+    if len(values) == 1:
+        return "; ".join(parts)
+    return "mixed: " + "; ".join(parts)
+
+
+def _cell_missing(n: int, err: dict | None) -> str:
+    if err is not None:
+        return f"not measured (error: {str(err.get('error', '?'))[:120]})"
+    try:
+        fn = resolve_claim(n)
+    except Exception as e:  # noqa: BLE001 - a broken module is reported, not raised
+        return f"not measured (module fails to import: {type(e).__name__})"
+    return fn if isinstance(fn, str) else "not measured yet"
+
+
+def _md(text: Any) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def _load_note(r: Mapping[str, Any]) -> str:
+    la = r.get("load_avg") or {}
+    if la.get("comparable", True):
+        return ""
+    worst = max((v for v in (la.get("before"), la.get("after")) if v is not None), default=0)
+    return f" (⚠ load {worst:.1f}: not comparable)"
+
+
+def _headline(r: Mapping[str, Any]) -> str:
+    """The table's number: the claim's ``measurement``, else the start of its ``why``."""
+    m = r.get("measurement")
+    if m:
+        return str(m)
+    why = str(r.get("why", "")).split(";")[0].split(". ")[0]
+    return _short(why, 110) or _numbers_line(r.get("numbers") or {})
+
+
+# ----------------------------------------------------------------------------- figures
+
+
+def _plt():
+    from gsm_jax.workflow.plots import _plt as plt
+
+    return plt()
+
+
+def _save(fig: Any, path: Path) -> Path:
+    from gsm_jax.workflow.plots import _save as save
+
+    return save(fig, path)
+
+
+def _bars(ax: Any, groups: Sequence[str], series: Mapping[str, Sequence[float]],
+          ylabel: str, log: bool = False) -> None:
+    x = np.arange(len(groups))
+    k = max(len(series), 1)
+    width = 0.8 / k
+    for i, (label, vals) in enumerate(series.items()):
+        ax.bar(x + (i - (k - 1) / 2) * width, [np.nan if v is None else v for v in vals],
+               width, label=label)
+    ax.set_xticks(x, groups, fontsize=8)
+    ax.set_ylabel(ylabel)
+    if log:
+        ax.set_yscale("log")
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=7)
+
+
+def _fig_1(res: Mapping[str, dict], path: Path) -> Path:
+    plt = _plt()
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), constrained_layout=True)
+    models = list(res)
+    for ax, step in zip(axes, ("decode", "prefill"), strict=True):
+        _bars(ax, models, {
+            "GSM off": [res[m]["numbers"].get(f"{step}_off_ms") for m in models],
+            "GSM on": [res[m]["numbers"].get(f"{step}_on_ms") for m in models]},
+            f"{step} step, median ms")
+        ax.set_title(f"{step} step time (lower is faster)", fontsize=9)
+    return _save(fig, path)
+
+
+def _fig_2(res: Mapping[str, dict], path: Path) -> Path:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6, 3.6), constrained_layout=True)
+    models = list(res)
+    _bars(ax, models, {
+        "GSM off": [res[m]["numbers"]["bytes_per_step_off"] / 1e6 for m in models],
+        "GSM on": [res[m]["numbers"]["bytes_per_step_on"] / 1e6 for m in models]},
+        "MB accessed per decode step (XLA)")
+    ax.set_title("proxy for memory traffic: bytes per decode step", fontsize=9)
+    return _save(fig, path)
+
+
+def _fig_4(res: Mapping[str, dict], path: Path) -> Path:
+    plt = _plt()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8), constrained_layout=True)
+    groups = ["high_kurtosis", "random (mean)", "all"]
+    for ax, key, label in ((axes[0], "mean_kld", "mean KLD vs unsmoothed (log)"),
+                           (axes[1], "kld_per_pair", "mean KLD per smoothed pair (log)")):
+        series: dict[str, list[float | None]] = {}
+        for m, r in res.items():
+            sel = r["numbers"]["selections"]
+            rnd = [v[key] for k, v in sel.items() if k.startswith("random")]
+            series[m] = [sel.get("high_kurtosis", {}).get(key),
+                         float(np.mean(rnd)) if rnd else None, sel.get("all", {}).get(key)]
+        _bars(ax, groups, series, label, log=True)
+    fig.suptitle("which (layer, site) pairs to smooth: quality cost at strength 0.1, window 8",
+                 fontsize=9)
+    return _save(fig, path)
+
+
+def _fig_5(res: Mapping[str, dict], path: Path) -> Path:
+    plt = _plt()
+    models = list(res)
+    fig, axes = plt.subplots(1, len(models), figsize=(5.2 * len(models), 3.8),
+                             constrained_layout=True, squeeze=False)
+    for ax, m in zip(axes[0], models, strict=True):
+        rows = res[m]["numbers"]["lengths"]
+        lens = [r["seq_len"] for r in rows]
+        for w in rows[0]["windows"]:
+            ax.plot(lens, [r["windows"][w]["mean_kld"] for r in rows],
+                    "-o" if w != "adaptive" else "-s", ms=4, lw=2.2 if w == "adaptive" else 1.2,
+                    label=f"window {w}")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("sequence length (tokens)")
+        ax.set_ylabel("mean KLD (log)")
+        ax.set_title(m, fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    return _save(fig, path)
+
+
+def _fig_8(res: Mapping[str, dict], path: Path) -> Path:
+    plt = _plt()
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8), constrained_layout=True)
+    for m, r in res.items():
+        c = r["numbers"]["curve"]
+        s = [x["strength"] for x in c]
+        axes[0].plot(s[1:], [x["mean_kld"] for x in c][1:], "-o", ms=4, label=m)
+        axes[1].plot(s, [x["same_top1_pct"] for x in c], "-o", ms=4, label=m)
+        acc = [x.get("lambada_accuracy_pct") for x in c]
+        if all(a is not None for a in acc):
+            axes[2].plot(s, acc, "-o", ms=4, label=m)
+    for ax, lab in zip(axes, ("mean KLD (log)", "same top-1 token (%)",
+                              "LAMBADA accuracy (%)"), strict=True):
+        ax.set_xlabel("smooth_strength (guard lifted to 0.4)")
+        ax.set_ylabel(lab)
+        ax.axvline(0.3, color="k", ls=":", lw=1)
+        ax.grid(alpha=0.3)
+        if ax.lines[1:]:  # more than the guard line
+            ax.legend(fontsize=7)
+    axes[0].set_yscale("log")
+    if not axes[2].lines:
+        axes[2].text(0.5, 0.5, "LAMBADA not measured\n(no tokenizer)", ha="center",
+                     va="center", transform=axes[2].transAxes)
+    return _save(fig, path)
+
+
+def _fig_11(res: Mapping[str, dict], path: Path) -> Path:
+    plt = _plt()
+    models = [m for m in res if res[m]["numbers"].get("held_out")]
+    if not models:
+        raise ValueError("no held-out numbers")
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8), constrained_layout=True)
+    labels = ["with culprits", "without culprits", "without as many least-contributing layers"]
+    groups = ["with", "without culprits", "without others (control)"]
+    budget = res[models[0]]["numbers"]["budget"]
+    for ax, key, ylabel, limit, log in (
+            (axes[0], "mean_kld", "held-out mean KLD (log)", budget["max_mean_kld"], True),
+            (axes[1], "same_top1_pct", "held-out same top-1 (%)", budget["min_same_top1_pct"],
+             False)):
+        _bars(ax, groups, {m: [res[m]["numbers"]["held_out"].get(k, {}).get(key)
+                               for k in labels] for m in models}, ylabel, log=log)
+        ax.axhline(limit, color="k", ls="--", lw=1)
+    vals = [v.get("same_top1_pct") for m in models
+            for v in res[m]["numbers"]["held_out"].values()]
+    lo = min([v for v in vals if v is not None] + [budget["min_same_top1_pct"]])
+    axes[1].set_ylim(max(0.0, lo - 3), 100)
+    fig.suptitle("back-off on held-out data (dashed: budget)", fontsize=9)
+    return _save(fig, path)
+
+
+def _fig_12(res: Mapping[str, dict], path: Path) -> Path:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6, 3.6), constrained_layout=True)
+    models = list(res)
+    _bars(ax, models, {
+        "protect_first 0": [res[m]["numbers"]["pf0"]["mean_kld"] for m in models],
+        "protect_first >= 1": [res[m]["numbers"]["pf1"]["mean_kld"] for m in models]},
+        "mean KLD (log)", log=True)
+    ax.set_title("averaging the first token into its neighbours", fontsize=9)
+    return _save(fig, path)
+
+
+FIGURES: dict[int, Callable[[Mapping[str, dict], Path], Path]] = {
+    1: _fig_1, 2: _fig_2, 4: _fig_4, 5: _fig_5, 8: _fig_8, 11: _fig_11, 12: _fig_12}
+
+
+def _figures(out: Path, models: Sequence[str], results: Results) -> dict[int, list[str]]:
+    figs: dict[int, list[str]] = {}
+    for n in CLAIMS:
+        have = {m: results[m][n] for m in models if n in results[m]}
+        if not have:
+            continue
+        own = [_relative(f, out) for r in have.values() for f in (r.get("figures") or [])
+               if (out / f).exists()]
+        figs[n] = list(dict.fromkeys(own))
+        if n in FIGURES:
+            path = out / "figures" / "evidence" / f"claim_{n}.png"
+            try:
+                FIGURES[n](have, path)
+                figs[n].insert(0, path.relative_to(out).as_posix())
+            except (KeyError, TypeError, ValueError, IndexError, ZeroDivisionError):
+                pass  # a result without the numbers a figure needs: the table still stands
+    return figs
+
+
+# ----------------------------------------------------------------------------- markdown
+
+
+def render_evidence(out: str | os.PathLike = "reports") -> Path:
+    """(Re)write ``<out>/gsm_evidence.md`` and the figures; returns the markdown path."""
+    out = Path(out)
+    models, results, errors, meta = collect(out)
+    figs = _figures(out, models, results)
+    machine = next((r["machine"] for m in models for r in results[m].values()
+                    if r.get("machine")), None)
+    if machine is None:
+        from gsm_jax.workflow.calibrate import machine_info
+
+        machine = machine_info()
+    smoke = any(r.get("smoke") for m in models for r in results[m].values())
+    lines: list[str] = []
+    w = lines.append
+    w("# GSM: the source document's claims, measured")
+    w("")
+    w("The source document (`seed/000_406f5aba74b0aa2e.txt`) makes 12 claims about smoothing "
+      "activations at inference time. Each is measured here on "
+      + (", ".join(f"`{m}`" for m in models) if models else "no model yet")
+      + ", against the unsmoothed model on the same tokens, and given a verdict by a rule "
+      "stated with its numbers (`gsm_jax/workflow/evidence/`). *Not testable here* means "
+      "the machine cannot measure it (the reason is given), never that it was skipped.")
+    w("")
+    if smoke:
+        w("> **Smoke sizes**: some results below were measured with `--smoke` (tiny data); "
+          "their numbers check the pipeline and mean nothing.")
+        w("")
+    head = ["#", "claim (document)", *models, "across models", "command"]
+    w("| " + " | ".join(head) + " |")
+    w("|" + "---|" * len(head))
+    all_cmd_models = models or ["smollm2-135m"]
+    for n, spec in CLAIMS.items():
+        cells = [str(n), _md(f"{spec.statement} ({spec.where})")]
+        verdicts: dict[str, str | None] = {}
+        for m in models:
+            r = results[m].get(n)
+            if r is None:
+                cells.append(_md(_cell_missing(n, errors[m].get(n))))
+                verdicts[m] = None
+            else:
+                cells.append(_md(f"{_headline(r)}: **{r['verdict']}**{_load_note(r)}"))
+                verdicts[m] = r["verdict"]
+        cells.append(f"**{_md(combined_verdict(verdicts))}**" if models else "–")
+        cells.append(f"`{evidence_command(all_cmd_models, out, [n])}`")
+        w("| " + " | ".join(cells) + " |")
+    w("")
+    w("## Claim by claim")
+    for n, spec in CLAIMS.items():
+        w("")
+        w(f"### {n}. {spec.statement}")
+        w("")
+        w(f"*Document {spec.where}.* Measured by `{spec.target}`.")
+        w("")
+        for m in models:
+            r = results[m].get(n)
+            if r is None:
+                w(f"- **{m}**: {_cell_missing(n, errors[m].get(n))}.")
+                continue
+            la = r.get("load_avg") or {}
+            extra = [f"{r.get('seconds', '?')} s",
+                     f"load {la.get('before')} → {la.get('after')}: {la.get('flag', '?')}"]
+            if r.get("smoke"):
+                extra.append("smoke sizes")
+            w(f"- **{m}: {r['verdict']}.** {r['why']} ({'; '.join(extra)})")
+            if r.get("source_command"):
+                src = f"`{r['source_file']}`, " if r.get("source_file") else ""
+                w(f"  Reused numbers: {src}written by `{r['source_command']}`.")
+            if errors[m].get(n):
+                w(f"  A later run failed: {errors[m][n].get('error')}.")
+            texts = (r.get("numbers") or {}).get("continuations")
+            if texts:
+                for t in texts:
+                    keys = [k for k in t if k.startswith("strength_")]
+                    w(f"  - prompt …{_md(_short(t.get('prompt_tail')))}")
+                    for k in keys:
+                        w(f"    - {k.replace('_', ' ')}: {_md(_short(t[k]))}")
+        for f in figs.get(n, []):
+            w("")
+            w(f"![claim {n}]({f})")
+    w("")
+    w("## Machine and load")
+    w("")
+    w(f"{machine.get('cpu')} ({machine.get('cpu_count')} cores), {machine.get('platform')}, "
+      f"jax {machine.get('jax')} on {machine.get('backend')}. The machine is shared: every "
+      "measurement records the 1-minute load average before and after, and one above 1.5 is "
+      "flagged *not comparable* (it matters for timings; quality numbers are deterministic).")
+    w("")
+    rows = [(m, n, r["load_avg"]) for m in models for n, r in results[m].items()
+            if r.get("load_avg")]
+    flagged = [f"{m} claim {n} ({la['flag']})" for m, n, la in rows if not la["comparable"]]
+    w(f"Load average at rendering: {load_average()}. "
+      + (f"Flagged not comparable: {'; '.join(flagged)}." if flagged
+         else "No measurement was taken above the limit."))
+    w("")
+    w("## Commands")
+    w("")
+    w("Everything above (measure what is missing, then render):")
+    w("")
+    w("```")
+    w(evidence_command(all_cmd_models, out) + " --resume")
+    w("```")
+    w("")
+    w("From scratch: the same without `--resume`. Rewrite this file from the JSON only: "
+      f"`gsm-jax evidence --out {out} --render-only`. Data: "
+      f"`{out}/data/evidence/<model>/claim_<N>.json`.")
+    runs = meta.get("runs") or []
+    if runs:
+        w("")
+        w("Runs that produced the data:")
+        w("")
+        for run in runs:
+            w(f"- {run.get('at')}: `{run.get('command')}`")
+    w("")
+    path = out / EVIDENCE_MD
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines))
+    return path
+
+
+def _relative(f: str, out: Path) -> str:
+    """A figure path as the markdown (in ``out``) links it."""
+    p = Path(f)
+    return Path(os.path.relpath(p, out)).as_posix() if p.is_absolute() else p.as_posix()
+
+
+def _short(text: Any, n: int = 220) -> str:
+    s = " ".join(str(text).split()) if not isinstance(text, list) else str(text)
+    return s if len(s) <= n else s[: n - 1] + "…"
+
+
+def _numbers_line(numbers: Mapping[str, Any], k: int = 3) -> str:
+    items = [(key, v) for key, v in numbers.items()
+             if isinstance(v, int | float) and not isinstance(v, bool)]
+    return ", ".join(f"{key} {v:.4g}" if isinstance(v, float) and math.isfinite(v)
+                     else f"{key} {v}" for key, v in items[:k]) or "see below"
