@@ -69,10 +69,11 @@ CLAIMS: dict[int, ClaimSpec] = {c.number: c for c in (
     ClaimSpec(5, "Window and strength are coupled; tie the window to the sequence length "
               "(length/16, at least 4) so the relative strength stays the same",
               "§3.2 step 2, §4.2", f"{_PKG}.quality_claims:run_claim_5"),
-    ClaimSpec(6, "Smoothing improves P99 (tail) latency more than the mean", "§3.2 step 5",
+    ClaimSpec(6, "Gains grow with concurrency and with sequence length; P99 (tail) latency "
+              "improves more than the mean", "§3.2 step 5, §5.1",
               f"{_PKG}.serving_claim:run_claim_6"),
-    ClaimSpec(7, "Gains are clear at high concurrency / large batches and long sequences, "
-              "limited for single short requests", "§5.1", f"{_PKG}.serving_claim:run_claim_7"),
+    ClaimSpec(7, "Short requests should bypass smoothing: gains are limited for single short "
+              "requests", "§5.1", f"{_PKG}.serving_claim:run_claim_7"),
     ClaimSpec(8, "Quality loss creeps in gradually, not as a cliff; at strength 0.4 answers "
               "are fluent but wrong (accuracy -8 points)", "§4.1",
               f"{_PKG}.quality_claims:run_claim_8"),
