@@ -54,12 +54,14 @@ from gsm_jax.models.gsm_sites import (
     smooth_site_prefill,
 )
 from gsm_jax.models.linear import linear
-from gsm_jax.models.llama import (
+from gsm_jax.models.llama import (  # the final norm + (tied) LM head is Llama's
     KVCache,
+    _logits,
     apply_rope,
     attention,
     cache_insert,
     decode_attention,
+    fill_cache,
     init_cache,
     is_per_layer,
     rms_norm,
@@ -326,16 +328,6 @@ def _embed(weights: dict, cfg: Gemma3Config, tokens: jax.Array) -> jax.Array:
     return x * jnp.asarray(math.sqrt(cfg.hidden_size), jnp.float32).astype(x.dtype)
 
 
-def _logits(weights: dict, cfg: Gemma3Config, x: jax.Array) -> jax.Array:
-    x = rms_norm(x, weights["final_norm"], cfg.rms_norm_eps)
-    with jax.named_scope("lm_head"):
-        if cfg.tie_word_embeddings:
-            return jnp.einsum("...d,vd->...v", x, weights["embed"].astype(x.dtype),
-                              preferred_element_type=jnp.float32)
-        return jnp.einsum("...d,dv->...v", x, weights["lm_head"].astype(x.dtype),
-                          preferred_element_type=jnp.float32)
-
-
 def _prefill_layers(weights, cfg, tokens, lengths, gsm):
     """All layers over right-padded prompts: hidden states, per-layer k, v ([L, B, T, K, hd]),
     GSM rings (per site [L, ...]) and positions."""
@@ -365,20 +357,8 @@ def prefill(weights: dict, cfg: Gemma3Config, tokens: jax.Array, lengths: jax.Ar
             cache: KVCache, gsm: GSMInputs | None = None) -> tuple[jax.Array, KVCache]:
     """Fill a fresh cache with right-padded prompts; return each row's last-token logits."""
     x, k, v, rings, _ = _prefill_layers(weights, cfg, tokens, lengths, gsm)
-
-    def fill(layers, new):  # new [L, B, T, K, hd] -> each layer's [B, K, S, hd] slots
-        return tuple(jax.lax.dynamic_update_slice(
-            c, jnp.swapaxes(new[i], 1, 2).astype(c.dtype), (0, 0, 0, 0))
-            for i, c in enumerate(layers))
-
-    new_rings = cache.rings
-    if gsm is not None and cache.rings is not None:
-        new_rings = constrain_rings(tuple(r.astype(c.dtype)
-                                          for r, c in zip(rings, cache.rings, strict=True)))
     last = jnp.take_along_axis(x, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)[:, 0]
-    return _logits(weights, cfg, last), KVCache(
-        k=fill(cache.k, k), v=fill(cache.v, v), lengths=lengths.astype(jnp.int32),
-        rings=new_rings)
+    return _logits(weights, cfg, last), fill_cache(cache, k, v, rings, lengths, gsm)
 
 
 def decode_step(weights: dict, cfg: Gemma3Config, tokens: jax.Array, cache: KVCache,

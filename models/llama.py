@@ -471,19 +471,24 @@ def prefill(weights: dict, cfg: LlamaConfig, tokens: jax.Array, lengths: jax.Arr
             cache: KVCache, gsm: GSMInputs | None = None) -> tuple[jax.Array, KVCache]:
     """Fill a fresh cache with right-padded prompts; return each row's last-token logits [B, V]."""
     x, k, v, rings, _ = _prefill_layers(weights, cfg, tokens, lengths, gsm)
+    last = jnp.take_along_axis(x, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)[:, 0]
+    return _logits(weights, cfg, last), fill_cache(cache, k, v, rings, lengths, gsm)
+
+
+def fill_cache(cache: KVCache, k: jax.Array, v: jax.Array, rings: Any, lengths: jax.Array,
+               gsm: GSMInputs | None) -> KVCache:
+    """A fresh cache holding a prefill's k, v ([L, B, T, K, hd]) and GSM rings."""
     def fill(layers, new):  # new [L, B, T, K, hd] -> each layer's [B, K, T, hd] slots
         return tuple(jax.lax.dynamic_update_slice(
             c, jnp.swapaxes(new[i], 1, 2).astype(c.dtype), (0, 0, 0, 0))
             for i, c in enumerate(layers))
 
-    new_k, new_v = fill(cache.k, k), fill(cache.v, v)
     new_rings = cache.rings
     if gsm is not None and cache.rings is not None:
         new_rings = constrain_rings(tuple(r.astype(c.dtype)
                                           for r, c in zip(rings, cache.rings, strict=True)))
-    last = jnp.take_along_axis(x, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)[:, 0]
-    logits = _logits(weights, cfg, last)
-    return logits, KVCache(k=new_k, v=new_v, lengths=lengths.astype(jnp.int32), rings=new_rings)
+    return KVCache(k=fill(cache.k, k), v=fill(cache.v, v), lengths=lengths.astype(jnp.int32),
+                   rings=new_rings)
 
 
 def decode_step(weights: dict, cfg: LlamaConfig, tokens: jax.Array, cache: KVCache,
