@@ -139,5 +139,6 @@ def test_transforms_refuse_other_families():
 
     from gsm_jax.quant import stacked_weights
 
-    with pytest.raises(gsm_jax.UnsupportedModelError, match="Llama family only"):
+    with pytest.raises(gsm_jax.UnsupportedModelError,
+                       match="llama and gemma3 families only, not 'deepseek_v4'"):
         stacked_weights(tiny_dsv4())
