@@ -529,6 +529,18 @@ def _int8_section(out: Path) -> str | None:
     return report_section(quality, speed, figures=figs)
 
 
+def _evidence_claim(out: Path, model: str, n: int) -> dict | None:
+    """Claim `n` of `gsm-jax evidence` for `model`, if measured: the evidence data sits in
+    <reports>/data/evidence/<model>/, with this report in <reports> or <reports>/<model>."""
+    from gsm_jax.workflow.evidence.runner import model_slug
+
+    for root in (out, out.parent):
+        path = root / "data" / "evidence" / model_slug(model) / f"claim_{n}.json"
+        if path.exists():
+            return json.loads(path.read_text())
+    return None
+
+
 def _int8_summary(out: Path) -> str:
     from gsm_jax.quant_quality import summary_line
 
@@ -685,10 +697,11 @@ def _markdown(*, out: Path, model: dict, machine: dict, prof: Profile, cal: Cali
     if _int8_section(out):  # INT8 runs recorded: their own summary line
         sp.append("- **INT8 (question 3 below)**: " + _int8_summary(out))
     else:
-        sp.append("- **What it might buy is untested here**: the one credible route to speed "
-                  "is lower precision (INT8/FP8) made safe by smoothing (question 3 below, "
-                  "pending the quantization work). Until then GSM is a quality cost with no "
-                  "measured benefit on this model.")
+        sp.append("- **Low precision is not part of this report**: the one credible route to "
+                  "speed is lower precision (INT8/FP8) made safe by smoothing. This model's "
+                  "INT8 W8A8 and FP8 runs, GSM against SmoothQuant and Hadamard, are claim 3 "
+                  "of the cross-model evidence (`gsm-jax evidence`, `reports/gsm_evidence.md`)"
+                  "; without them GSM is a quality cost with no measured benefit here.")
     lines += sp
     w("")
     # ---- setup
@@ -857,10 +870,14 @@ def _markdown(*, out: Path, model: dict, machine: dict, prof: Profile, cal: Cali
     int8 = _int8_section(out)  # INT8 runs, if recorded (see _int8_section)
     if int8:
         w(int8)
+    elif (claim3 := _evidence_claim(out, model["source"], 3)) is not None:
+        w(f"Not measured by this report's own runs; the cross-model evidence measured it "
+          f"(claim 3, `{claim3.get('command', 'gsm-jax evidence')}`, "
+          f"`reports/gsm_evidence.md`): **{claim3['verdict']}**. {claim3['why']}")
     else:
-        w("**Not measured in this report.** This place is reserved for the quantization "
-          "issue: W8A8 alone vs W8A8 + GSM vs channel-axis SmoothQuant, with the metrics "
-          "above.")
+        w("**Not measured in this report.** W8A8 and FP8 alone vs + GSM vs SmoothQuant vs "
+          "Hadamard are claim 3 of `gsm-jax evidence` (`reports/gsm_evidence.md`), not run "
+          "for this model yet.")
     w("")
     # ---- Q4
     w("## Q4: step-time overhead and end-to-end speed")
@@ -881,7 +898,8 @@ def _markdown(*, out: Path, model: dict, machine: dict, prof: Profile, cal: Cali
     w(_table(["config", "step", "ms per call", "vs off"], rows))
     w("")
     w("W8A8 ± GSM against the full-precision baseline: " + (
-        "see the speed table in Q3." if int8 else "pending the quantization issue (see Q3)."))
+        "see the speed table in Q3." if int8 else
+        "not measured for this model (its INT8 quality is claim 3 of the evidence)."))
     w("")
     w("### Serving benchmark")
     w("")

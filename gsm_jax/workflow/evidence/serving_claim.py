@@ -194,7 +194,9 @@ def run_claim_6(params: ModelParams, *, sizes: dict, progress: bool,
     cfg = gsm_config(sizes)
     out = _out_dir(model_dir, "claim6")
     (out / "gsm.json").write_text(json.dumps(cfg.to_dict(), indent=1))
-    reqs = {name: bc.wikitext_requests(n, short=rng, long=rng, long_share=0.0, short_new=new,
+    # a cell of c clients sends max(n, c) requests, so that c requests are in flight at once
+    reqs = {name: bc.wikitext_requests(max(n, *clients), short=rng, long=rng, long_share=0.0,
+                                       short_new=new,
                                        long_new=new, seed=int(sizes.get("seed", 0)) + i)
             for i, (name, rng) in enumerate(lengths.items())}
     base = _server_base(model, max_batch=max(clients),
@@ -220,8 +222,8 @@ def run_claim_6(params: ModelParams, *, sizes: dict, progress: bool,
                 for c in clients:
                     for _ in range(repeats):
                         for arm in (("off", "on") if k % 2 == 0 else ("on", "off")):
-                            r = bc.run_bench(servers[arm].url, reqs[length], clients=c,
-                                             progress=False)
+                            r = bc.run_bench(servers[arm].url, reqs[length][:max(n, c)],
+                                             clients=c, progress=False)
                             runs.setdefault((c, length, arm), []).append(r)
                         k += 1
                     last = {a: runs[(c, length, a)][-1]["summary"]["all"]["output_tok_per_s"]
