@@ -479,6 +479,9 @@ def judge_5(ratios: Mapping[str, float]) -> tuple[str, str]:
                        f"sequence lengths than every fixed window (max/min {ad:.2f}; {listed})")
 
 
+MAX_ROW_LOGITS = 1 << 28  # floats of one row's logits (1 GiB in f32): claim 5's length cap
+
+
 def run_claim_5(params: ModelParams, *, sizes: Mapping[str, Any], progress: bool,
                 model_dir: Path) -> dict[str, Any]:
     from gsm_jax.workflow.calibrate import effective_window
@@ -490,9 +493,17 @@ def run_claim_5(params: ModelParams, *, sizes: Mapping[str, Any], progress: bool
     if "adaptive" not in windows:
         windows.append("adaptive")
     per_len: list[dict[str, Any]] = []
-    skipped = []
+    skipped, reduced = [], {}
+    # A row's logits are length x vocabulary floats and the evaluator holds several copies
+    # (base log-probs, the smoothed pass, KLD temporaries): Gemma 3's 262k vocabulary at
+    # 2048 tokens was OOM-killed at 23.6 GB on this 24 GB VM. Longer rows than the cap
+    # are measured at the longest power of two under it (recorded).
+    cap = max(128, 1 << ((MAX_ROW_LOGITS // int(params.config.vocab_size)).bit_length() - 1))
     for length, n in zip(_size(sizes, "window_lengths"), _size(sizes, "window_sequences"),
                          strict=True):
+        if length > cap:
+            reduced[str(length)] = cap
+            length = cap
         if length > ctx:
             skipped.append(length)
             continue
@@ -525,8 +536,12 @@ def run_claim_5(params: ModelParams, *, sizes: Mapping[str, Any], progress: bool
     why += (f"; adaptive mean KLD {klds} at lengths {lens} (effective window {eff}), "
             f"strength {s}. Batch size cannot matter here: windows are per sequence and "
             "causal, padding never enters one.")
+    if reduced:
+        why += (f" Lengths {list(reduced)} measured at {sorted(set(reduced.values()))} (the "
+                f"{params.config.vocab_size}-entry vocabulary's logits at the full length do "
+                "not fit this VM's memory).")
     numbers = {"strength": s, "profile": prof_src, "lengths": per_len, "ratios": ratios,
-               "skipped_lengths": skipped}
+               "skipped_lengths": skipped, "reduced_lengths": reduced}
     return _result(5, params, numbers, verdict, why,
                    measurement=f"KLD max/min over lengths: adaptive {ratios['adaptive']:.2f}, "
                                + ", ".join(f"w{k} {v:.2f}" for k, v in ratios.items()
