@@ -86,6 +86,13 @@ def test_evidence_report_fills_q3_from_int8_runs(tmp_path):
     out = tmp_path / "reports"
     shutil.copytree(src, out)
     shutil.rmtree(out / "data" / "quant", ignore_errors=True)
+    evidence = out / "data" / "evidence" / "smollm2-135m" / "claim_3.json"
+    if evidence.exists():  # then Q3 quotes the cross-model evidence's claim 3
+        claim3 = json.loads(evidence.read_text())
+        text = report.render_report(out).read_text()
+        assert "the cross-model evidence measured it (claim 3" in text
+        assert claim3["why"][:80] in text
+        evidence.unlink()
     text = report.render_report(out).read_text()
     assert "Not measured in this report." in text
     q = {"config": {}, "data": {}, "gsm_calibration": {"w8a8": {"config": None}},
