@@ -230,3 +230,18 @@ def test_cli_render_only(smoke_run):
     path.unlink()
     assert cli_main(["evidence", "--out", str(out), "--render-only"]) == 0
     assert path.exists()
+
+
+def test_claim8_lambada_cliff_needs_more_than_sampling_noise():
+    """A 4-point LAMBADA step is noise on 100 examples (2 s.e. of a difference ~6.9
+    points) but a cliff, and a real drop, on 10000 (~1.4)."""
+    from gsm_jax.workflow.evidence.quality_claims import judge_8
+
+    s = [0.0, 0.1, 0.2, 0.3]
+    kld, top1, acc = [0.0, 0.01, 0.02, 0.03], [100.0, 98.0, 96.0, 94.0], [38.0, 38.0, 38.0, 34.0]
+    small = judge_8(s, kld, top1, acc, 50.0, 40.0, 100)
+    large = judge_8(s, kld, top1, acc, 50.0, 40.0, 10000)
+    assert small[2]["gradual"] and not small[2]["fluent_wrong"] and small[0] == "refuted"
+    assert not large[2]["gradual"] and large[2]["fluent_wrong"] and large[0] == "refuted"
+    steep = judge_8(s, kld, top1, [38.0, 36.0, 34.0, 30.0], 50.0, 40.0, 10000)
+    assert steep[0] == "supported"  # gradual (steepest 1.5x) and an 8-point drop
