@@ -29,7 +29,9 @@ def test_bench_mesh_tiny(tmp_path):
     assert {"1 device", "2x4", "1x8 psum", "1x8 all_to_all"} == set(r["variants"])
     for name, v in r["variants"].items():
         assert v["greedy_equal_to_one_device"], name
-        assert v["decode_tok_s"] > 0
+        # 4 new tokens: on a loaded machine the decode time (long minus short run) can come
+        # out <= 0, which the benchmark records as None rather than a made-up rate
+        assert v["decode_tok_s"] is None or v["decode_tok_s"] > 0
         if name == "1 device":
             continue
         measured = routed(v)

@@ -247,7 +247,8 @@ def test_run_claim_tiny(tiny, tmp_path):
                                  "gsm": GSM.to_dict(), "evidence_dir": str(tmp_path)},
                     progress=False, model_dir=tmp_path / "absent")
     json.dumps(out)
-    assert out["claim"] == 10 and out["draft_layers"] == 1 and set(out["arms"]) == set(ARMS)
+    # the default draft is all but the last layer
+    assert out["claim"] == 10 and out["draft_layers"] == 2 and set(out["arms"]) == set(ARMS)
     assert all(a["exact"] for a in out["arms"].values())
     assert all(0.0 <= a["acceptance_rate"] <= 1.0 for a in out["arms"].values())
     assert out["verdict"] in ("supported", "refuted", "not testable here") and out["why"]

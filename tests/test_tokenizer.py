@@ -184,7 +184,7 @@ def test_tiny_gguf_tokenizer_without_template():
 @pytest.mark.parametrize(
     ("key", "value", "match"),
     [
-        ("tokenizer.ggml.model", "llama", "tokenizer model 'llama'"),
+        ("tokenizer.ggml.model", "bert", "tokenizer model 'bert'"),
         ("tokenizer.ggml.pre", "made-up", "pre-tokenizer 'made-up'"),
     ],
 )
