@@ -44,16 +44,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from gsm_jax.errors import InvalidInputError
 from gsm_jax.models.block_quant import BlockQuantWeight
 from gsm_jax.models.linear import QuantizedWeight
+from gsm_jax.models.partitioning import MESH_AXES, RULES, constrain_rings  # noqa: F401
 from gsm_jax.params import ModelParams
-
-MESH_AXES = ("data", "model")
-RULES: dict[str, str | None] = {
-    "vocab": "model",
-    "heads": "model",
-    "mlp": "model",
-    "experts": "model",
-    "batch": "data",
-}
 
 # Logical axes of each weight of the *float* layout ([..., in, out] projections), by leaf
 # name; None entries are replicated. A leaf not listed is replicated whole.
@@ -258,19 +250,3 @@ def mesh_of(weights: Any) -> Mesh | None:
 def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
     """Inputs whose leading axis is the batch: split over "data"."""
     return NamedSharding(mesh, PartitionSpec(RULES["batch"], *([None] * (ndim - 1))))
-
-
-def constrain_rings(rings: Any) -> Any:
-    """GSM ring buffers [layers, B, window, C] split like the batch (and their channels over
-    "model" where it divides them), when the call runs under a mesh (`jax.set_mesh`);
-    unchanged otherwise. Propagation alone leaves their batch axis whole."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if rings is None or mesh.empty or not all(a in mesh.axis_names for a in MESH_AXES):
-        return rings
-
-    def one(r):
-        data = RULES["batch"] if r.shape[1] % mesh.shape[RULES["batch"]] == 0 else None
-        chan = "model" if r.shape[-1] % mesh.shape["model"] == 0 else None
-        return jax.lax.with_sharding_constraint(r, PartitionSpec(None, data, None, chan))
-
-    return tuple(one(r) for r in rings)

@@ -79,7 +79,7 @@ from gsm_jax.models.gsm_sites import (
 )
 from gsm_jax.models.linear import linear
 from gsm_jax.models.moe import DISPATCHES, routed_experts, swiglu
-from gsm_jax.sharding import constrain_rings
+from gsm_jax.models.partitioning import constrain_rings
 
 _MASK_VALUE = -1e30  # finite: the sink logit keeps every softmax row well defined anyway
 

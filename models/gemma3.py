@@ -68,7 +68,7 @@ from gsm_jax.models.llama import (  # the final norm + (tied) LM head is Llama's
     stack_layers,
     unstack_layers,
 )
-from gsm_jax.sharding import constrain_rings
+from gsm_jax.models.partitioning import constrain_rings
 
 __all__ = ["CONFIG_CLASS", "Gemma3Config", "KVCache", "cache_insert", "decode_step", "extend",
            "forward", "init_cache", "init_weights", "prefill", "stack_layers",

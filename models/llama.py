@@ -44,7 +44,7 @@ from gsm_jax.models.gsm_sites import (
     smooth_site_prefill,
 )
 from gsm_jax.models.linear import linear
-from gsm_jax.sharding import constrain_rings
+from gsm_jax.models.partitioning import constrain_rings
 
 _MASK_VALUE = -1e30  # finite, so a row with no valid key (a dummy batch row) gives no NaN
 

@@ -1,0 +1,39 @@
+"""Logical axis rules shared by the models and the runtime (the lowest layer that names mesh
+axes, so that model code can constrain its own intermediates without importing the runtime).
+
+`RULES` maps logical axes (declared beside each family's weights, `LOGICAL_AXES` in the
+family file) to the mesh axes "data" and "model", as MaxText's logical axis rules do;
+`gsm_jax.sharding` applies them to weights, this module to what the models compute.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from jax.sharding import PartitionSpec
+
+MESH_AXES = ("data", "model")
+RULES: dict[str, str | None] = {
+    "vocab": "model",
+    "heads": "model",
+    "mlp": "model",
+    "experts": "model",
+    "batch": "data",
+}
+
+
+def constrain_rings(rings: Any) -> Any:
+    """GSM ring buffers [layers, B, window, C] split like the batch (and their channels over
+    "model" where it divides them), when the call runs under a mesh (`jax.set_mesh`);
+    unchanged otherwise. Propagation alone leaves their batch axis whole."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if rings is None or mesh.empty or not all(a in mesh.axis_names for a in MESH_AXES):
+        return rings
+
+    def one(r):
+        data = RULES["batch"] if r.shape[1] % mesh.shape[RULES["batch"]] == 0 else None
+        chan = "model" if r.shape[-1] % mesh.shape["model"] == 0 else None
+        return jax.lax.with_sharding_constraint(r, PartitionSpec(None, data, None, chan))
+
+    return tuple(one(r) for r in rings)
