@@ -1,4 +1,4 @@
-"""Tests of gsm_jax.config: validation, files, masks, runtime arrays, rollout, hot reload."""
+"""Tests of gsm_jax.config: validation, files, masks, rollout, hot reload."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import math
 import os
 import time
 
-import jax
 import numpy as np
 import pytest
 
@@ -19,7 +18,6 @@ from gsm_jax.config import (
     SITES,
     ConfigWatcher,
     GSMConfig,
-    GSMRuntime,
     build_profile,
     describe,
     load_profile,
@@ -372,48 +370,6 @@ def test_mask_high_kurtosis(profile_path):
     assert (m == expected).all()
     m = resolve_mask(GSMConfig(profile=str(profile_path), sites=["ffn_mid"]), 4)
     assert np.argwhere(m).tolist() == [[1, 1]]
-
-
-# --------------------------------------------------------------------------- runtime
-
-
-def test_runtime_arrays(profile_path):
-    rt = GSMConfig(profile=str(profile_path), smooth_strength=0.2, protect_first=2).runtime(4)
-    assert isinstance(rt, GSMRuntime)
-    assert rt.strength.dtype == np.float32 and rt.strength.shape == (4, 2)
-    expected = np.zeros((4, 2), np.float32)
-    expected[1, 1] = expected[3, 0] = 0.2
-    np.testing.assert_array_equal(np.asarray(rt.strength), expected)
-    assert rt.window.dtype == np.int32 and rt.window.shape == () and int(rt.window) == 8
-    assert rt.protect_first.dtype == np.int32 and int(rt.protect_first) == 2
-    assert rt.num_layers == 4
-
-    adaptive = GSMConfig(target_layers="all", window_size="adaptive").runtime(4)
-    assert int(adaptive.window) == 0
-    off = GSMConfig(target_layers="all", enable=False).runtime(4)
-    assert not np.asarray(off.strength).any()
-
-    dis = GSMRuntime.disabled(4)
-    assert not np.asarray(dis.strength).any() and int(dis.window) == 0
-    assert int(dis.protect_first) == 0
-    # same pytree structure, shapes and dtypes for every config: no recompilation
-    sig = lambda r: jax.tree.map(lambda a: (a.shape, a.dtype), r)
-    assert jax.tree.structure(rt) == jax.tree.structure(dis)
-    assert sig(rt) == sig(dis) == sig(adaptive)
-
-
-def test_runtime_no_recompile_on_config_change():
-    traces = []
-
-    @jax.jit
-    def f(rt):
-        traces.append(1)
-        return rt.strength.sum() * rt.window + rt.protect_first
-
-    f(GSMConfig(target_layers="all").runtime(3))
-    f(GSMConfig(target_layers=[1], smooth_strength=0.3, window_size=2).runtime(3))
-    f(GSMRuntime.disabled(3))
-    assert len(traces) == 1
 
 
 def test_describe(profile_path):
