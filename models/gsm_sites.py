@@ -1,9 +1,10 @@
-"""Where a model hands a site's activations to the GSM filter.
+"""GSM smoothing as a `Sites` implementation: where a model hands a site's activations
+to the GSM filter.
 
-Both model families call `smooth_site_prefill` / `smooth_site_decode` at their two
-sites (`attn_out`: the input of the output projection; `ffn_mid`: the input of the
-down projection). Everything numeric is a runtime array, so a new GSM config
-takes effect without recompiling; only `max_window`, `precision` and `impl` are
+`GSMInputs` is the `models.sites.Sites` hook that smooths: every family's layer calls
+`step.site(...)` at its two sites (`attn_out`: the input of the output projection;
+`ffn_mid`: the input of the down projection). Everything numeric is a runtime array,
+so a new GSM config takes effect without recompiling; only `max_window`, `precision` and `impl` are
 static.
 
 "Quantize, then smooth" (INT8 W8A8, `gsm_jax.quant`): a caller may pass the weight
@@ -24,14 +25,16 @@ import jax.numpy as jnp
 from flax import struct
 
 from gsm_jax.models.linear import QuantizedActivation, wants_int8_input
+from gsm_jax.models.sites import ATTN_OUT, FFN_MID, SITES, Sites
 
-SITES = ("attn_out", "ffn_mid")
-ATTN_OUT, FFN_MID = 0, 1
+__all__ = ["ATTN_OUT", "FFN_MID", "SITES", "GSMInputs", "smooth_site_decode",
+           "smooth_site_extend", "smooth_site_prefill"]
 
 
 @struct.dataclass
-class GSMInputs:
-    """Runtime GSM arrays for one batch (a pytree: changing values never recompiles)."""
+class GSMInputs(Sites):
+    """Runtime GSM arrays for one batch (a pytree: changing values never recompiles), and
+    the `Sites` hook that smooths with them (`site` below: one entry for every mode)."""
 
     # f32 [layers, 2]: per (layer, site) strength, 0 where not smoothed; or [B, layers, 2]:
     # per row (a server whose running requests hold different config versions)
@@ -51,6 +54,30 @@ class GSMInputs:
         strength = per_row * self.row_enabled
         window = jnp.broadcast_to(self.window, (batch,)).astype(jnp.int32)
         return window, strength.astype(jnp.float32)
+
+    @property
+    def uses_rings(self) -> bool:
+        return True
+
+    def site(self, step, layer, index, x, next_weight=None):
+        """Smooth x [B, T, C] at site `index` of `layer`, as the step's mode needs:
+        teacher-forced (no state), a fresh prefill (the rings start here), a chunk that
+        continues the rows' rings, or one decode token per row against them."""
+        if step.mode == "forward":
+            return smooth_site_prefill(self, layer, index, x, step.positions, next_weight)[0]
+        if step.mode == "prefill":
+            y, ring = smooth_site_prefill(self, layer, index, x, step.positions, next_weight)
+            rings = step.rings[index]
+            step.rings[index] = rings.at[layer].set(ring.astype(rings.dtype))
+            return y
+        if step.mode == "extend":
+            y, step.rings[index] = smooth_site_extend(self, layer, index, x, step.rings[index],
+                                                      step.start, step.positions)
+            return y
+        y, step.rings[index] = smooth_site_decode(self, layer, index, x[:, 0], step.rings[index],
+                                                  step.positions[:, 0], step.active,
+                                                  next_weight)
+        return y[:, None]  # also a QuantizedActivation: [B, C] -> [B, 1, C]
 
 
 def smooth_site_prefill(

@@ -1,0 +1,451 @@
+"""What every model family shares: the step context, the loop over layers, the KV cache of
+the dense families, attention, RoPE, norms and the weight layouts.
+
+A family file (`llama.py`, `gemma3.py`, `deepseek_v4.py`) writes one function,
+
+    layer(cfg, weights_of_layer, index, x, cache_of_layer, step) -> (x, cache_of_layer)
+
+and its entry points are thin wrappers around `run_layers`:
+
+| entry point | mode | what the layer sees |
+|---|---|---|
+| `hidden_states` / `forward` | "forward" | right-padded rows, no cache |
+| `prefill` | "prefill" | a fresh cache: rows start at position 0 |
+| `extend` | "extend" | a chunk continuing rows that hold `step.start` tokens |
+| `decode_step` | "decode" | one token per row (the decode attention is picked here) |
+
+Prefill and decode are the two special cases of `extend` that have faster programs (a
+prefill attends over its own chunk only, a decode step reads the cache with one query);
+the layer picks them from `step.mode`, which is static. `Step` also carries the hooks
+(`models/sites.py`): every GSM site and every projection goes through `step.site` and
+`step.linear`, and hooks hand values back with `step.sow`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from gsm_jax.errors import InvalidInputError
+from gsm_jax.models.partitioning import constrain_rings
+from gsm_jax.models.sites import Sites, as_sites
+
+MASK_VALUE = -1e30  # finite, so a row with no valid key (a dummy batch row) gives no NaN
+MODES = ("forward", "prefill", "extend", "decode")
+
+
+# ----------------------------------------------------------------------------- the step
+
+
+@dataclasses.dataclass
+class Step:
+    """What one call of the layer stack does; built by the entry points, lives in the trace.
+
+    positions: [B, T] the position of each token (= its cache slot), -1 for padding.
+    start:     [B] tokens each row held before this call (0 for forward / prefill).
+    n_new:     [B] real tokens of each row in this call.
+    active:    [B] rows that advance (decode: finished rows compute but stay put).
+    max_len:   the cache's slots (None without a cache).
+    rings:     the GSM rings, one [layers, B, W, C] array per site (a list the site hook
+               reads and replaces), or None when the hooks keep no state.
+    """
+
+    mode: str
+    positions: jax.Array
+    start: jax.Array
+    n_new: jax.Array
+    active: jax.Array
+    sites: Sites
+    max_len: int | None = None
+    rings: list | None = None
+    _sown: dict | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"unknown step mode {self.mode!r}; known: {MODES}")
+
+    # -- hooks (models/sites.py)
+
+    def site(self, layer: Any, index: int, x: Any, next_weight: Any = None) -> Any:
+        """A GSM site: what the hooks make of x [B, T, C] (GSM: smoothed)."""
+        return self.sites.site(self, layer, index, x, next_weight)
+
+    def linear(self, layer: Any, name: str, x: Any, w: Any) -> jax.Array:
+        """A projection `x @ w`, through the hooks (`name`: the weight's leaf name)."""
+        return self.sites.linear(self, layer, name, x, w)
+
+    def sow(self, name: str, value: Any) -> None:
+        """Hand a value of the current layer back to the caller (stacked over layers)."""
+        if self._sown is None:
+            raise RuntimeError("sow() outside a layer of run_layers")
+        self._sown[name] = value
+
+    # -- what layers ask
+
+    @property
+    def valid(self) -> jax.Array:
+        return self.positions >= 0
+
+    @property
+    def rope_positions(self) -> jax.Array:
+        return jnp.maximum(self.positions, 0)
+
+    @property
+    def slots(self) -> jax.Array:
+        """[S] the cache's slot positions."""
+        return jnp.arange(self.max_len)
+
+    def chunk_mask(self) -> jax.Array:
+        """[B, T, T]: causal within the chunk, real keys of the same row (forward, prefill)."""
+        t = self.positions.shape[1]
+        steps = jnp.arange(t)
+        return (steps[None, :, None] >= steps[None, None, :]) & self.valid[:, None, :]
+
+    def cache_mask(self) -> jax.Array:
+        """[B, T, S]: the cache slots each token sees (extend, decode): its own and earlier."""
+        return (self.slots[None, None, :] <= self.positions[:, :, None]) & self.valid[..., None]
+
+
+def forward_step(lengths: jax.Array, t: int, sites: Any = None) -> Step:
+    """Teacher forcing over right-padded rows of `lengths` tokens, no cache."""
+    steps = jnp.arange(t)
+    valid = steps[None, :] < lengths[:, None]
+    b = lengths.shape[0]
+    return Step("forward", jnp.where(valid, steps[None, :], -1), jnp.zeros((b,), jnp.int32),
+                lengths.astype(jnp.int32), jnp.ones((b,), bool), as_sites(sites))
+
+
+def prefill_step(lengths: jax.Array, t: int, cache: Any, sites: Any = None) -> Step:
+    """Right-padded prompts into a fresh cache (rows start at position 0)."""
+    step = forward_step(lengths, t, sites)
+    return dataclasses.replace(step, mode="prefill", max_len=cache.max_len,
+                               rings=_rings_in(cache, step.sites))
+
+
+def extend_step(n_new: jax.Array, t: int, cache: Any, sites: Any = None) -> Step:
+    """A chunk of [B, t] tokens (the first n_new real) after each row's cache.lengths."""
+    steps = jnp.arange(t)
+    valid = steps[None, :] < n_new[:, None]
+    start = cache.lengths
+    sites = as_sites(sites)
+    return Step("extend", jnp.where(valid, start[:, None] + steps[None, :], -1), start,
+                n_new.astype(jnp.int32), jnp.ones((n_new.shape[0],), bool), sites,
+                max_len=cache.max_len, rings=_rings_in(cache, sites))
+
+
+def decode_step_ctx(cache: Any, active: jax.Array | None, sites: Any = None) -> Step:
+    """One token per row at position cache.lengths (clamped to the last slot)."""
+    b = cache.lengths.shape[0]
+    active = jnp.ones((b,), bool) if active is None else active
+    slot = jnp.minimum(cache.lengths, cache.max_len - 1)
+    sites = as_sites(sites)
+    return Step("decode", slot[:, None], cache.lengths, active.astype(jnp.int32),
+                active, sites, max_len=cache.max_len, rings=_rings_in(cache, sites))
+
+
+def _rings_in(cache: Any, sites: Sites) -> list | None:
+    rings = getattr(cache, "rings", None)
+    if not sites.uses_rings:
+        return None
+    if rings is None:
+        raise InvalidInputError("GSM is on but this cache holds no GSM rings: make it with "
+                                "init_cache(..., gsm_max_window=...)")
+    return list(rings)
+
+
+def rings_out(step: Step, cache: Any) -> Any:
+    """The cache's GSM rings after the step (unchanged when the hooks keep no state)."""
+    if step.rings is None:
+        return getattr(cache, "rings", None)
+    return constrain_rings(tuple(step.rings))
+
+
+def new_lengths(step: Step) -> jax.Array:
+    if step.mode == "decode":
+        return step.start + step.active.astype(jnp.int32)
+    return step.start + step.n_new
+
+
+def last_token(x: jax.Array, n: jax.Array) -> jax.Array:
+    """x [B, T, ...] -> each row's token n - 1, [B, ...]."""
+    idx = jnp.maximum(n - 1, 0).reshape((-1,) + (1,) * (x.ndim - 1))
+    return jnp.take_along_axis(x, idx, axis=1)[:, 0]
+
+
+# ----------------------------------------------------------------------------- the loop
+
+
+def run_layers(layer_fn: Callable, cfg: Any, layers: Any, x: jax.Array,
+               caches: tuple | None, step: Step) -> tuple[jax.Array, tuple | None, dict]:
+    """Apply `layer_fn(cfg, weights_of_layer, index, x, cache_of_layer, step)` to every layer.
+
+    layers: a tuple of per-layer weight trees (an unrolled loop, the index a Python int), or
+            one tree of stacked [L, ...] arrays (`lax.scan`, one compiled layer body; the
+            index a traced int, so only for families whose layers are all alike).
+    caches: per-layer cache pieces (a tuple), or None (forward).
+    Returns x, the new per-layer cache pieces, and what the hooks sowed: {name: [L, ...]}.
+    """
+    if isinstance(layers, tuple | list):
+        new_caches, sown = [], []
+        for i, lw in enumerate(layers):
+            step._sown = {}
+            with jax.named_scope("layer"):
+                x, c = layer_fn(cfg, lw, i, x, None if caches is None else caches[i], step)
+            new_caches.append(c)
+            sown.append(step._sown)
+        step._sown = None
+        stacked = ({k: jnp.stack([s[k] for s in sown]) for k in sown[0]} if sown else {})
+        return x, None if caches is None else tuple(new_caches), stacked
+
+    n = jax.tree.leaves(layers)[0].shape[0]
+    stacked_cache = None if caches is None else jax.tree.map(lambda *a: jnp.stack(a), *caches)
+
+    def body(carry, inputs):
+        x, rings = carry
+        lw, i, c = inputs
+        step.rings, step._sown = None if rings is None else list(rings), {}
+        with jax.named_scope("layer"):
+            x, c = layer_fn(cfg, lw, i, x, c, step)
+        rings = None if step.rings is None else tuple(step.rings)
+        sown, step._sown = step._sown, None
+        return (x, rings), (c, sown)
+
+    rings0 = None if step.rings is None else tuple(step.rings)
+    (x, rings), (c_all, sown) = jax.lax.scan(
+        body, (x, rings0), (layers, jnp.arange(n), stacked_cache))
+    step.rings = None if rings is None else list(rings)
+    caches_out = None if caches is None else tuple(jax.tree.map(lambda a, i=i: a[i], c_all)
+                                                   for i in range(n))
+    return x, caches_out, sown
+
+
+# ----------------------------------------------------------------------------- weight layouts
+
+
+def is_per_layer(weights: dict) -> bool:
+    """True when weights["layers"] is a tuple of per-layer trees (see `unstack_layers`)."""
+    return isinstance(weights["layers"], tuple | list)
+
+
+def unstack_layers(weights: dict) -> dict:
+    """The same weights with "layers" as a tuple of per-layer trees: the layers then run as
+    an unrolled loop over separate arrays instead of `lax.scan` over stacked [L, ...] arrays
+    (on XLA:CPU a dot cannot read a layer's slice of a stacked weight in place, so under
+    scan every layer's weights are copied out first; docs/performance_notes.md)."""
+    if is_per_layer(weights):
+        return weights
+    stacked = weights["layers"]
+    n = jax.tree.leaves(stacked)[0].shape[0]
+    layers = tuple(jax.tree.map(lambda a, i=i: a[i], stacked) for i in range(n))
+    return {**weights, "layers": layers}
+
+
+def stack_layers(weights: dict) -> dict:
+    """The inverse of `unstack_layers`: "layers" as one tree of stacked [L, ...] arrays."""
+    if not is_per_layer(weights):
+        return weights
+    return {**weights, "layers": jax.tree.map(lambda *a: jnp.stack(a), *weights["layers"])}
+
+
+def layer_weights(weights: dict, num_layers: int, *, scan_ok: bool) -> Any:
+    """The "layers" tree as `run_layers` takes it: stacked weights stay stacked when the
+    family allows a scan, else they are sliced per layer; the count is checked."""
+    layers = weights["layers"]
+    if not is_per_layer(weights):
+        if scan_ok:
+            n = jax.tree.leaves(layers)[0].shape[0]
+            if n != num_layers:
+                raise InvalidInputError(f"the weights hold {n} layers but the config says "
+                                        f"num_layers={num_layers}")
+            return layers
+        layers = unstack_layers(weights)["layers"]
+    if len(layers) != num_layers:  # lax.scan fails on this by itself; a loop would not
+        raise InvalidInputError(f"the weights hold {len(layers)} layers but the config "
+                                f"says num_layers={num_layers}")
+    return tuple(layers)
+
+
+# ----------------------------------------------------------------------------- KV cache
+
+
+@struct.dataclass
+class KVCache:
+    """Per-row KV cache of the dense families, plus the GSM rings (when GSM is compiled in).
+
+    k, v: one [B, kv_heads, S, head_dim] array per layer (a tuple); slot s holds the
+          token at position s. Heads before slots: the decode step's attention products
+          read the cache in place ([B, K] batch dims, contiguous [S, hd] per head), and a
+          separate array per layer is updated and read in place (a layer's slice of one
+          stacked [L, ...] array was copied out every step; docs/performance_notes.md).
+    lengths: [B] tokens already in the cache (= the position of the next token).
+    rings: per site [layers, B, max_window, C] of raw site inputs (see gsm_sites).
+    """
+
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
+    lengths: jax.Array
+    rings: tuple[jax.Array, jax.Array] | None = None
+
+    @property
+    def max_len(self) -> int:
+        return self.k[0].shape[2]
+
+
+def init_kv_cache(num_layers: int, num_kv_heads: int, head_dim: int,
+                  site_sizes: tuple[int, ...], batch_size: int, max_len: int, *,
+                  dtype: Any = jnp.float32, gsm_max_window: int | None = None) -> KVCache:
+    shape = (batch_size, num_kv_heads, max_len, head_dim)
+    rings = None
+    if gsm_max_window is not None:
+        rings = tuple(jnp.zeros((num_layers, batch_size, gsm_max_window, c), dtype)
+                      for c in site_sizes)
+
+    def layers():
+        return tuple(jnp.zeros(shape, dtype) for _ in range(num_layers))
+
+    return KVCache(k=layers(), v=layers(), lengths=jnp.zeros((batch_size,), jnp.int32),
+                   rings=rings)
+
+
+def insert_rows(cache: Any, rows: Any, slots: jax.Array) -> Any:
+    """Copy the rows of `rows` (same max_len) into `cache` at batch indices `slots` [b]:
+    continuous batching, a request prefilled on its own joins a running batch. Works for
+    any cache whose leaves have the batch first, except GSM rings (batch second)."""
+    def put(big, small, axis=0):
+        index = (slice(None),) * axis + (slots,)
+        return big.at[index].set(small.astype(big.dtype))
+
+    rings = cache.rings
+    if cache.rings is not None and rows.rings is not None:
+        rings = tuple(put(b, s, axis=1) for b, s in zip(cache.rings, rows.rings, strict=True))
+    body = jax.tree.map(put, cache.replace(rings=None, lengths=cache.lengths),
+                        rows.replace(rings=None, lengths=rows.lengths))
+    return body.replace(lengths=cache.lengths.at[slots].set(rows.lengths), rings=rings)
+
+
+def kv_pieces(cache: KVCache) -> tuple:
+    return tuple(zip(cache.k, cache.v, strict=True))
+
+
+def kv_from_pieces(pieces: tuple, step: Step, cache: KVCache) -> KVCache:
+    return KVCache(k=tuple(p[0] for p in pieces), v=tuple(p[1] for p in pieces),
+                   lengths=new_lengths(step).astype(jnp.int32), rings=rings_out(step, cache))
+
+
+def write_kv(layer_cache: jax.Array, new: jax.Array, step: Step) -> jax.Array:
+    """Put a call's keys or values [B, T, K, hd] into one layer's cache [B, K, S, hd]."""
+    if step.mode == "prefill":  # the chunk from slot 0 (padding lands in unread slots)
+        return jax.lax.dynamic_update_slice(
+            layer_cache, jnp.swapaxes(new, 1, 2).astype(layer_cache.dtype), (0, 0, 0, 0))
+    b = new.shape[0]
+    if step.mode == "decode":
+        # In range by construction (the slot is clamped): no bounds-guarding select.
+        return layer_cache.at[jnp.arange(b), :, step.positions[:, 0]].set(
+            new[:, 0].astype(layer_cache.dtype), mode="promise_in_bounds")
+    write = jnp.where(step.valid, step.positions, step.max_len)  # padding: dropped
+    return layer_cache.at[jnp.arange(b)[:, None], :, write].set(
+        new.astype(layer_cache.dtype), mode="drop")
+
+
+def kv_attention(q: jax.Array, k: jax.Array, v: jax.Array, kv_cache: tuple | None,
+                 step: Step, mask_fn: Callable[[jax.Array], jax.Array] | None = None,
+                 scale: float | None = None) -> tuple[jax.Array, tuple | None]:
+    """Write this call's k, v [B, T, K, hd] into the layer's cache and attend, the way the
+    mode wants: over the chunk itself (forward, prefill), over the cache with one query
+    (decode), or over the cache (extend). `mask_fn(mask)` narrows the causal mask (Gemma's
+    sliding window). Returns the attention output [B, T, H * hd] and the new cache piece."""
+    if step.mode in ("forward", "prefill"):
+        mask = step.chunk_mask()
+        if mask_fn is not None:
+            t = q.shape[1]
+            mask = mask_fn(mask, jnp.broadcast_to(jnp.arange(t), step.positions.shape))
+        with jax.named_scope("attention"):
+            out = attention(q, k, v, mask, scale)
+        if step.mode == "forward":
+            return out, None
+        kc, vc = kv_cache
+        return out, (write_kv(kc, k, step), write_kv(vc, v, step))
+    kc, vc = kv_cache
+    # Write this call's k, v first, then read: reading before the scatter makes XLA keep
+    # (copy) the old cache alive.
+    kc, vc = write_kv(kc, k, step), write_kv(vc, v, step)
+    mask = step.cache_mask()
+    if mask_fn is not None:
+        mask = mask_fn(mask, step.slots)
+    with jax.named_scope("attention"):
+        if step.mode == "decode":
+            out = decode_attention(q[:, 0], kc, vc, mask[:, 0], scale)[:, None]
+        else:
+            out = attention(q, jnp.swapaxes(kc, 1, 2), jnp.swapaxes(vc, 1, 2), mask, scale)
+    return out, (kc, vc)
+
+
+# ----------------------------------------------------------------------------- numerics
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (x32 * weight.astype(jnp.float32)).astype(x.dtype)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """Rotate-half RoPE (the Hugging Face convention). x [B, T, N, hd], positions [B, T]."""
+    half = x.shape[-1] // 2
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, half, dtype=jnp.float32) * 2.0 / x.shape[-1]))
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, half]
+    cos = jnp.cos(angles)[:, :, None, :]
+    sin = jnp.sin(angles)[:, :, None, :]
+    x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
+              scale: float | None = None) -> jax.Array:
+    """Grouped-query attention. q [B,T,H,hd]; k, v [B,S,K,hd]; mask [B,T,S] -> [B,T,H*hd].
+    scale: of the scores, head_dim**-0.5 unless given (Gemma's query_pre_attn_scalar)."""
+    b, t, h, hd = q.shape
+    kv_heads = k.shape[2]
+    q = q.reshape(b, t, kv_heads, h // kv_heads, hd)
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
+    scores = scores * (hd**-0.5 if scale is None else scale)
+    scores = jnp.where(mask[:, None, None], scores, MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
+    return out.reshape(b, t, h * hd)
+
+
+def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
+                     scale: float | None = None) -> jax.Array:
+    """One query per row against the cache. q [B,H,hd]; k, v [B,K,S,hd] (the cache's
+    layout); mask [B,S] -> [B,H*hd]. Per (row, kv head) both products are plain
+    [G, hd] x [hd, S] and [G, S] x [S, hd] matrix products reading the cache in place
+    (the generic `attention` einsums made XLA:CPU transpose; docs/performance_notes.md)."""
+    b, h, hd = q.shape
+    kv_heads = k.shape[1]
+    q = q.reshape(b, kv_heads, h // kv_heads, hd)
+    scores = jnp.einsum("bkgd,bksd->bkgs", q, k, preferred_element_type=jnp.float32)
+    scale = hd**-0.5 if scale is None else scale
+    scores = jnp.where(mask[:, None, None], scores * scale, MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    return jnp.einsum("bkgs,bksd->bkgd", probs, v).reshape(b, h * hd)
+
+
+def embed(weights: dict, tokens: jax.Array) -> jax.Array:
+    return jnp.take(weights["embed"], tokens, axis=0)
+
+
+def lm_head(weights: dict, x: jax.Array, tied: bool) -> jax.Array:
+    """Logits (f32) of hidden states x [..., D] that are already final-normed."""
+    with jax.named_scope("lm_head"):
+        if tied:
+            table = weights["embed"].astype(x.dtype)
+            return jnp.einsum("...d,vd->...v", x, table, preferred_element_type=jnp.float32)
+        return jnp.einsum("...d,dv->...v", x, weights["lm_head"].astype(x.dtype),
+                          preferred_element_type=jnp.float32)
