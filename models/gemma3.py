@@ -1,14 +1,14 @@
 """Gemma 3 text decoder (Gemma 3 270M, 1B) in Flax, with a KV cache and GSM sites.
 
-The same entry points as the Llama family (`forward`, `prefill`, `decode_step`,
-`extend`, `init_cache`, `cache_insert`), the same cache (`llama.KVCache`) and the
+One `layer` (`DecoderLayer.__call__`, every step mode) and the same thin entry points
+as the Llama family over `models/common.py`'s loop, the same cache (`KVCache`) and the
 same weight names for the four projections (`qkv`, `o`, `gate_up`, `down`), so
 generation, serving, quantization and sharding run it unchanged. Where it differs
 from Llama, and where each difference lives:
 
 - layers alternate between local sliding-window attention (`sliding_window` keys,
   RoPE base `rope_local_theta`) and global attention (RoPE base `rope_theta`):
-  `Gemma3Config.sliding_layers`, `_masks`;
+  `Gemma3Config.sliding_layers`, `_local`;
 - query and key heads are RMS-normed before RoPE (`q_norm`, `k_norm`); scores are
   scaled by `query_pre_attn_scalar ** -0.5`;
 - each block has a norm before *and* after attention and the MLP (the output of
@@ -17,10 +17,10 @@ from Llama, and where each difference lives:
 - embeddings are multiplied by sqrt(hidden_size); the LM head is the embedding.
 
 Norm weights are stored as the multiplier Gemma applies, (1 + w) of the Hugging
-Face checkpoint, so `llama.rms_norm` computes the same thing and SmoothQuant-style
+Face checkpoint, so `common.rms_norm` computes the same thing and SmoothQuant-style
 channel folding into a norm is the same arithmetic as for Llama.
 
-The two GSM sites are the `smooth_site_*` calls in `DecoderLayer`: `attn_out` (the
+The two GSM sites are the `step.site(...)` calls in `DecoderLayer`: `attn_out` (the
 input of `o`) and `ffn_mid` (the input of `down`), as in Llama.
 
 Every layer's cache holds the whole sequence (a sliding layer masks what lies
@@ -44,35 +44,22 @@ import jax
 import jax.numpy as jnp
 
 from gsm_jax.errors import InvalidInputError, UnsupportedModelError
+from gsm_jax.models import common
 from gsm_jax.models.block_quant import projection_param
-from gsm_jax.models.gsm_sites import (
-    ATTN_OUT,
-    FFN_MID,
-    GSMInputs,
-    smooth_site_decode,
-    smooth_site_extend,
-    smooth_site_prefill,
-)
-from gsm_jax.models.linear import linear
-from gsm_jax.models.llama import (  # the final norm + (tied) LM head is Llama's
+from gsm_jax.models.common import (
     KVCache,
-    _logits,
     apply_rope,
-    attention,
-    cache_insert,
-    decode_attention,
-    fill_cache,
-    init_cache,
-    is_per_layer,
     rms_norm,
     stack_layers,
     unstack_layers,
 )
-from gsm_jax.models.partitioning import constrain_rings
+from gsm_jax.models.llama import cache_insert, init_cache  # the same KV cache as Llama
+from gsm_jax.models.sites import ATTN_OUT, FFN_MID, Sites
 
-__all__ = ["CONFIG_CLASS", "Gemma3Config", "KVCache", "cache_insert", "decode_step", "extend",
-           "forward", "init_cache", "init_weights", "prefill", "stack_layers",
-           "unstack_layers", "weight_shapes", "weights_from_hf"]
+__all__ = ["CONFIG_CLASS", "Gemma3Config", "KVCache", "cache_insert", "decode_step", "embed",
+           "extend", "forward", "hidden_states", "init_cache", "init_weights", "layer",
+           "logits", "prefill", "stack_layers", "unstack_layers", "weight_shapes",
+           "weights_from_hf"]
 
 _MODEL_TYPES = ("gemma3_text", "gemma3")
 
@@ -199,16 +186,14 @@ class Gemma3Config:
 CONFIG_CLASS = Gemma3Config
 
 
-def _masks(cfg: Gemma3Config, q_pos: jax.Array, k_pos: jax.Array, valid: jax.Array
-           ) -> tuple[jax.Array, jax.Array]:
-    """(global, sliding) attention masks [B, T, S] for query positions [B, T] against
-    key positions [B, S] or [S]; `valid` [B, T, S] marks real (query, key) pairs. A
-    sliding layer sees the last `sliding_window` positions, itself included (HF's
-    `kv_idx > q_idx - sliding_window`)."""
-    k_pos = jnp.broadcast_to(k_pos, (q_pos.shape[0], k_pos.shape[-1]))
-    causal = (k_pos[:, None, :] <= q_pos[:, :, None]) & valid
-    local = causal & (q_pos[:, :, None] - k_pos[:, None, :] < cfg.sliding_window)
-    return causal, local
+def _local(cfg: Gemma3Config, q_pos: jax.Array):
+    """Narrows a causal mask [B, T, S] to a sliding layer's window: the last
+    `sliding_window` positions, itself included (HF's `kv_idx > q_idx - sliding_window`);
+    k_pos: the key positions, [B, S] or [S]."""
+    def narrow(mask: jax.Array, k_pos: jax.Array) -> jax.Array:
+        k_pos = jnp.broadcast_to(k_pos, (q_pos.shape[0], k_pos.shape[-1]))
+        return mask & (q_pos[:, :, None] - k_pos[:, None, :] < cfg.sliding_window)
+    return narrow
 
 
 class DecoderLayer(nn.Module):
@@ -232,228 +217,112 @@ class DecoderLayer(nn.Module):
         self.down = projection_param(self, "down", init, (cfg.intermediate_size, d))
         self.post_ffn_norm = self.param("post_ffn_norm", ones, (d,))
 
+    def create_params(self) -> None:
+        _ = self.attn_norm  # reading an attribute runs setup(), which declares every weight
+
     @property
     def sliding(self) -> bool:
         return self.cfg.sliding_layers[self.layer]
 
-    def _qkv(self, x: jax.Array, positions: jax.Array):
-        cfg, eps = self.cfg, self.cfg.rms_norm_eps
-        h = rms_norm(x, self.attn_norm, eps)
+    def __call__(self, x, cache, step: common.Step):
+        """x [B, T, D] -> (x, this layer's (k, v) cache or None), in any step mode."""
+        cfg, eps, layer = self.cfg, self.cfg.rms_norm_eps, self.layer
         b, t = x.shape[:2]
-        q, k, v = jnp.split(linear(h, self.qkv), [cfg.q_size, cfg.q_size + cfg.kv_size], axis=-1)
+        h = rms_norm(x, self.attn_norm, eps)
+        qkv = step.linear(layer, "qkv", h, self.qkv)
+        q, k, v = jnp.split(qkv, [cfg.q_size, cfg.q_size + cfg.kv_size], axis=-1)
         q = rms_norm(q.reshape(b, t, cfg.num_heads, cfg.head_dim), self.q_norm, eps)
         k = rms_norm(k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim), self.k_norm, eps)
         theta = cfg.rope_local_theta if self.sliding else cfg.rope_theta
-        q, k = apply_rope(q, positions, theta), apply_rope(k, positions, theta)
-        return q, k, v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-
-    def _mlp_in(self, x: jax.Array) -> jax.Array:
-        h = rms_norm(x, self.ffn_norm, self.cfg.rms_norm_eps)
-        gate, up = jnp.split(linear(h, self.gate_up), 2, axis=-1)
-        return jax.nn.gelu(gate, approximate=True) * up
-
-    def _attn_out(self, attn: Any) -> jax.Array:
-        """The output projection, post-normed (what joins the residual)."""
-        return rms_norm(linear(attn, self.o), self.post_attn_norm, self.cfg.rms_norm_eps)
-
-    def _mlp_out(self, mid: Any) -> jax.Array:
-        return rms_norm(linear(mid, self.down), self.post_ffn_norm, self.cfg.rms_norm_eps)
-
-    def prefill(self, x, positions, masks, gsm: GSMInputs | None):
-        """x [B,T,D], positions [B,T] (-1 = padding), masks (global, sliding) [B,T,T];
-        returns (x, k, v, GSM rings for decode)."""
-        q, k, v = self._qkv(x, jnp.maximum(positions, 0))
-        with jax.named_scope("attention"):
-            attn = attention(q, k, v, masks[self.sliding], self.cfg.attn_scale)
-        # GSM site attn_out: the input of the output projection
-        attn, ring_attn = smooth_site_prefill(gsm, self.layer, ATTN_OUT, attn, positions, self.o)
-        x = x + self._attn_out(attn)
-        # GSM site ffn_mid: the input of the down projection
-        mid, ring_ffn = smooth_site_prefill(gsm, self.layer, FFN_MID, self._mlp_in(x), positions,
-                                            self.down)
-        return x + self._mlp_out(mid), k, v, (ring_attn, ring_ffn)
-
-    def decode_qkv(self, x, positions):
-        """x [B,T,D] -> q [B,T,H,hd], k and v [B,T,K,hd] (norms and RoPE applied)."""
-        return self._qkv(x, positions)
-
-    def decode_rest(self, x, q, k_cache, v_cache, masks, gsm, rings, position, active):
-        """One token per row: attention over the layer's cache (which already holds the
-        token), then the MLP; both GSM sites read and update the rings [layers, B, W, C]."""
-        with jax.named_scope("attention"):
-            attn = decode_attention(q[:, 0], k_cache, v_cache, masks[self.sliding][:, 0],
-                                    self.cfg.attn_scale)
-        ring_attn, ring_ffn = rings if rings is not None else (None, None)
-        # GSM site attn_out, then ffn_mid (as in prefill)
-        attn, ring_attn = smooth_site_decode(gsm, self.layer, ATTN_OUT, attn, ring_attn,
-                                             position, active, self.o)
-        x = x + self._attn_out(attn)[:, None]
-        mid, ring_ffn = smooth_site_decode(gsm, self.layer, FFN_MID, self._mlp_in(x)[:, 0],
-                                           ring_ffn, position, active, self.down)
-        x = x + self._mlp_out(mid)[:, None]
-        return x, None if rings is None else (ring_attn, ring_ffn)
-
-    def extend_rest(self, x, q, k_cache, v_cache, masks, gsm, rings, start, positions):
-        """A prompt chunk's attention over the layer's cache (which already holds the
-        chunk), then the MLP; both GSM sites continue from the row's rings."""
-        with jax.named_scope("attention"):
-            attn = attention(q, jnp.swapaxes(k_cache, 1, 2), jnp.swapaxes(v_cache, 1, 2),
-                             masks[self.sliding], self.cfg.attn_scale)
-        ring_attn, ring_ffn = rings if rings is not None else (None, None)
-        attn, ring_attn = smooth_site_extend(gsm, self.layer, ATTN_OUT, attn, ring_attn, start,
-                                             positions)
-        x = x + self._attn_out(attn)
-        mid, ring_ffn = smooth_site_extend(gsm, self.layer, FFN_MID, self._mlp_in(x), ring_ffn,
-                                           start, positions)
-        return x + self._mlp_out(mid), None if rings is None else (ring_attn, ring_ffn)
+        q, k = apply_rope(q, step.rope_positions, theta), apply_rope(k, step.rope_positions, theta)
+        v = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+        narrow = _local(cfg, step.positions) if self.sliding else None
+        attn, cache = common.kv_attention(q, k, v, cache, step, narrow, cfg.attn_scale)
+        attn = step.site(layer, ATTN_OUT, attn, self.o)  # GSM site attn_out
+        x = x + rms_norm(step.linear(layer, "o", attn, self.o), self.post_attn_norm, eps)
+        h = rms_norm(x, self.ffn_norm, eps)
+        gate, up = jnp.split(step.linear(layer, "gate_up", h, self.gate_up), 2, axis=-1)
+        mid = step.site(layer, FFN_MID, jax.nn.gelu(gate, approximate=True) * up,
+                        self.down)  # GSM site ffn_mid
+        out = rms_norm(step.linear(layer, "down", mid, self.down), self.post_ffn_norm, eps)
+        return x + out, cache
 
 
-def _apply(cfg: Gemma3Config, layer: int, layer_weights: dict, method: str, *args):
-    return DecoderLayer(cfg, layer).apply({"params": layer_weights}, *args, method=method)
+def layer(cfg: Gemma3Config, weights: dict, index: int, x: jax.Array, cache,
+          step: common.Step):
+    """The family's one layer: `DecoderLayer` (static index: sliding or global)."""
+    return DecoderLayer(cfg, index).apply({"params": weights}, x, cache, step)
 
 
-def _layers(weights: dict, cfg: Gemma3Config) -> tuple:
-    """Per-layer weight dicts (stacked [L, ...] weights are sliced)."""
-    if not is_per_layer(weights):
-        weights = unstack_layers(weights)
-    if len(weights["layers"]) != cfg.num_layers:
-        raise InvalidInputError(f"the weights hold {len(weights['layers'])} layers but the "
-                                f"config says num_layers={cfg.num_layers}")
-    return tuple(weights["layers"])
+# ----------------------------------------------------------------------------- entry points
 
 
-def _embed(weights: dict, cfg: Gemma3Config, tokens: jax.Array) -> jax.Array:
-    x = jnp.take(weights["embed"], tokens, axis=0)
+def embed(weights: dict, cfg: Gemma3Config, tokens: jax.Array) -> jax.Array:
+    x = common.embed(weights, tokens)
     # HF multiplies by sqrt(hidden) cast to the activation dtype
     return x * jnp.asarray(math.sqrt(cfg.hidden_size), jnp.float32).astype(x.dtype)
 
 
-def _prefill_layers(weights, cfg, tokens, lengths, gsm):
-    """All layers over right-padded prompts: hidden states, per-layer k, v ([L, B, T, K, hd]),
-    GSM rings (per site [L, ...]) and positions."""
-    b, t = tokens.shape
-    steps = jnp.arange(t)
-    valid = steps[None, :] < lengths[:, None]
-    positions = jnp.where(valid, steps[None, :], -1)
-    masks = _masks(cfg, steps[None, :].repeat(b, 0), steps, valid[:, None, :])
-    x = _embed(weights, cfg, tokens)
-    outs = []
-    for layer, lw in enumerate(_layers(weights, cfg)):
-        with jax.named_scope("layer"):
-            x, k, v, rings = _apply(cfg, layer, lw, "prefill", x, positions, masks, gsm)
-        outs.append((k, v, rings))
-    k, v, rings = jax.tree.map(lambda *a: jnp.stack(a), *outs)
-    return x, k, v, rings, positions
+def logits(weights: dict, cfg: Gemma3Config, x: jax.Array) -> jax.Array:
+    """Final norm + the LM head (tied to the embedding): [..., D] -> [..., V] (f32)."""
+    x = rms_norm(x, weights["final_norm"], cfg.rms_norm_eps)
+    return common.lm_head(weights, x, cfg.tie_word_embeddings)
+
+
+def _run(weights: dict, cfg: Gemma3Config, tokens: jax.Array, cache: KVCache | None,
+         step: common.Step):
+    x = embed(weights, cfg, tokens)
+    layers = common.layer_weights(weights, cfg.num_layers, scan_ok=False)
+    pieces = None if cache is None else common.kv_pieces(cache)
+    x, pieces, sown = common.run_layers(layer, cfg, layers, x, pieces, step)
+    return x, (None if cache is None else common.kv_from_pieces(pieces, step, cache)), sown
+
+
+def hidden_states(weights: dict, cfg: Gemma3Config, tokens: jax.Array, lengths: jax.Array,
+                  sites: Sites | None = None) -> tuple[jax.Array, dict]:
+    """Teacher-forced hidden states [B, T, D] (before the final norm) and what the hooks
+    sowed, {name: [L, ...]} (`models/sites.py`)."""
+    x, _, sown = _run(weights, cfg, tokens, None,
+                      common.forward_step(lengths, tokens.shape[1], sites))
+    return x, sown
 
 
 def forward(weights: dict, cfg: Gemma3Config, tokens: jax.Array, lengths: jax.Array,
-            gsm: GSMInputs | None = None) -> jax.Array:
+            gsm: Sites | None = None) -> jax.Array:
     """Teacher-forced logits [B, T, V] (f32) over right-padded rows of `lengths` tokens."""
-    x, *_ = _prefill_layers(weights, cfg, tokens, lengths, gsm)
-    return _logits(weights, cfg, x)
+    return logits(weights, cfg, hidden_states(weights, cfg, tokens, lengths, gsm)[0])
 
 
 def prefill(weights: dict, cfg: Gemma3Config, tokens: jax.Array, lengths: jax.Array,
-            cache: KVCache, gsm: GSMInputs | None = None) -> tuple[jax.Array, KVCache]:
+            cache: KVCache, gsm: Sites | None = None) -> tuple[jax.Array, KVCache]:
     """Fill a fresh cache with right-padded prompts; return each row's last-token logits."""
-    x, k, v, rings, _ = _prefill_layers(weights, cfg, tokens, lengths, gsm)
-    last = jnp.take_along_axis(x, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)[:, 0]
-    return _logits(weights, cfg, last), fill_cache(cache, k, v, rings, lengths, gsm)
-
-
-def decode_step(weights: dict, cfg: Gemma3Config, tokens: jax.Array, cache: KVCache,
-                gsm: GSMInputs | None = None,
-                active: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
-    """One token per row at position `cache.lengths`; returns logits [B, V] and the cache.
-    Rows with active=False compute but do not advance (as in `llama.decode_step`)."""
-    b = tokens.shape[0]
-    if active is None:
-        active = jnp.ones((b,), bool)
-    batch = jnp.arange(b)
-    slot = jnp.minimum(cache.lengths, cache.max_len - 1)
-    masks = _masks(cfg, slot[:, None], jnp.arange(cache.max_len),
-                   jnp.ones((b, 1, cache.max_len), bool))
-    x = _embed(weights, cfg, tokens[:, None])
-    rings = cache.rings if gsm is not None else None
-    k_all, v_all = list(cache.k), list(cache.v)
-    for layer, lw in enumerate(_layers(weights, cfg)):
-        with jax.named_scope("layer"):
-            q, k, v = _apply(cfg, layer, lw, "decode_qkv", x, slot[:, None])
-            # write this token's k, v first, then read (see llama.decode_step)
-            k_all[layer] = k_all[layer].at[batch, :, slot].set(
-                k[:, 0].astype(k_all[layer].dtype), mode="promise_in_bounds")
-            v_all[layer] = v_all[layer].at[batch, :, slot].set(
-                v[:, 0].astype(v_all[layer].dtype), mode="promise_in_bounds")
-            x, rings = _apply(cfg, layer, lw, "decode_rest", x, q, k_all[layer], v_all[layer],
-                              masks, gsm, rings, slot, active)
-    return _logits(weights, cfg, x[:, 0]), KVCache(
-        k=tuple(k_all), v=tuple(v_all), lengths=cache.lengths + active.astype(jnp.int32),
-        rings=rings if gsm is not None else cache.rings)
+    step = common.prefill_step(lengths, tokens.shape[1], cache, gsm)
+    x, cache, _ = _run(weights, cfg, tokens, cache, step)
+    return logits(weights, cfg, common.last_token(x, lengths)), cache
 
 
 def extend(weights: dict, cfg: Gemma3Config, tokens: jax.Array, n_new: jax.Array,
-           cache: KVCache, gsm: GSMInputs | None = None, *,
+           cache: KVCache, gsm: Sites | None = None, *,
            all_logits: bool = False) -> tuple[jax.Array, KVCache]:
     """Append a chunk of prompt tokens [B, C] (the first `n_new` [B] of each row real) to
     rows holding `cache.lengths` tokens (chunked prefill). Returns the logits of each
     row's last new token [B, V] (all_logits: of every chunk position, [B, C, V]) and the
     cache; equal to one prefill over the whole prompt, GSM windows included."""
-    b, c = tokens.shape
-    steps = jnp.arange(c)
-    valid = steps[None, :] < n_new[:, None]
-    start = cache.lengths
-    positions = jnp.where(valid, start[:, None] + steps[None, :], -1)
-    write = jnp.where(valid, positions, cache.max_len)  # padding: out of range, dropped
-    rows = jnp.arange(b)[:, None]
-    masks = _masks(cfg, positions, jnp.arange(cache.max_len),
-                   jnp.broadcast_to(valid[..., None], (b, c, cache.max_len)))
-    x = _embed(weights, cfg, tokens)
-    rings = cache.rings if gsm is not None else None
-    k_all, v_all = list(cache.k), list(cache.v)
-    for layer, lw in enumerate(_layers(weights, cfg)):
-        with jax.named_scope("layer"):
-            q, k, v = _apply(cfg, layer, lw, "decode_qkv", x, jnp.maximum(positions, 0))
-            k_all[layer] = k_all[layer].at[rows, :, write].set(
-                k.astype(k_all[layer].dtype), mode="drop")
-            v_all[layer] = v_all[layer].at[rows, :, write].set(
-                v.astype(v_all[layer].dtype), mode="drop")
-            x, rings = _apply(cfg, layer, lw, "extend_rest", x, q, k_all[layer], v_all[layer],
-                              masks, gsm, rings, start, positions)
-    new_cache = KVCache(k=tuple(k_all), v=tuple(v_all), lengths=start + n_new.astype(jnp.int32),
-                        rings=constrain_rings(rings) if gsm is not None else cache.rings)
+    step = common.extend_step(n_new, tokens.shape[1], cache, gsm)
+    x, cache, _ = _run(weights, cfg, tokens, cache, step)
     if all_logits:
-        return _logits(weights, cfg, x), new_cache
-    last = jnp.take_along_axis(x, jnp.maximum(n_new - 1, 0)[:, None, None], axis=1)[:, 0]
-    return _logits(weights, cfg, last), new_cache
+        return logits(weights, cfg, x), cache
+    return logits(weights, cfg, common.last_token(x, n_new)), cache
 
 
-def linear_inputs(weights: dict, cfg: Gemma3Config, tokens: jax.Array, lengths: jax.Array
-                  ) -> tuple[jax.Array, dict]:
-    """The prefill again, returning the final hidden states and, per layer, the inputs of
-    the four projections {"qkv", "o", "gate_up", "down"} ([L, B, T, C] each): what
-    SmoothQuant calibrates on (`gsm_jax.quant`). Built from `DecoderLayer`'s methods."""
-    b, t = tokens.shape
-    steps = jnp.arange(t)
-    valid = steps[None, :] < lengths[:, None]
-    positions = jnp.maximum(jnp.where(valid, steps[None, :], -1), 0)
-    masks = _masks(cfg, steps[None, :].repeat(b, 0), steps, valid[:, None, :])
-    x = _embed(weights, cfg, tokens)
-    eps = cfg.rms_norm_eps
-
-    def run(mdl: DecoderLayer, x: jax.Array):
-        h_attn = rms_norm(x, mdl.attn_norm, eps)
-        q, k, v = mdl._qkv(x, positions)
-        attn = attention(q, k, v, masks[mdl.sliding], cfg.attn_scale)
-        x = x + mdl._attn_out(attn)
-        h_ffn = rms_norm(x, mdl.ffn_norm, eps)
-        mid = mdl._mlp_in(x)
-        return x + mdl._mlp_out(mid), {"qkv": h_attn, "o": attn, "gate_up": h_ffn, "down": mid}
-
-    captured = []
-    for layer, lw in enumerate(_layers(weights, cfg)):
-        x, inputs = nn.apply(run, DecoderLayer(cfg, layer))({"params": lw}, x)
-        captured.append(inputs)
-    return x, jax.tree.map(lambda *a: jnp.stack(a), *captured)
+def decode_step(weights: dict, cfg: Gemma3Config, tokens: jax.Array, cache: KVCache,
+                gsm: Sites | None = None,
+                active: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
+    """One token per row at position `cache.lengths`; returns logits [B, V] and the cache.
+    Rows with active=False compute but do not advance (as in `llama.decode_step`)."""
+    step = common.decode_step_ctx(cache, active, gsm)
+    x, cache, _ = _run(weights, cfg, tokens[:, None], cache, step)
+    return logits(weights, cfg, x[:, 0]), cache
 
 
 # ----------------------------------------------------------------------------- weights
@@ -463,11 +332,7 @@ def init_weights(cfg: Gemma3Config, rng: jax.Array, dtype: Any = jnp.float32) ->
     """Random weights (tests, benchmarks), layers stacked [L, ...] as `llama.init_weights`.
     Norm multipliers start at 1 (Hugging Face's zero-initialised (1 + w))."""
     keys = jax.random.split(rng, cfg.num_layers + 1)
-    x = jnp.zeros((1, 2, cfg.hidden_size), dtype)
-    positions = jnp.zeros((1, 2), jnp.int32)
-    masks = (jnp.ones((1, 2, 2), bool),) * 2
-    layers = [DecoderLayer(cfg, i).init(keys[i + 1], x, positions, masks, None,
-                                        method="prefill")["params"]
+    layers = [DecoderLayer(cfg, i).init(keys[i + 1], method="create_params")["params"]
               for i in range(cfg.num_layers)]
     weights = {
         "embed": 0.02 * jax.random.normal(keys[0], (cfg.vocab_size, cfg.hidden_size)),
@@ -524,3 +389,42 @@ def weights_from_hf(cfg: Gemma3Config, tensors: dict[str, Any], dtype: Any = jnp
     if not cfg.tie_word_embeddings:
         weights["lm_head"] = jnp.asarray(get("lm_head.weight").T, dtype=dtype)
     return weights
+
+
+# ----------------------------------------------------------------------------- family contract
+# What the runtime (gsm_jax.families and the tools above it) reads from this module beside
+# its entry points; docs/adding_a_family.md lists every name.
+
+FAMILY = "gemma3"
+TITLE = "Gemma 3"  # in messages
+HF_MODEL_TYPES = ("gemma3_text", "gemma3")  # Hugging Face model_type values it loads
+
+# Logical axes of each weight of the float layout ([..., in, out] projections), by leaf
+# name: the same projection names as Llama; q/k norms and the four block norms replicated
+# (a leaf not listed is replicated whole, a leading stacked [L] axis is replicated).
+LOGICAL_AXES = {
+    "embed": ("vocab", None),
+    "lm_head": (None, "vocab"),
+    "qkv": (None, "heads"),
+    "o": ("heads", None),
+    "gate_up": (None, "mlp"),
+    "down": ("mlp", None),
+}
+
+# Planner: labels of the cache leaves (`init_cache`), by leaf name
+CACHE_KINDS = {"k": "K/V", "v": "K/V"}
+
+
+def stack_dense(weights: dict) -> tuple[dict, bool]:
+    """Quantization / SmoothQuant: the weights with stacked [L, ...] layers holding qkv, o,
+    gate_up and down (Llama's layout conversion), and whether they were per-layer."""
+    from gsm_jax.models.llama import is_per_layer, stack_layers
+
+    return stack_layers(dict(weights)), is_per_layer(weights)
+
+
+def unstack_dense(weights: dict, per_layer: bool) -> dict:
+    """`weights` (stacked) back in the layout `stack_dense` found."""
+    from gsm_jax.models.llama import unstack_layers
+
+    return unstack_layers(weights) if per_layer else weights
