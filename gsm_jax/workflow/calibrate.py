@@ -226,40 +226,68 @@ def _pairs_to_target(pairs: Sequence[tuple[int, str]]) -> dict[int, list[str]]:
     return out
 
 
-def calibrate(
-    params: ModelParams,
-    *,
-    profile: Any = None,
-    base_config: GSMConfig | dict | str | os.PathLike | None = None,
-    data: Any = None,
-    lambada: Any = DEFAULT,
-    budget: Budget | dict | None = None,
-    strengths: Sequence[float] = DEFAULT_STRENGTHS,
-    windows: Sequence[int | str] = DEFAULT_WINDOWS,
-    protect_first_values: Sequence[int] = DEFAULT_PROTECT_FIRST_VALUES,
-    num_sequences: int = 16,
-    seq_len: int = 256,
-    batch_size: int = 8,
-    lambada_samples: int | None = 200,
-    greedy_prompts: int = 8,
-    greedy_tokens: int = 64,
-    greedy_prompt_len: int = 64,
-    curves: bool = True,
-    curve_strengths: Sequence[float] | None = None,
-    backoff: bool = True,
-    max_backoff: int | None = None,
-    progress: bool = True,
-) -> CalibrationResult:
-    """Search strength, window and layers within ``budget`` (see the module docstring).
+@dataclasses.dataclass(frozen=True)
+class CalibrationSpec:
+    """What `run_calibration` searches, on which data, within which budget.
 
     ``profile``: profile JSON path or `Profile` (needed when the base config's
     ``target_layers`` is "high_kurtosis", the default). ``base_config``: the other
     GSM settings (precision, sites, max_strength, protect_first, ...).
     ``curve_strengths``: strengths at which the other windows are also measured
     for the quality-vs-strength plot (default: the chosen strength and the next
-    grid step). Returns a `CalibrationResult`; raises `BudgetNotMetError`
-    (carrying the result and the best configuration found) if nothing fits.
+    grid step). The evaluation sizes (``num_sequences`` ... ``greedy_prompt_len``)
+    are those of `Evaluator`; ``max_backoff``: at most this many layers removed.
     """
+
+    profile: Any = None
+    base_config: GSMConfig | dict | str | os.PathLike | None = None
+    data: Any = None
+    lambada: Any = DEFAULT
+    budget: Budget | dict | None = None
+    strengths: Sequence[float] = DEFAULT_STRENGTHS
+    windows: Sequence[int | str] = DEFAULT_WINDOWS
+    protect_first_values: Sequence[int] = DEFAULT_PROTECT_FIRST_VALUES
+    num_sequences: int = 16
+    seq_len: int = 256
+    batch_size: int = 8
+    lambada_samples: int | None = 200
+    greedy_prompts: int = 8
+    greedy_tokens: int = 64
+    greedy_prompt_len: int = 64
+    curves: bool = True
+    curve_strengths: Sequence[float] | None = None
+    backoff: bool = True
+    max_backoff: int | None = None
+    progress: bool = True
+
+    def replace(self, **changes: Any) -> CalibrationSpec:
+        """A copy with ``changes`` (field names; an unknown name raises TypeError)."""
+        return dataclasses.replace(self, **changes)
+
+
+def calibrate(params: ModelParams, spec: CalibrationSpec | None = None,
+              **fields: Any) -> CalibrationResult:
+    """Search strength, window and layers within a budget (see the module docstring).
+
+    ``spec``: a `CalibrationSpec`; keyword arguments are its fields (they override
+    ``spec``'s, or the defaults without one), so ``calibrate(params, profile=...,
+    budget=...)`` keeps working. Returns a `CalibrationResult`; raises
+    `BudgetNotMetError` (carrying the result and the best configuration found) if
+    nothing fits.
+    """
+    return run_calibration(params, (spec or CalibrationSpec()).replace(**fields))
+
+
+def run_calibration(params: ModelParams, spec: CalibrationSpec) -> CalibrationResult:
+    """`calibrate` with every setting in ``spec``."""
+    profile, base_config, data, lambada = spec.profile, spec.base_config, spec.data, spec.lambada
+    budget, strengths, windows = spec.budget, spec.strengths, spec.windows
+    protect_first_values, num_sequences = spec.protect_first_values, spec.num_sequences
+    seq_len, batch_size, lambada_samples = spec.seq_len, spec.batch_size, spec.lambada_samples
+    greedy_prompts, greedy_tokens = spec.greedy_prompts, spec.greedy_tokens
+    greedy_prompt_len, curves, curve_strengths = (spec.greedy_prompt_len, spec.curves,
+                                                  spec.curve_strengths)
+    backoff, max_backoff, progress = spec.backoff, spec.max_backoff, spec.progress
     t_start = time.perf_counter()
     params = check_params(params)
     num_layers = int(params.config.num_layers)

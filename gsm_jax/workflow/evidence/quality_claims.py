@@ -234,7 +234,7 @@ def run_claim_1(params: ModelParams, *, sizes: Mapping[str, Any], progress: bool
     source = f"the model report's {path}"
     command = None
     if not rows:
-        from gsm_jax.workflow.report import measure_overhead
+        from gsm_jax.workflow.overhead import measure_overhead
 
         _say(progress, "no overhead data in the model report: measuring step times")
         rows = measure_overhead(

@@ -31,7 +31,6 @@ import importlib
 import json
 import math
 import os
-import re
 import sys
 import time
 import traceback
@@ -40,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from gsm_jax.errors import InvalidInputError
+from gsm_jax.workflow.results import evidence_dir, model_slug
 
 VERDICTS = ("supported", "refuted", "not testable here")
 NOT_MEASURED_MISSING = "not measured (module missing)"
@@ -167,19 +167,7 @@ class EvidenceSizes:
 
 
 # ----------------------------------------------------------------------------- names, paths
-
-
-def model_slug(model: str) -> str:
-    """A directory name for a model (a path becomes its last component)."""
-    name = Path(str(model).rstrip("/")).name if ("/" in str(model) or os.sep in str(model)) \
-        else str(model)
-    if name.endswith(".gguf"):
-        name = name[:-5]
-    return re.sub(r"[^A-Za-z0-9._-]+", "_", name) or "model"
-
-
-def evidence_dir(out: str | os.PathLike, model: str) -> Path:
-    return Path(out) / "data" / "evidence" / model_slug(model)
+# (`model_slug`, `evidence_dir`: `gsm_jax.workflow.results`, shared with the model report)
 
 
 def _report_model(meta_path: Path) -> str | None:
