@@ -197,8 +197,9 @@ def test_make_requests_mix(tiny, tmp_path):
 def test_cli_maps_arguments(monkeypatch, capsys, tmp_path):
     seen = {}
 
-    def fake_bench(model, **kwargs):
-        seen.update(kwargs, model=model)
+    def fake_bench(model, spec=None, **kwargs):  # the CLI passes a BenchSpec
+        fields = {} if spec is None else {f: getattr(spec, f) for f in spec.__dataclass_fields__}
+        seen.update(fields, **kwargs, model=model)
         return _synthetic_result()
 
     monkeypatch.setattr(bench_mod, "bench", fake_bench)
@@ -212,6 +213,19 @@ def test_cli_maps_arguments(monkeypatch, capsys, tmp_path):
     assert "closed loop: 4 clients" in capsys.readouterr().out
     cli.main(["bench", "--rate", "2.5", "--no-progress"])
     assert seen["rate"] == 2.5 and seen["model"] == "smollm2-135m"
+
+
+def test_spec_and_keywords(monkeypatch):
+    """`bench(model, spec, **fields)`: keywords override the spec; unknown names fail."""
+    seen = {}
+    monkeypatch.setattr(bench_mod, "run_bench", lambda model, spec: seen.update(spec=spec))
+    spec = bench_mod.BenchSpec(clients=3, modes=("off",))
+    bench_mod.bench("m", spec, requests=5)
+    assert seen["spec"] == bench_mod.BenchSpec(clients=3, requests=5, modes=("off",))
+    bench_mod.bench("m", clients=2)
+    assert seen["spec"] == bench_mod.BenchSpec(clients=2)
+    with pytest.raises(TypeError):
+        bench_mod.bench("m", cliens=2)
 
 
 def test_bad_arguments(tiny):

@@ -12,6 +12,7 @@ import gsm_jax
 from gsm_jax.workflow.calibrate import (
     BudgetNotMetError,
     CalibrationResult,
+    CalibrationSpec,
     calibrate,
     effective_window,
 )
@@ -113,3 +114,18 @@ def test_effective_window():
     assert effective_window(8, 256) == 8.0
     assert effective_window("adaptive", 64) == 4.0
     assert 4.0 < effective_window("adaptive", 256) < 16.0
+
+
+def test_spec_and_keywords(monkeypatch):
+    """`calibrate(params, spec, **fields)`: keywords override the spec; unknown names fail."""
+    from gsm_jax.workflow import calibrate as cal_mod
+
+    seen = {}
+    monkeypatch.setattr(cal_mod, "run_calibration", lambda params, spec: seen.update(spec=spec))
+    spec = CalibrationSpec(strengths=(0.01,), seq_len=32)
+    calibrate("p", spec, seq_len=64, progress=False)
+    assert seen["spec"] == CalibrationSpec(strengths=(0.01,), seq_len=64, progress=False)
+    calibrate("p", num_sequences=3)
+    assert seen["spec"] == CalibrationSpec(num_sequences=3)
+    with pytest.raises(TypeError):
+        calibrate("p", num_sequence=3)

@@ -72,3 +72,42 @@ def test_recommend_protect_first():
     assert report.recommend_protect_first(rows) == 1
     rows[2]["mean_kld"] = 0.05
     assert report.recommend_protect_first(rows) == 2
+
+
+def test_report_and_evidence_do_not_import_each_other():
+    """The campaign's two renderers share `gsm_jax.workflow.results` (and `overhead`), never
+    each other: no module of the evidence imports the report and vice versa."""
+    import ast
+    from pathlib import Path
+
+    import gsm_jax.workflow as wf
+
+    root = Path(wf.__file__).parent
+
+    def imports(path):
+        mods = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                mods.add(node.module)
+                mods.update(f"{node.module}.{a.name}" for a in node.names)
+            elif isinstance(node, ast.Import):
+                mods.update(a.name for a in node.names)
+        return mods
+
+    report_side = ("report.py", "report_sections.py", "results.py", "overhead.py")
+    for name in report_side:
+        bad = {m for m in imports(root / name) if m.startswith("gsm_jax.workflow.evidence")
+               and not m.startswith("gsm_jax.workflow.evidence.quant_quality")}
+        assert not bad, (name, bad)
+    for path in sorted((root / "evidence").glob("*.py")):
+        bad = {m for m in imports(path) if m.startswith(("gsm_jax.workflow.report",))}
+        assert not bad, (path.name, bad)
+
+
+def test_sections_render_typed_inputs():
+    """Each section is a function of `ReportInputs` alone; the report is their concatenation."""
+    from gsm_jax.workflow import report_sections as rs
+
+    names = [f.__name__ for f in rs.SECTIONS]
+    assert names[0] == "_header" and names[-1] == "_reproduce" and len(set(names)) == len(names)
+    assert report.ReportInputs is rs.ReportInputs and report.ReportSizes is rs.ReportSizes

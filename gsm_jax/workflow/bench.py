@@ -44,6 +44,7 @@ seconds are reported apart under "warmup".
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as _dt
 import importlib.metadata
 import json
@@ -65,7 +66,9 @@ from gsm_jax.serving.engine import Engine, Request, RequestRecord
 
 __all__ = [
     "BenchResult",
+    "BenchSpec",
     "bench",
+    "run_bench",
     "default_data_path",
     "make_requests",
     "percentiles",
@@ -539,40 +542,79 @@ def _records(records: Sequence[RequestRecord], t_start: float) -> list[dict[str,
     return [r.to_dict(t_start, with_tokens=False) for r in records]
 
 
-def bench(
-    model: Any = "smollm2-135m",
-    *,
-    gsm: Any = None,
-    clients: int = 8,
-    requests: int = 64,
-    rate: float | str | None = "auto",
-    repeats: int = 2,
-    out: str | os.PathLike | None = None,
-    max_batch: int | None = None,
-    long_fraction: float = 0.25,
-    short_prompt: tuple[int, int] = (16, 64),
-    short_new: int = 16,
-    long_prompt: tuple[int, int] = (256, 512),
-    long_new: int = 128,
-    modes: Sequence[str] = ("off", "on"),
-    seed: int = 0,
-    data: str | os.PathLike | None = None,
-    ignore_eos: bool = True,
-    dtype: str = "float32",
-    progress: bool = True,
-    log: Callable[[str], None] | None = None,
-) -> BenchResult:
-    """Benchmark concurrent requests through the continuous-batching engine, GSM on vs off.
+@dataclass(frozen=True)
+class BenchSpec:
+    """What `run_bench` measures (every field has `bench`'s default).
 
-    `model`: a ModelParams or anything `gsm_jax.load` takes. `gsm`: GSMConfig,
-    dict or config path for "on" (default: `GSMConfig(target_layers="all")`).
+    `gsm`: GSMConfig, dict or config path for "on" (default: `GSMConfig(target_layers="all")`).
     `clients`: closed-loop concurrency. `rate`: open-loop Poisson arrivals/s,
     "auto" (70% of the closed loop's first-repeat request throughput) or None
     (closed loop only). `max_batch`: engine slots (default `clients`).
     `modes`: any of "off" (no GSM compiled), "on", "zero" (GSM compiled at
     strength 0). `out`: a directory to save results.json + results.png into.
+    `short_*` / `long_*`: prompt length range and new tokens of each request class.
+    `data`: prompt text file or "random". `dtype`: when the model is loaded by name.
+    """
+
+    gsm: Any = None
+    clients: int = 8
+    requests: int = 64
+    rate: float | str | None = "auto"
+    repeats: int = 2
+    out: str | os.PathLike | None = None
+    max_batch: int | None = None
+    long_fraction: float = 0.25
+    short_prompt: tuple[int, int] = (16, 64)
+    short_new: int = 16
+    long_prompt: tuple[int, int] = (256, 512)
+    long_new: int = 128
+    modes: Sequence[str] = ("off", "on")
+    seed: int = 0
+    data: str | os.PathLike | None = None
+    ignore_eos: bool = True
+    dtype: str = "float32"
+    progress: bool = True
+    log: Callable[[str], None] | None = None
+
+    def replace(self, **changes: Any) -> BenchSpec:
+        """A copy with ``changes`` (field names; an unknown name raises TypeError)."""
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> BenchSpec:
+        """The spec of a `gsm-jax bench` command line (see `add_arguments`)."""
+        return cls(
+            gsm=args.gsm, clients=args.clients, requests=args.requests, rate=args.rate,
+            repeats=args.repeats, out=args.out, max_batch=args.max_batch,
+            long_fraction=args.long_fraction, short_prompt=tuple(args.short_prompt),
+            short_new=args.short_new, long_prompt=tuple(args.long_prompt),
+            long_new=args.long_new,
+            modes=[m.strip() for m in args.modes.split(",") if m.strip()], seed=args.seed,
+            data=args.data, ignore_eos=not args.respect_eos, dtype=args.dtype,
+            progress=not args.no_progress)
+
+
+def bench(model: Any = "smollm2-135m", spec: BenchSpec | None = None,
+          **fields: Any) -> BenchResult:
+    """Benchmark concurrent requests through the continuous-batching engine, GSM on vs off.
+
+    `model`: a ModelParams or anything `gsm_jax.load` takes. ``spec``: a `BenchSpec`;
+    keyword arguments are its fields (they override ``spec``'s, or the defaults
+    without one), so ``bench(model, gsm=..., clients=8)`` keeps working.
     See the module docstring for what is measured.
     """
+    return run_bench(model, (spec or BenchSpec()).replace(**fields))
+
+
+def run_bench(model: Any, spec: BenchSpec) -> BenchResult:
+    """`bench` with every setting in ``spec``."""
+    gsm, clients, requests, rate, repeats = (spec.gsm, spec.clients, spec.requests, spec.rate,
+                                             spec.repeats)
+    out, max_batch, long_fraction = spec.out, spec.max_batch, spec.long_fraction
+    short_prompt, short_new = spec.short_prompt, spec.short_new
+    long_prompt, long_new = spec.long_prompt, spec.long_new
+    modes, seed, data, ignore_eos = spec.modes, spec.seed, spec.data, spec.ignore_eos
+    dtype, progress, log = spec.dtype, spec.progress, spec.log
     from gsm_jax.config import GSMConfig
     from gsm_jax.gsm_runtime import as_gsm_config
 
@@ -750,15 +792,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    result = bench(
-        args.model, gsm=args.gsm, clients=args.clients, requests=args.requests, rate=args.rate,
-        repeats=args.repeats, out=args.out, max_batch=args.max_batch,
-        long_fraction=args.long_fraction, short_prompt=tuple(args.short_prompt),
-        short_new=args.short_new, long_prompt=tuple(args.long_prompt), long_new=args.long_new,
-        modes=[m.strip() for m in args.modes.split(",") if m.strip()], seed=args.seed,
-        data=args.data, ignore_eos=not args.respect_eos, dtype=args.dtype,
-        progress=not args.no_progress,
-    )
+    result = bench(args.model, BenchSpec.from_args(args))
     print(result.table())
     for mode, w in result.warmup.items():
         print(f"warm-up (compile, excluded) {mode}: {w['total_s']:.1f}s")

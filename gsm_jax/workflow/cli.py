@@ -165,23 +165,25 @@ def _add_calibrate(p: argparse.ArgumentParser) -> None:
 
 
 def _run_calibrate(args: argparse.Namespace) -> int:
-    from gsm_jax.workflow.calibrate import BudgetNotMetError, calibrate
+    from gsm_jax.workflow.calibrate import (
+        BudgetNotMetError,
+        CalibrationSpec,
+        run_calibration,
+    )
     from gsm_jax.workflow.metrics import Budget
 
     budget = Budget(max_mean_kld=args.max_kld, min_same_top1_pct=args.min_top1,
                     max_accuracy_drop_points=args.max_acc_drop)
     params = _load(args)
     try:
-        res = calibrate(params, profile=args.profile, base_config=args.base_config,
-                        data=args.data, lambada=_lambada(args.lambada), budget=budget,
-                        strengths=args.strengths, windows=args.windows,
-                        protect_first_values=args.protect_first, num_sequences=args.sequences,
-                        seq_len=args.seq_len, batch_size=args.batch_size,
-                        lambada_samples=args.lambada_samples,
-                        greedy_prompts=args.greedy_prompts, greedy_tokens=args.greedy_tokens,
-                        greedy_prompt_len=args.greedy_prompt_len,
-                        curves=not args.no_curves, backoff=not args.no_backoff,
-                        progress=not args.quiet)
+        res = run_calibration(params, CalibrationSpec(
+            profile=args.profile, base_config=args.base_config, data=args.data,
+            lambada=_lambada(args.lambada), budget=budget, strengths=args.strengths,
+            windows=args.windows, protect_first_values=args.protect_first,
+            num_sequences=args.sequences, seq_len=args.seq_len, batch_size=args.batch_size,
+            lambada_samples=args.lambada_samples, greedy_prompts=args.greedy_prompts,
+            greedy_tokens=args.greedy_tokens, greedy_prompt_len=args.greedy_prompt_len,
+            curves=not args.no_curves, backoff=not args.no_backoff, progress=not args.quiet))
     except BudgetNotMetError as e:
         path = e.result.save(args.out)
         print(e.result.summary())
