@@ -248,13 +248,13 @@ class JaxSettings(bg.GsmJaxSide):
         tokens, per-layer alphas from each linear's own W8A8 error ("local"), the per-kind
         coordinate descent on the calibration KLD ("search"), or the better of the two."""
         from gsm_jax.quant import activation_absmax, activation_samples, quantize
-        from gsm_jax.quant_quality import (
+        from gsm_jax.workflow.data import load_wikitext_sequences
+        from gsm_jax.workflow.evidence.quant_quality import (
             ReferenceKLD,
             local_smoothquant_alphas,
             search_smoothquant_alphas,
             smoothquant_params,
         )
-        from gsm_jax.workflow.data import load_wikitext_sequences
 
         p, mode = self.fp32, sq["alphas"]
         calib = load_wikitext_sequences(p.tokenizer, data, seq_len=sq["seq_len"],
@@ -296,7 +296,7 @@ class JaxSettings(bg.GsmJaxSide):
     def cmd_kld(self, windows: list[list[int]], batch_size: int, ref_dir: str) -> dict[str, Any]:
         """ReferenceKLD (the library's) of every selected setting against fp32; the fp32
         log-probs are also written to ref_dir for the other sides' comparisons."""
-        from gsm_jax.quant_quality import ReferenceKLD
+        from gsm_jax.workflow.evidence.quant_quality import ReferenceKLD
 
         t = time.perf_counter()
         ref = ReferenceKLD(self.fp32, np.asarray(windows, np.int32), batch_size)

@@ -36,7 +36,8 @@ from common import (  # noqa: E402
 
 import gsm_jax  # noqa: E402
 from gsm_jax.quant import activation_absmax, activation_samples, quantize  # noqa: E402
-from gsm_jax.quant_quality import (  # noqa: E402
+from gsm_jax.workflow.data import load_wikitext_sequences  # noqa: E402
+from gsm_jax.workflow.evidence.quant_quality import (  # noqa: E402
     ALPHA_GRID,
     ReferenceKLD,
     Variant,
@@ -46,7 +47,6 @@ from gsm_jax.quant_quality import (  # noqa: E402
     search_smoothquant_alphas,
     smoothquant_params,
 )
-from gsm_jax.workflow.data import load_wikitext_sequences  # noqa: E402
 
 
 def log(msg: str) -> None:

@@ -12,7 +12,7 @@ import pytest
 import gsm_jax
 from gsm_jax.models import llama
 from gsm_jax.params import ModelParams
-from gsm_jax.quant_quality import report_section
+from gsm_jax.workflow.evidence.quant_quality import report_section
 
 BENCH_DIR = Path(__file__).resolve().parents[1] / "benchmarks"
 

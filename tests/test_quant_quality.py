@@ -20,7 +20,7 @@ from gsm_jax.quant import (
     quantize,
     smoothquant_scales,
 )
-from gsm_jax.quant_quality import (
+from gsm_jax.workflow.evidence.quant_quality import (
     ReferenceKLD,
     Variant,
     _w8a8_relative_error,
