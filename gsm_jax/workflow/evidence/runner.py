@@ -93,17 +93,15 @@ class EvidenceSizes:
     """How much data each claim measures on.
 
     Chosen so that the whole run for one 135M-270M model takes at most about 20
-    minutes on this VM's 2 CPU cores. The budget was worked out in token
-    forwards from the SmolLM2-135M report's recorded timings on this machine
-    (``reports/data/timings.json``: about 200 teacher-forced tokens/s; a
-    100-example LAMBADA pass about 60-75 s; every new input shape one compile of
-    10-20 s), and Gemma-3-270M counted at twice the cost per token (its
-    262k-word output layer is as large as SmolLM2's whole body):
+    minutes on a 2-core CPU machine. The budget was worked out in token forwards
+    from the SmolLM2-135M report's recorded timings (see docs/performance_notes.md,
+    "Evidence sizes: the time budget per token forward"), and Gemma-3-270M counted
+    at twice the cost per token (its 262k-word output layer is as large as
+    SmolLM2's whole body):
 
     - one shared quality set of 8 x 256 WikiText-2 tokens (the report's
       calibration set, taken from the end of the file) for claims 4, 8, 12:
-      ~2k tokens per configuration, ~10 s on SmolLM2; claims 4 and 8 evaluate
-      11 configurations on it;
+      ~2k tokens per configuration; claims 4 and 8 evaluate 11 configurations on it;
     - LAMBADA: the first 100 examples, at the 6 strengths of claim 8 only
       (~60k tokens, the largest item); greedy agreement 8 prompts x 32 tokens;
     - claim 5: the same ~1-2k tokens at each length (8 x 128, 2 x 512, 1 x 2048:
@@ -112,8 +110,8 @@ class EvidenceSizes:
       3 configurations (the search itself is reused from the model report);
     - a profile of 64 x 128 tokens only when the model report has none.
 
-    Altogether ~100k token forwards plus ~15 compiles: ~10 minutes for
-    SmolLM2-135M and ~20 for Gemma-3-270M when no other job shares the CPUs.
+    Altogether ~100k token forwards plus ~15 compiles (the minutes this takes: the
+    same notes entry).
     `smoke` is seconds on the tiny random test model (numbers meaningless).
     """
 
