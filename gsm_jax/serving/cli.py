@@ -1,14 +1,12 @@
 """`gsm-jax serve` (the OpenAI-compatible server) and `gsm-jax bench-serve` (its load test).
 
-Registered in `gsm_jax.cli.SUBCOMMANDS` on import.
+Listed in `gsm_jax.cli.COMMANDS`.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-
-from gsm_jax.cli import SUBCOMMANDS
 
 
 def _add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -76,9 +74,6 @@ def _run_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-SUBCOMMANDS["serve"] = (_add_serve_args, _run_serve)
-
-
 def _add_bench_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", default="http://127.0.0.1:8000")
     p.add_argument("--model", default=None, help="default: the server's (GET /v1/models)")
@@ -129,6 +124,3 @@ def _run_bench_serve(args: argparse.Namespace) -> int:
           f"{'' if result['comparable'] else ' (above 1.5: not comparable)'}; "
           f"wrote {out}/results.json, results.png")
     return 0 if result["summary"]["all"]["failed"] == 0 else 1
-
-
-SUBCOMMANDS["bench-serve"] = (_add_bench_serve_args, _run_bench_serve)

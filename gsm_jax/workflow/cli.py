@@ -13,7 +13,7 @@
 ``--data`` defaults to the shared WikiText-2 copy and ``--lambada`` to the shared
 LAMBADA dev set (``--lambada none`` skips the task metric). A ``.npy`` file of
 token ids [N, T] is accepted as ``--data`` (for models without a tokenizer).
-Registered in `gsm_jax.cli.SUBCOMMANDS` on import.
+Listed in `gsm_jax.cli.COMMANDS`.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ import sys
 import time
 from pathlib import Path
 
-from gsm_jax.cli import SUBCOMMANDS
 from gsm_jax.errors import InvalidInputError
 
 
@@ -319,10 +318,3 @@ def _run_evidence(args: argparse.Namespace) -> int:
     for f in failed:
         print(f"gsm-jax evidence: a claim failed, see {f}", file=sys.stderr)
     return 1 if failed else 0
-
-
-SUBCOMMANDS["profile"] = (_add_profile, _run_profile)
-SUBCOMMANDS["calibrate"] = (_add_calibrate, _run_calibrate)
-SUBCOMMANDS["eval"] = (_add_eval, _run_eval)
-SUBCOMMANDS["report"] = (_add_report, _run_report)
-SUBCOMMANDS["evidence"] = (_add_evidence, _run_evidence)
