@@ -3,7 +3,7 @@
 
 `GSMConfig` is the document's ``gsm_config`` (spec §5), validated on creation;
 profiles (schema ``gsm-jax/profile/v1``) are described in `gsm_jax.gsm.profile_io`;
-everything numeric reaches the jitted step as `GSMInputs` (`gsm_jax.gsm.step_inputs`),
+everything numeric reaches the jitted step as `GSMInputs` (`gsm_jax.gsm_runtime`),
 a pytree of arrays, so a new config never recompiles (only ``max_window`` is static).
 """
 

@@ -4,7 +4,7 @@
 ``num_layers`` layers (explicit layers, ``"all"``, or the profile's high-kurtosis
 pairs); `describe`: the same as a readable table. `row_enabled`: which rows of a
 batch are smoothed (``enable``, the short-request bypass, and the rollout by
-request id, `rollout_value`). `gsm_jax.gsm.step_inputs` turns these into the
+request id, `rollout_value`). `gsm_jax.gsm_runtime` turns these into the
 arrays of the jitted step.
 """
 

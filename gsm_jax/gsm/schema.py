@@ -3,7 +3,7 @@ its constants and validation, and reading / writing config files.
 
 `GSMConfig` is validated on creation and immutable. What a config means for a
 model (which (layer, site) pairs, which rows of a batch) is `gsm_jax.gsm.resolve`;
-the arrays the jitted step takes are `gsm_jax.gsm.step_inputs`; profiles are
+the arrays the jitted step takes are `gsm_jax.gsm_runtime`; profiles are
 `gsm_jax.gsm.profile_io`; hot reload is `gsm_jax.gsm.watcher`. The file helpers
 at the bottom (``_read_bytes``, ``_parse``, ``_atomic_write``) are shared by those
 modules.

@@ -36,7 +36,7 @@ import numpy as np
 from gsm_jax.errors import InvalidInputError
 from gsm_jax.families import family_module
 from gsm_jax.gsm.schema import GSMConfig
-from gsm_jax.gsm.step_inputs import gsm_inputs_for_batch
+from gsm_jax.gsm_runtime import gsm_inputs_for_batch
 from gsm_jax.models.gsm_sites import SITES
 from gsm_jax.params import ModelParams
 from gsm_jax.quant import (
