@@ -530,9 +530,9 @@ def _resolve_params(model: Any, dtype: str) -> tuple[Any, str]:
     if isinstance(model, ModelParams):
         return model, model.source or type(model.config).__name__
     if isinstance(model, str | os.PathLike):
-        import gsm_jax
+        from gsm_jax.loading import load
 
-        return gsm_jax.load(str(model), dtype=dtype), str(model)
+        return load(str(model), dtype=dtype), str(model)
     raise InvalidInputError(
         f"model must be a ModelParams or a model name/path, not {type(model).__name__}"
     )
@@ -798,11 +798,3 @@ def run(args: argparse.Namespace) -> int:
         print(f"warm-up (compile, excluded) {mode}: {w['total_s']:.1f}s")
     return 0
 
-
-def _register() -> None:
-    from gsm_jax.cli import SUBCOMMANDS
-
-    SUBCOMMANDS["bench"] = (add_arguments, run)
-
-
-_register()

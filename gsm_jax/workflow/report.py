@@ -114,7 +114,7 @@ def run_report(
     ``<out>/data`` (profile, calibration, each full-size evaluation, overhead, bench)
     and measure only what is missing; the report says what was added when.
     """
-    import gsm_jax
+    from gsm_jax.loading import load
 
     sizes = sizes or ReportSizes()
     check_sizes(sizes)
@@ -143,7 +143,7 @@ def run_report(
 
     added: list[str] = []
     params = clock.run("load model" if not resume else f"load model ({now})",
-                       lambda: gsm_jax.load(model))
+                       lambda: load(model))
     say(f"loaded {params}")
     if lambada == DEFAULT:
         lambada = data_mod.default_lambada_path()

@@ -350,10 +350,10 @@ def run_evidence(
     say = (lambda m: print(f"[gsm-jax evidence] {m}", file=sys.stderr, flush=True)) \
         if progress else (lambda m: None)
     if load is None:
-        import gsm_jax
+        from gsm_jax.loading import load as load_model
 
         def load(m: str) -> Any:
-            return gsm_jax.load(m)
+            return load_model(m)
 
     meta_path = out / "data" / "evidence" / META_FILE
     meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}

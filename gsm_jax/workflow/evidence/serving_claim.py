@@ -361,14 +361,14 @@ def _short_rows(params: ModelParams, sizes: dict) -> tuple[list[np.ndarray], str
 def _kld_rows(params: ModelParams, rows: list[np.ndarray], gsm: Any, batch: int
               ) -> list[np.ndarray]:
     """Per row: KLD(unsmoothed || gsm) per real position, float64 (`metrics.kl_divergence`)."""
-    import gsm_jax
+    from gsm_jax.generation import forward
     from gsm_jax.workflow import metrics
 
     out = []
     for i in range(0, len(rows), batch):
         chunk = rows[i: i + batch]
-        base = np.asarray(gsm_jax.forward(params, chunk, gsm=None))
-        other = np.asarray(gsm_jax.forward(params, chunk, gsm=gsm))
+        base = np.asarray(forward(params, chunk, gsm=None))
+        other = np.asarray(forward(params, chunk, gsm=gsm))
         for j, r in enumerate(chunk):
             out.append(metrics.kl_divergence(base[j, : r.size], other[j, : r.size]))
     return out
@@ -431,7 +431,7 @@ def _latency_server(model: str, cfg: GSMConfig, bypass_tokens: int, sizes: dict,
 def _latency_in_process(params: ModelParams, rows: list[np.ndarray], cfg: GSMConfig,
                         bypass_tokens: int, sizes: dict, log: Any) -> dict[str, Any]:
     """Each short prompt alone through `gsm_jax.generate_tokens` (EOS ignored), per arm."""
-    import gsm_jax
+    from gsm_jax.generation import generate_tokens
 
     new = int(sizes.get("new_tokens", 16))
     repeats = int(sizes.get("repeats", 3))
@@ -442,7 +442,7 @@ def _latency_in_process(params: ModelParams, rows: list[np.ndarray], cfg: GSMCon
 
     def one(arm: str, r: np.ndarray) -> float:
         t = time.perf_counter()
-        gsm_jax.generate_tokens(params, [r], max_new_tokens=new, gsm=arms[arm], eos_ids=[])
+        generate_tokens(params, [r], max_new_tokens=new, gsm=arms[arm], eos_ids=[])
         return time.perf_counter() - t
 
     for arm in arms:  # compile every prompt bucket of every arm first

@@ -32,9 +32,9 @@ from typing import Any
 
 import numpy as np
 
-import gsm_jax
 from gsm_jax.config import GSMConfig
 from gsm_jax.errors import InvalidInputError
+from gsm_jax.generation import generate_tokens
 from gsm_jax.gsm_runtime import as_gsm_config
 from gsm_jax.speculative import speculative_generate, verify_mode
 
@@ -77,11 +77,11 @@ def _say(progress: bool, msg: str) -> None:
 
 def _plain_greedy(params: Any, prompts: np.ndarray, new: int, gsm: Any) -> tuple[list, float]:
     """Plain greedy outputs per prompt and tokens/s (after one compiling call)."""
-    gsm_jax.generate_tokens(params, [prompts[0]], max_new_tokens=new, gsm=gsm)
+    generate_tokens(params, [prompts[0]], max_new_tokens=new, gsm=gsm)
     outs, wall = [], 0.0
     for row in prompts:
         t = time.perf_counter()
-        outs.append(gsm_jax.generate_tokens(params, [row], max_new_tokens=new, gsm=gsm)[0])
+        outs.append(generate_tokens(params, [row], max_new_tokens=new, gsm=gsm)[0])
         wall += time.perf_counter() - t
     return outs, sum(len(o) for o in outs) / wall
 
