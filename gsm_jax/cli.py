@@ -67,9 +67,9 @@ COMMANDS: tuple[Subcommand, ...] = (
                f"{_SERVING}:_add_bench_serve_args", f"{_SERVING}:_run_bench_serve"),
 )
 
-# Registrations that modules still make on import (gsm_jax/planner.py and
-# gsm_jax/workflow/bench.py call `SUBCOMMANDS[name] = ...`) land here and are not read:
-# `COMMANDS` is the list. Remove this once those modules stop registering.
+# Registrations that a module still makes on import (gsm_jax/planner.py calls
+# `SUBCOMMANDS["plan"] = ...`) land here and are not read: `COMMANDS` is the list.
+# Remove this once no module registers itself.
 SUBCOMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None],
                              Callable[[argparse.Namespace], int]]] = {}
 
