@@ -38,20 +38,25 @@ tree).
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 
 from gsm_jax.errors import InvalidInputError, UnsupportedModelError
+from gsm_jax.families import FamiliesWith, family_module
 from gsm_jax.models.block_quant import BlockQuantWeight, quantize_np
 from gsm_jax.models.linear import (
     SCHEMES,
     QuantizedActivation,
     QuantizedWeight,
     hadamard_rotate,
+    linear,
 )
+from gsm_jax.models.sites import Sites
 from gsm_jax.pallas_kernels.quant_reference import dequantize_weight, quantize_weight
 from gsm_jax.params import ModelParams
 
@@ -74,9 +79,9 @@ __all__ = [
 ALL_SCHEMES = (*SCHEMES, "fp8")
 QUANTIZE_CHOICES = ("none", *ALL_SCHEMES)
 LLAMA_LINEARS = ("qkv", "o", "gate_up", "down")
-# Families whose layers hold these four projections under these names (same transforms)
-DENSE_FAMILIES = ("llama", "gemma3")
-DSV4_ATTN_LINEARS = ("q_a", "q_b", "kv", "o_b")
+# Families whose layers hold these four projections under these names (same transforms):
+# those whose module provides `stack_dense` / `unstack_dense` (lazy: imports on first use)
+DENSE_FAMILIES = FamiliesWith("stack_dense")
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -133,23 +138,24 @@ def _fake_quant_cols(w: jax.Array) -> jax.Array:
     return dequantize_weight(values, scale).astype(w.dtype)
 
 
-def stacked_weights(params: ModelParams) -> tuple[dict, bool]:
-    """Llama / Gemma 3 weights with stacked [L, ...] layers (what quantization and
-    SmoothQuant compute on), and whether params held per-layer arrays instead."""
-    from gsm_jax.models.llama import is_per_layer, stack_layers
+def _dense_titles() -> str:
+    return " and ".join(family_module(f).TITLE for f in DENSE_FAMILIES)
 
+
+def stacked_weights(params: ModelParams) -> tuple[dict, bool]:
+    """Weights of a dense family (`DENSE_FAMILIES`: Llama, Gemma 3) with stacked [L, ...]
+    layers (what quantization and SmoothQuant compute on), and whether params held
+    per-layer arrays instead (the family's `stack_dense`)."""
     if params.config.family not in DENSE_FAMILIES:
         raise UnsupportedModelError(f"this weight transform is implemented for the "
                                     f"{' and '.join(DENSE_FAMILIES)} families only, not "
                                     f"{params.config.family!r}")
-    return stack_layers(dict(params.weights)), is_per_layer(params.weights)
+    return family_module(params.config.family).stack_dense(params.weights)
 
 
-def _in_layout(weights: dict, per_layer: bool) -> dict:
+def _in_layout(weights: dict, per_layer: bool, family: str) -> dict:
     """`weights` (stacked) back in the layout `stacked_weights` found."""
-    from gsm_jax.models.llama import unstack_layers
-
-    return unstack_layers(weights) if per_layer else weights
+    return family_module(family).unstack_dense(weights, per_layer)
 
 
 # ----------------------------------------------------------------------------- quantize
@@ -168,7 +174,7 @@ def quantize(params: ModelParams, scheme: str = "w8a8", *, head: bool = False,
     routed_experts: DeepSeek-V4 only, quantize the routed experts too.
     hadamard_down: > 0 (a power of two dividing d_ff): rotate the down
     projection's input online by a block-diagonal Hadamard matrix of that block
-    size before it is quantized (the QuaRot-style baseline; Llama family only).
+    size before it is quantized (the QuaRot-style baseline; dense families only).
     """
     params = _check_params(params)
     scheme = _check_scheme(scheme)
@@ -185,6 +191,7 @@ def quantize(params: ModelParams, scheme: str = "w8a8", *, head: bool = False,
                          is_leaf=is_block)
         return dataclasses.replace(params, weights=w,
                                    extra={**dict(params.extra), "quantization": scheme})
+    fam = family_module(family)
     if family in DENSE_FAMILIES:
         w, per_layer = stacked_weights(params)
         layers = dict(w["layers"])
@@ -195,13 +202,12 @@ def quantize(params: ModelParams, scheme: str = "w8a8", *, head: bool = False,
                     f"hadamard_down={block} must be a power of two dividing "
                     f"intermediate_size={layers[name].shape[-2]}")
             layers[name] = _q(layers[name], scheme, block)
-        w = _in_layout({**w, "layers": layers}, per_layer)
-    elif family == "deepseek_v4":
+        w = _in_layout({**w, "layers": layers}, per_layer, family)
+    elif hasattr(fam, "quantize_weights"):  # the family says which of its weights
         if hadamard_down:
-            raise UnsupportedModelError("hadamard_down is implemented for the Llama and "
-                                        "Gemma 3 families only")
-        w["layers"] = tuple(_quantize_dsv4_layer(lw, scheme, routed_experts)
-                            for lw in w["layers"])
+            raise UnsupportedModelError(f"hadamard_down is implemented for the "
+                                        f"{_dense_titles()} families only")
+        w = fam.quantize_weights(w, lambda a: _q(a, scheme), routed_experts)
     else:
         raise UnsupportedModelError(f"quantization of model family {family!r} is not implemented")
     if head:
@@ -211,30 +217,11 @@ def quantize(params: ModelParams, scheme: str = "w8a8", *, head: bool = False,
     extra = {**dict(params.extra), "quantization": scheme}
     if head:
         extra["quantized_head"] = True
-    if routed_experts and family == "deepseek_v4":
+    if routed_experts and family not in DENSE_FAMILIES:  # quantized by quantize_weights
         extra["quantized_routed_experts"] = True
     if hadamard_down:
         extra["hadamard_down"] = int(hadamard_down)
     return dataclasses.replace(params, weights=w, extra=extra)
-
-
-def _quantize_dsv4_layer(lw: dict, scheme: str, routed_experts: bool) -> dict:
-    lw = dict(lw)
-    attn = dict(lw["attn"])
-    for name in DSV4_ATTN_LINEARS:
-        attn[name] = _q(attn[name], scheme)
-    for sub in ("compressor",):
-        if sub in attn:
-            attn[sub] = {**attn[sub], "kv_gate": _q(attn[sub]["kv_gate"], scheme)}
-    lw["attn"] = attn
-    moe = dict(lw["moe"])
-    for name in ("shared_gate_up", "shared_down"):
-        moe[name] = _q(moe[name], scheme)
-    if routed_experts:
-        for name in ("experts_gate_up", "experts_down"):
-            moe[name] = _q(moe[name], scheme)
-    lw["moe"] = moe
-    return lw
 
 
 def dequantize(params: ModelParams, dtype: Any = jnp.float32) -> ModelParams:
@@ -264,46 +251,30 @@ def dequantize(params: ModelParams, dtype: Any = jnp.float32) -> ModelParams:
 SMOOTHQUANT_LINEARS = ("qkv", "o", "gate_up", "down")
 
 
-def _capture_layer_inputs(weights: dict, cfg: Any, tokens: jax.Array,
-                          lengths: jax.Array, values: bool = False) -> tuple[jax.Array, dict]:
-    """The model's prefill, layer by layer, returning the final hidden states and, per
-    layer, the per-channel max |x| (over real tokens) at the inputs of the four linears
-    (values=True: the inputs themselves, [L, B, T, C] each). Built from `DecoderLayer`'s
-    own methods, so it follows the model (Gemma 3: its `linear_inputs`)."""
-    from gsm_jax.models.linear import linear
-    from gsm_jax.models.llama import _embed, _layer_apply, attention, rms_norm
+@struct.dataclass
+class LinearInputs(Sites):
+    """The SmoothQuant capture hooks: each of `SMOOTHQUANT_LINEARS` sows its input, as the
+    per-channel max |x| over real tokens (values=False) or the input itself [B, T, C]."""
 
-    b, t = tokens.shape
-    steps = jnp.arange(t)
-    valid = steps[None, :] < lengths[:, None]
-    if cfg.family == "gemma3":
-        from gsm_jax.models.gemma3 import linear_inputs
+    values: bool = struct.field(pytree_node=False, default=False)
 
-        x, inputs = linear_inputs(weights, cfg, tokens, lengths)
-        if values:
-            return x, inputs
-        return x, {k: jnp.max(jnp.where(valid[None, ..., None], jnp.abs(v), 0.0), axis=(1, 2))
-                   for k, v in inputs.items()}
-    positions = jnp.where(valid, steps[None, :], -1)
-    mask = (steps[None, :, None] >= steps[None, None, :]) & valid[:, None, :]
-    x = _embed(weights, tokens)
+    def linear(self, step, layer, name, x, w):
+        if name in SMOOTHQUANT_LINEARS:
+            if self.values:
+                step.sow(name, x)
+            else:
+                absx = jnp.abs(x.astype(jnp.float32))
+                step.sow(name, jnp.max(jnp.where(step.valid[..., None], absx, 0.0), axis=(0, 1)))
+        return linear(x, w)
 
-    def chan_max(a):
-        return jnp.max(jnp.where(valid[..., None], jnp.abs(a.astype(jnp.float32)), 0.0),
-                       axis=(0, 1))
 
-    def body(x, lw):
-        h = rms_norm(x, lw["attn_norm"], cfg.rms_norm_eps)
-        q, k, v = _layer_apply(cfg, lw, "_qkv", x, jnp.maximum(positions, 0))
-        attn = attention(q, k, v, mask)
-        x = x + linear(attn, lw["o"])
-        h2 = rms_norm(x, lw["ffn_norm"], cfg.rms_norm_eps)
-        mid = _layer_apply(cfg, lw, "_mlp_in", x)
-        x = x + linear(mid, lw["down"])
-        inputs = {"qkv": h, "o": attn, "gate_up": h2, "down": mid}
-        return x, inputs if values else {k: chan_max(v) for k, v in inputs.items()}
-
-    return jax.lax.scan(body, x, weights["layers"])
+def capture_linear_inputs(weights: dict, cfg: Any, tokens: jax.Array, lengths: jax.Array,
+                          values: bool = False) -> tuple[jax.Array, dict]:
+    """The model's teacher-forced pass, returning the final hidden states and, per layer,
+    the per-channel max |x| (over real tokens) at the inputs of the four projections
+    (values=True: the inputs themselves, [L, B, T, C] each), through the family's hooks."""
+    return family_module(cfg.family).hidden_states(weights, cfg, tokens, lengths,
+                                                   LinearInputs(values))
 
 
 def _check_calibration(params: Any, tokens: Any) -> tuple[ModelParams, np.ndarray]:
@@ -316,7 +287,7 @@ def _check_calibration(params: Any, tokens: Any) -> tuple[ModelParams, np.ndarra
     return params, tokens
 
 
-_capture_jit = jax.jit(_capture_layer_inputs, static_argnames=("cfg", "values"))
+_capture_jit = jax.jit(capture_linear_inputs, static_argnames=("cfg", "values"))
 
 
 def activation_absmax(params: ModelParams, tokens: Any, *, batch_size: int = 8) -> dict:
@@ -414,21 +385,21 @@ def apply_smoothquant(params: ModelParams, scales: dict) -> ModelParams:
     for k in ("attn_norm", "ffn_norm", "qkv", "gate_up", "o", "down", "qkv_bias"):
         if k in new:
             new[k] = jnp.asarray(new[k], dtype)
-    weights = _in_layout({**stacked, "layers": new}, per_layer)
+    weights = _in_layout({**stacked, "layers": new}, per_layer, cfg.family)
     return dataclasses.replace(params, weights=weights)
 
 
 def smoothquant(params: ModelParams, tokens: Any = None, *, alpha: float = 0.5,
-                num_sequences: int = 32, seq_len: int = 256, batch_size: int = 8,
+                batch_size: int = 8,
                 act_absmax: dict | None = None) -> ModelParams:
     """SmoothQuant channel migration of float Llama-family params, ready for
-    `quantize(..., "w8a8")`. Calibration: `tokens` [N, T] int ids, or a text file, or
-    None for the first `num_sequences` x `seq_len` tokens of the shared WikiText-2 (the
-    evaluation sets take theirs from its end); or pass precomputed `act_absmax`.
-    The result is the same function in float (to fp32 rounding)."""
+    `quantize(..., "w8a8")`. Calibration: `tokens` [N, T] int ids (e.g.
+    `gsm_jax.workflow.data.as_token_sequences(path, params.tokenizer)` of a text file),
+    or precomputed `act_absmax`. The result is the same function in float (to fp32
+    rounding)."""
     params = _check_params(params)
     if params.config.family not in DENSE_FAMILIES:
-        raise UnsupportedModelError("SmoothQuant is implemented for the Llama and Gemma 3 "
+        raise UnsupportedModelError(f"SmoothQuant is implemented for the {_dense_titles()} "
                                     "families only")
     if quantization_of(params) is not None:
         raise InvalidInputError("SmoothQuant migrates float params; apply it before quantize()")
@@ -438,15 +409,15 @@ def smoothquant(params: ModelParams, tokens: Any = None, *, alpha: float = 0.5,
     layout = params
     params = dataclasses.replace(params, weights=weights)
     if act_absmax is None:
-        if tokens is None or isinstance(tokens, str):
-            from gsm_jax.workflow.data import as_token_sequences
-
-            tokens = as_token_sequences(tokens, params.tokenizer, seq_len=seq_len,
-                                        num_sequences=num_sequences,
-                                        vocab_size=params.config.vocab_size)
+        if tokens is None or isinstance(tokens, str | os.PathLike):
+            raise InvalidInputError(
+                "smoothquant needs calibration token ids [N, T] (tokens=) or act_absmax=; "
+                "from a text file: gsm_jax.workflow.data.as_token_sequences(path, "
+                "params.tokenizer, seq_len=..., num_sequences=...)")
         act_absmax = activation_absmax(params, tokens, batch_size=batch_size)
     out = apply_smoothquant(params, smoothquant_scales(params, act_absmax, alpha))
-    return dataclasses.replace(out, weights=_in_layout(out.weights, per_layer),
+    return dataclasses.replace(out, weights=_in_layout(out.weights, per_layer,
+                                                       layout.config.family),
                                extra={**dict(layout.extra), "smoothquant_alpha": float(alpha)})
 
 

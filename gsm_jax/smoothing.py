@@ -32,6 +32,7 @@ import numpy as np
 from jax import lax
 
 from gsm_jax.errors import GSMConfigError, InvalidInputError
+from gsm_jax.pallas_kernels.quant_reference import quantize_rows
 from gsm_jax.pallas_kernels.smooth_decode import smooth_decode_pallas
 from gsm_jax.pallas_kernels.smooth_prefill import (
     PRECISIONS,
@@ -39,6 +40,10 @@ from gsm_jax.pallas_kernels.smooth_prefill import (
     smooth_mask,
     smooth_prefill_pallas,
     window_bounds,
+)
+from gsm_jax.pallas_kernels.smooth_quant import (
+    smooth_quantize_decode_pallas,
+    smooth_quantize_prefill_pallas,
 )
 
 __all__ = [
@@ -491,3 +496,80 @@ def smooth(
         max_window=int(max_window),
         precision=precision,
     )
+
+
+# ----------------------------------------------------------------------------- smooth + int8
+# The GSM filter followed by the per-token int8 quantizer that a W8A8 projection applies
+# (models/gsm_sites.py, "quantize, then smooth"): which implementation runs where. The
+# fused kernels themselves are pallas_kernels/smooth_quant.py.
+
+
+def _check_quant_impl(impl: str) -> None:
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+
+
+def smooth_quantize_prefill(x, positions, window, strength, protect_first, *, max_window: int,
+                            precision: str, impl: str = "auto"):
+    """GSM prefill filter, then per-token int8: (q int8 [B, T, C], scale f32 [B, T]). Jittable.
+
+    impl "xla": the XLA filter then the reference quantizer (XLA fuses the
+    quantizer's passes); "pallas": the fused Triton kernel on GPU, the Mosaic GSM
+    kernel + XLA quantizer on TPU, the fused kernel in interpret mode elsewhere;
+    "pallas_interpret": the fused kernel in interpret mode anywhere; "auto": the
+    fused kernel on GPU, the XLA path elsewhere.
+    """
+    _check_quant_impl(impl)
+
+    kw = dict(max_window=max_window, precision=precision)
+    args = (x, positions, window, strength, protect_first)
+
+    def xla(*a):
+        return quantize_rows(smooth_prefill(*a, impl="xla", **kw))
+
+    def tpu(*a):
+        return quantize_rows(smooth_prefill(*a, impl="pallas", **kw))
+
+    def kernel(*a, interpret=False):
+        return smooth_quantize_prefill_pallas(*a, interpret=interpret, **kw)
+
+    if impl == "xla":
+        return xla(*args)
+    if impl == "pallas_interpret":
+        return kernel(*args, interpret=True)
+    default = xla if impl == "auto" else functools.partial(kernel, interpret=True)
+    return lax.platform_dependent(*args, cuda=kernel, tpu=tpu, default=default)
+
+
+def smooth_quantize_decode_stacked(x, rings, layer, position, active, window, strength,
+                                   protect_first, *, precision: str, impl: str = "auto"):
+    """The model's decode form (see `gsm_jax.smoothing.smooth_decode_stacked`), then
+    per-token int8: returns (q int8 [B, C], scale f32 [B], rings [L, B, W, C])."""
+    _check_quant_impl(impl)
+
+    def unfused(x, rings, layer, position, active, window, strength, lo, *, sub_impl):
+        y, rings = smooth_decode_stacked(x, rings, layer, position, active, window, strength,
+                                         lo, precision=precision, impl=sub_impl)
+        q, s = quantize_rows(y)
+        return q, s, rings
+
+    def kernel(x, rings, layer, position, active, window, strength, lo, *, interpret=False):
+        q, s, ring = smooth_quantize_decode_pallas(
+            x, rings[layer], jnp.where(active, position, -1), window, strength, lo,
+            precision=precision, interpret=interpret)
+        return q, s, lax.dynamic_update_index_in_dim(rings, ring, layer, 0)
+
+    args = (x, rings, layer, position, active, window, strength, protect_first)
+    if impl == "xla":
+        return unfused(*args, sub_impl="xla")
+    if impl == "pallas_interpret":
+        return kernel(*args, interpret=True)
+    if impl == "auto":
+        # on CPU the XLA path updates the ring stack in place (see smooth_decode_stacked)
+        return lax.platform_dependent(
+            *args, cpu=functools.partial(unfused, sub_impl="xla"), cuda=kernel,
+            tpu=functools.partial(unfused, sub_impl="pallas"),
+            default=functools.partial(unfused, sub_impl="xla"))
+    return lax.platform_dependent(
+        *args, cuda=kernel, tpu=functools.partial(unfused, sub_impl="pallas"),
+        default=functools.partial(kernel, interpret=True))

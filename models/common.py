@@ -199,7 +199,8 @@ def run_layers(layer_fn: Callable, cfg: Any, layers: Any, x: jax.Array,
             new_caches.append(c)
             sown.append(step._sown)
         step._sown = None
-        stacked = ({k: jnp.stack([s[k] for s in sown]) for k in sown[0]} if sown else {})
+        stacked = {k: jax.tree.map(lambda *a: jnp.stack(a), *[s[k] for s in sown])
+                   for k in (sown[0] if sown else {})}
         return x, None if caches is None else tuple(new_caches), stacked
 
     n = jax.tree.leaves(layers)[0].shape[0]

@@ -100,7 +100,7 @@ def smooth_site_prefill(
     kw = dict(max_window=gsm.max_window, precision=gsm.precision, impl=gsm.impl)
     with jax.named_scope(f"gsm_{SITES[site]}"):
         if wants_int8_input(next_weight):
-            from gsm_jax.pallas_kernels.smooth_quant import smooth_quantize_prefill
+            from gsm_jax.smoothing import smooth_quantize_prefill
 
             q, s = smooth_quantize_prefill(x, positions, window, strength, gsm.protect_first,
                                            **kw)
@@ -135,7 +135,7 @@ def smooth_site_decode(
 
     window, strength = gsm.row_args(layer, site)
     if wants_int8_input(next_weight):
-        from gsm_jax.pallas_kernels.smooth_quant import smooth_quantize_decode_stacked
+        from gsm_jax.smoothing import smooth_quantize_decode_stacked
 
         with jax.named_scope(f"gsm_{SITES[site]}"):
             q, s, rings = smooth_quantize_decode_stacked(

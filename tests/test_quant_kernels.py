@@ -21,11 +21,16 @@ from gsm_jax.pallas_kernels.smooth_decode import smooth_decode_pallas
 from gsm_jax.pallas_kernels.smooth_prefill import smooth_prefill_pallas
 from gsm_jax.pallas_kernels.smooth_quant import (
     smooth_quantize_decode_pallas,
-    smooth_quantize_decode_stacked,
-    smooth_quantize_prefill,
     smooth_quantize_prefill_pallas,
 )
-from gsm_jax.smoothing import ring_from_prefill, smooth, smooth_decode_stacked, smooth_prefill
+from gsm_jax.smoothing import (
+    ring_from_prefill,
+    smooth,
+    smooth_decode_stacked,
+    smooth_prefill,
+    smooth_quantize_decode_stacked,
+    smooth_quantize_prefill,
+)
 
 DTYPES = {"f32": np.float32, "bf16": ml_dtypes.bfloat16}
 TRITON = "__gpu$xla.gpu.triton"

@@ -13,6 +13,7 @@ import gsm_jax
 from gsm_jax.config import SITES, resolve_mask
 from gsm_jax.errors import InvalidInputError
 from gsm_jax.models import llama
+from gsm_jax.models.sites import Sites
 from gsm_jax.params import ModelParams
 from gsm_jax.workflow import profile as prof
 
@@ -107,26 +108,20 @@ def tiny():
     return ModelParams(llama.init_weights(cfg, jax.random.key(3)), cfg, None, "tiny-llama")
 
 
-class _Raw:
-    pass
+class _Raw(Sites):
+    """A hook that sows the site activations themselves."""
+
+    def site(self, step, layer, index, x, next_weight=None):
+        step.sow(SITES[index], x)
+        return x
 
 
-def _raw_hook(original):
-    def hook(gsm, layer, site, x, positions, *a, **k):
-        if isinstance(gsm, _Raw):
-            return x, x
-        return original(gsm, layer, site, x, positions, *a, **k)
-    return hook
-
-
-def _raw_sites(params, tokens, monkeypatch):
+def _raw_sites(params, tokens):
     """The site activations themselves [L, B, T, C], through the model's own layer loop."""
-    monkeypatch.setattr(llama, "smooth_site_prefill", _raw_hook(llama.smooth_site_prefill))
     lengths = jnp.full((tokens.shape[0],), tokens.shape[1], jnp.int32)
-    fn = jax.jit(functools.partial(llama._prefill_layers, cfg=params.config, gsm=_Raw()))
-    rings = fn(params.weights, tokens=jnp.asarray(tokens), lengths=lengths)[3]
-    monkeypatch.undo()
-    return [np.asarray(r) for r in rings]
+    fn = jax.jit(functools.partial(llama.hidden_states, cfg=params.config, sites=_Raw()))
+    sown = fn(params.weights, tokens=jnp.asarray(tokens), lengths=lengths)[1]
+    return [np.asarray(sown[s]) for s in SITES]
 
 
 def test_profile_of_model_equals_numpy(tiny, monkeypatch, tmp_path):
@@ -134,8 +129,7 @@ def test_profile_of_model_equals_numpy(tiny, monkeypatch, tmp_path):
     # 5 sequences in batches of 2: the last batch has a padding row, which must not count
     p = prof.profile(tiny, data=tokens, calibration_samples=5, batch_size=2,
                      sigma_mode="two_pass", progress=False)
-    assert llama.smooth_site_prefill.__name__ == "smooth_site_prefill"  # hook restored
-    raw = _raw_sites(tiny, tokens, monkeypatch)
+    raw = _raw_sites(tiny, tokens)
     for st in p.stats:
         x = raw[SITES.index(st["site"])][st["layer"]]
         want = _np_stats(x)

@@ -159,8 +159,8 @@ class GSMServer:
     def load(self) -> None:
         """Load the model, build and warm the engine, start its thread (blocking)."""
         try:
-            import gsm_jax
             from gsm_jax.config import ConfigWatcher
+            from gsm_jax.loading import load
 
             o = self.options
             if self.params is None:
@@ -169,7 +169,7 @@ class GSMServer:
                     import jax
 
                     mesh = jax.make_mesh(tuple(o.mesh), ("data", "model"))
-                self.params = gsm_jax.load(o.model, dtype=o.dtype, mesh=mesh)
+                self.params = load(o.model, dtype=o.dtype, mesh=mesh)
             if self.params.tokenizer is None:
                 raise InvalidInputError(f"{o.model}: no tokenizer; the server takes text")
             initial = None

@@ -106,14 +106,9 @@ def _greedy_at(weights, tokens, lengths, positions, gsm, *, config):
     """argmax of the next-token logits at `positions` [B, K] only (no full-vocab logits
     elsewhere): the hidden states are gathered before the LM head."""
     fam = family_module(config.family)
-    if hasattr(fam, "_prefill_layers") and hasattr(fam, "_logits"):
-        h = fam._prefill_layers(weights, config, tokens, lengths, gsm)[0]
-        idx = positions.reshape(positions.shape + (1,) * (h.ndim - 2))
-        picked = jnp.take_along_axis(h, idx, axis=1)
-        logits = fam._logits(weights, config, picked)
-    else:  # a family without the internals: full logits, then gather
-        logits = fam.forward(weights, config, tokens, lengths, gsm)
-        logits = jnp.take_along_axis(logits, positions[..., None], axis=1)
+    h, _ = fam.hidden_states(weights, config, tokens, lengths, gsm)
+    idx = positions.reshape(positions.shape + (1,) * (h.ndim - 2))
+    logits = fam.logits(weights, config, jnp.take_along_axis(h, idx, axis=1))
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
 

@@ -11,14 +11,11 @@ keeping any activations:
 - the channels with the largest max |x| (``top_channels``), and max |x| on each
   sequence's first token apart from the others (massive activations sit there).
 
-How the activations are captured: nothing is added to the model files. The
-model's own prefill (``_prefill_layers`` of the family module) is traced with
-its ``smooth_site_prefill`` hook temporarily replaced by `_capture_hook`: at
-each site the hook returns the input unchanged plus the partial moments of
-that site, which the layer loop already hands back as its per-layer "GSM ring"
-output (stacked over layers, by the ``lax.scan`` or the per-layer loop). The replacement is active
-only while the capture function is traced, it delegates every other caller to
-the real hook, and the compiled function is reused for every batch.
+How the activations are captured: through the models' hooks (`models/sites.py`),
+nothing patched. `StatsSites` is a `Sites` implementation whose `site` returns the
+input unchanged and sows that site's partial moments; the family's `hidden_states`
+returns what every layer sowed, stacked over layers. The compiled capture is reused
+for every batch, and any number of profiles can run side by side.
 
 Moments: inside jit, per token, the mean over the channels and the central
 sums sum d**2, d**3, d**4 (d = x - token mean) are computed in float32 (sums
@@ -34,13 +31,11 @@ counts against the final mean and sigma (exact, twice the work).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import json
 import math
 import os
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -48,6 +43,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 
 from gsm_jax.config import (
     DEFAULT_HIGH_KURTOSIS_FRACTION,
@@ -58,6 +54,7 @@ from gsm_jax.config import (
 )
 from gsm_jax.errors import InvalidInputError, UnsupportedModelError
 from gsm_jax.families import family_module
+from gsm_jax.models.sites import Sites
 from gsm_jax.params import ModelParams
 from gsm_jax.workflow import data as data_mod
 
@@ -109,72 +106,34 @@ def site_partials(x: jax.Array, valid: jax.Array, center: jax.Array, scale: jax.
             "n_out": n_out, "chan_max": chan_max}
 
 
-class _Capture:
-    """Stands in for GSMInputs while tracing: tells the hook to capture, not smooth."""
+@struct.dataclass
+class StatsSites(Sites):
+    """The profiler's hooks: each GSM site sows its `site_partials` and returns x unchanged.
 
-    def __init__(self, center: jax.Array, scale: jax.Array, sigmas: float) -> None:
-        self.center, self.scale, self.sigmas = center, scale, sigmas
+    center, scale: [layers, sites] f32, the outlier count's mean and sigma (NaN scale:
+    each batch's own)."""
 
+    center: jax.Array
+    scale: jax.Array
+    sigmas: float = struct.field(pytree_node=False, default=OUTLIER_SIGMA)
 
-_hook_lock = threading.RLock()
-_originals: dict[str, Any] = {}
-
-
-def _make_hook(original):
-    def _capture_hook(gsm, layer, site, x, positions, *args, **kwargs):
-        if not isinstance(gsm, _Capture):
-            return original(gsm, layer, site, x, positions, *args, **kwargs)
-        partials = site_partials(x, positions >= 0, gsm.center[layer, site],
-                                 gsm.scale[layer, site], gsm.sigmas)
-        return x, partials
-
-    _capture_hook.__wrapped__ = original
-    return _capture_hook
-
-
-@contextlib.contextmanager
-def _hooked(family_mod):
-    """Replace the family module's `smooth_site_prefill` by the capture hook (re-entrant)."""
-    with _hook_lock:
-        name = family_mod.__name__
-        if name in _originals:  # already hooked (nested use)
-            yield
-            return
-        original = family_mod.smooth_site_prefill
-        _originals[name] = original
-        family_mod.smooth_site_prefill = _make_hook(original)
-        try:
-            yield
-        finally:
-            family_mod.smooth_site_prefill = original
-            del _originals[name]
-
-
-def _stack_rings(rings: Any, num_layers: int) -> list[dict[str, jax.Array] | None]:
-    """Family ring outputs -> per site a dict of [L, ...] arrays (llama: already stacked;
-    families with a Python layer loop: a list of per-layer pairs)."""
-    if isinstance(rings, tuple) and len(rings) == len(SITES) and all(
-            isinstance(r, dict) for r in rings):
-        return list(rings)
-    if isinstance(rings, list) and len(rings) == num_layers:
-        out = []
-        for s in range(len(SITES)):
-            per = [r[s] if isinstance(r, tuple | list) else None for r in rings]
-            if any(not isinstance(p, dict) for p in per):
-                raise UnsupportedModelError(
-                    f"site {SITES[s]} is not present in every layer of this model; the "
-                    "profiler needs both sites in all layers"
-                )
-            out.append({k: jnp.stack([p[k] for p in per]) for k in per[0]})
-        return out
-    raise UnsupportedModelError("cannot read the site captures of this model family")
+    def site(self, step, layer, index, x, next_weight=None):
+        step.sow(f"partials/{SITES[index]}", site_partials(
+            x, step.positions >= 0, self.center[layer, index], self.scale[layer, index],
+            self.sigmas))
+        return x
 
 
 @functools.partial(jax.jit, static_argnames=("config", "sigmas"))
 def _capture_jit(weights, tokens, lengths, center, scale, *, config, sigmas):
     fam = family_module(config.family)
-    out = fam._prefill_layers(weights, config, tokens, lengths, _Capture(center, scale, sigmas))
-    return _stack_rings(out[3], config.num_layers)
+    _, sown = fam.hidden_states(weights, config, tokens, lengths,
+                                StatsSites(center, scale, sigmas))
+    missing = [s for s in SITES if f"partials/{s}" not in sown]
+    if missing:
+        raise UnsupportedModelError(f"site(s) {missing} are not present in every layer of "
+                                    "this model; the profiler needs both sites in all layers")
+    return [sown[f"partials/{s}"] for s in SITES]
 
 
 def capture_partials(params: ModelParams, tokens: Any, lengths: Any, center: Any = None,
@@ -183,16 +142,15 @@ def capture_partials(params: ModelParams, tokens: Any, lengths: Any, center: Any
     `site_partials` of every layer stacked on a leading layer axis ([L, B, T] ...)."""
     cfg = params.config
     fam = family_module(cfg.family)
-    if not hasattr(fam, "_prefill_layers"):
+    if not hasattr(fam, "hidden_states"):
         raise UnsupportedModelError(f"model family {cfg.family!r} cannot be profiled")
     shape = (cfg.num_layers, len(SITES))
     center = jnp.zeros(shape, jnp.float32) if center is None else jnp.asarray(center, jnp.float32)
     scale = (jnp.full(shape, jnp.nan, jnp.float32) if scale is None
              else jnp.asarray(scale, jnp.float32))
-    with _hooked(fam):
-        return _capture_jit(params.weights, jnp.asarray(tokens, jnp.int32),
-                            jnp.asarray(lengths, jnp.int32), center, scale,
-                            config=cfg, sigmas=float(sigmas))
+    return _capture_jit(params.weights, jnp.asarray(tokens, jnp.int32),
+                        jnp.asarray(lengths, jnp.int32), center, scale,
+                        config=cfg, sigmas=float(sigmas))
 
 
 # ----------------------------------------------------------------------------- host side

@@ -12,10 +12,9 @@
 Every arm is scored by one jitted evaluator built from the family interface
 (`family_module(cfg.family).forward`, the function `gsm_jax.forward` jits) on unpadded
 [B, T] rows, so nothing but the arm differs. The arms that change how the model computes
-(the capture, order (b) of claim 9) monkeypatch the model modules' bindings of `linear`
-and `smooth_site_prefill` under a context manager and trace a *fresh* jitted function
-inside it: a cached trace from outside the context could otherwise be reused. The
-patches are process-global while a context is open (not thread-safe).
+(the capture, order (b) of claim 9) pass the model their own hooks (`models/sites.py`:
+`LowpSites`, `OrderBSites`, each wrapping the arm's GSM), nothing patched: they are
+arguments of the traced program, so arms can run side by side in threads.
 
 Significance: "beyond the standard error" is a paired per-sequence difference larger
 than `SE_MULTIPLE` (2) standard errors of that difference (the runs are deterministic, so
@@ -24,13 +23,11 @@ the sequences are the only source of noise).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import math
 import os
-import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,8 +39,6 @@ from flax import struct
 from gsm_jax.config import GSMConfig
 from gsm_jax.errors import InvalidInputError, UnsupportedModelError
 from gsm_jax.families import family_module
-from gsm_jax.models import gsm_sites as _sites_mod
-from gsm_jax.models import linear as _linear_mod
 from gsm_jax.models.block_quant import (
     ACT_BLOCK,
     ACT_MIN_AMAX,
@@ -55,9 +50,11 @@ from gsm_jax.models.linear import (
     QuantizedActivation,
     QuantizedWeight,
     hadamard_rotate,
+    linear,
     quantize_activation,
     wants_int8_input,
 )
+from gsm_jax.models.sites import Sites, as_sites
 from gsm_jax.pallas_kernels.quant_reference import quantize_rows
 from gsm_jax.params import ModelParams
 from gsm_jax.workflow import metrics
@@ -72,9 +69,6 @@ UNAVAILABLE = "not available for this family"
 VERDICTS = ("supported", "refuted", "not testable here")
 
 # the originals, taken at import: the patches below swap the model modules' bindings
-_ORIG_LINEAR = _linear_mod.linear
-_ORIG_SITE = _sites_mod.smooth_site_prefill
-_ORIG_WANTS_INT8 = _sites_mod.wants_int8_input
 
 
 # ----------------------------------------------------------------------------- shared helpers
@@ -153,8 +147,7 @@ def _mean_se(x: np.ndarray) -> tuple[float, float]:
 def _make_kld_fn() -> Callable:
     """A new jitted (weights, tokens, gsm, base_logprobs) -> (mean KLD per sequence over the
     positions with a next token, non-finite logits per sequence). A new function object
-    each call: jit caches traces per function, and a patched arm must be traced under its
-    patch."""
+    each call (an arm's hooks are arguments, so one would do; kept per arm for clarity)."""
     def kld_fn(weights, tokens, gsm, base_lp, *, config):
         lengths = jnp.full((tokens.shape[0],), tokens.shape[1], jnp.int32)
         logits = family_module(config.family).forward(weights, config, tokens, lengths, gsm)
@@ -191,12 +184,13 @@ def _gsm_inputs(cfg: GSMConfig | None, params: ModelParams, rows: np.ndarray):
 
 @dataclasses.dataclass
 class Arm:
-    """One variant scored against the float model; `context` opens its patches (if any)."""
+    """One variant scored against the float model; `hooks` wraps its GSM inputs (None or
+    a `GSMInputs`) in the `Sites` the arm computes with (if any)."""
 
     name: str
     params: ModelParams | None
     gsm: GSMConfig | None = None
-    context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+    hooks: Callable[[Any], Sites] | None = None
     note: str = ""
     unavailable: str | None = None
     fn: Callable = dataclasses.field(default_factory=_make_kld_fn)
@@ -216,11 +210,12 @@ def evaluate_arms(ref: ModelParams, arms: list[Arm], tokens: np.ndarray, *, batc
             if a.unavailable is not None:
                 continue
             try:
-                with a.context():
-                    k, bad = a.fn(a.params.weights, jnp.asarray(rows),
-                                  _gsm_inputs(a.gsm, a.params, rows), base,
-                                  config=a.params.config)
-                    k, bad = np.asarray(k), np.asarray(bad)
+                gsm = _gsm_inputs(a.gsm, a.params, rows)
+                if a.hooks is not None:
+                    gsm = a.hooks(gsm)
+                k, bad = a.fn(a.params.weights, jnp.asarray(rows), gsm, base,
+                              config=a.params.config)
+                k, bad = np.asarray(k), np.asarray(bad)
             except (TypeError, ValueError, UnsupportedModelError, InvalidInputError) as e:
                 a.unavailable = f"{type(e).__name__}: {e}"
                 out.pop(a.name, None)
@@ -244,27 +239,6 @@ def _arm_summary(arm: Arm, res: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 def _unavailable(e: Exception) -> str:
     return f"{UNAVAILABLE}: {e}" if isinstance(e, UnsupportedModelError) else str(e)
-
-
-# ----------------------------------------------------------------------------- patching
-
-
-@contextlib.contextmanager
-def _patched(name: str, original: Any, replacement: Any,
-             modules: list[Any] | None = None) -> Iterator[int]:
-    """Replace `name` in every loaded gsm_jax.models.* module (or in `modules`) that binds
-    `original` (the families import `linear` / `smooth_site_prefill` by name); yields how
-    many were swapped. Restored on exit."""
-    pool = modules if modules is not None else [
-        m for key, m in list(sys.modules.items()) if key.startswith("gsm_jax.models")]
-    mods = [m for m in pool if m is not None and getattr(m, name, None) is original]
-    for m in mods:
-        setattr(m, name, replacement)
-    try:
-        yield len(mods)
-    finally:
-        for m in mods:
-            setattr(m, name, original)
 
 
 # ----------------------------------------------------------------------------- capture
@@ -370,50 +344,49 @@ class Recorder:
         return {**tot(every, fmt), "format": fmt, "per_linear": per}
 
 
-def _linear_names(params: ModelParams) -> dict[tuple[int, int], str]:
-    """(in, out) -> the weight names of that shape (the label of a captured call)."""
-    names: dict[tuple[int, int], set[str]] = {}
-    is_w = lambda a: isinstance(a, QuantizedWeight | BlockQuantWeight)  # noqa: E731
-    for path, leaf in jax.tree_util.tree_flatten_with_path(params.weights, is_leaf=is_w)[0]:
-        if not is_w(leaf):  # only quantized linears are captured
-            continue
-        key = next((str(p.key) for p in reversed(path) if hasattr(p, "key")), "?")
-        shape = tuple(leaf.shape[-2:])
-        names.setdefault((int(shape[0]), int(shape[1])), set()).add(key)
-    return {k: "|".join(sorted(v)) for k, v in names.items()}
+class _Identity:
+    """A static hook field compared by identity (a recorder, a trace counter)."""
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
 
 
-@contextlib.contextmanager
-def capture_linear_inputs(recorder: Recorder, names: dict[tuple[int, int], str] | None = None,
-                          *, unfuse_sites: bool = True) -> Iterator[None]:
-    """Record `activation_counts` of every activation entering a quantized linear.
+@struct.dataclass
+class LowpSites(Sites):
+    """Records `activation_counts` of every activation entering a quantized linear (through
+    `jax.debug.callback`, so the capture runs jitted, layer scan included), around the
+    arm's own hooks `inner`. `unfuse_sites`: a GSM site feeding a W8A8 linear normally
+    hands over an already quantized activation (fused smooth + quantize); here it hands
+    over the smoothed float and `linear` quantizes it with the same reference quantizer
+    (the CPU path is that very composition), so the counts see GSM's output."""
 
-    `linear` is replaced in the model modules by a version that computes the counts inside
-    the traced program and hands them to `recorder` through `jax.debug.callback` (so the
-    capture runs jitted, layer scan included). `unfuse_sites`: a GSM site feeding a W8A8
-    linear normally hands over an already quantized activation (fused smooth + quantize);
-    here it hands over the smoothed float and `linear` quantizes it with the same reference
-    quantizer (the CPU path is that very composition), so the counts see GSM's output.
-    Trace a fresh jitted function inside the context (see the module docstring).
-    """
-    names = names or {}
+    inner: Sites
+    recorder: _Identity = struct.field(pytree_node=False)
+    unfuse_sites: bool = struct.field(pytree_node=False, default=True)
 
-    def recording_linear(x, w):
-        y = _ORIG_LINEAR(x, w)
+    @property
+    def uses_rings(self) -> bool:
+        return self.inner.uses_rings
+
+    def site(self, step, layer, index, x, next_weight=None):
+        return self.inner.site(step, layer, index, x,
+                               None if self.unfuse_sites else next_weight)
+
+    def linear(self, step, layer, name, x, w):
+        y = self.inner.linear(step, layer, name, x, w)
         xin, fmt = _quantized_input(x, w)
         if xin is not None:
-            key = (int(x.shape[-1]), int(y.shape[-1]))
-            label = names.get(key, f"{key[0]}->{key[1]}")
-            jax.debug.callback(functools.partial(recorder.add, label, fmt),
+            jax.debug.callback(functools.partial(self.recorder.obj.add, name, fmt),
                                activation_counts(xin))
         return y
 
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(_patched("linear", _ORIG_LINEAR, recording_linear))
-        if unfuse_sites:
-            stack.enter_context(_patched("wants_int8_input", _ORIG_WANTS_INT8,
-                                         lambda w: False, modules=[_sites_mod]))
-        yield
+
+def capture_linear_inputs(recorder: Recorder, gsm: Any = None, *,
+                          unfuse_sites: bool = True) -> LowpSites:
+    """The hooks that record `activation_counts` of every activation entering a quantized
+    linear into `recorder`, around `gsm` (None or a `GSMInputs`): pass them as the
+    model's `gsm=`. Labels are the weights' leaf names."""
+    return LowpSites(as_sites(gsm), _Identity(recorder), unfuse_sites)
 
 
 def capture(params: ModelParams, tokens: np.ndarray, gsm: GSMConfig | None) -> dict[str, Any]:
@@ -421,11 +394,9 @@ def capture(params: ModelParams, tokens: np.ndarray, gsm: GSMConfig | None) -> d
     non-finite logits."""
     rec = Recorder()
     fn = _make_logits_fn()
-    with capture_linear_inputs(rec, _linear_names(params)):
-        logits = fn(params.weights, jnp.asarray(tokens), _gsm_inputs(gsm, params, tokens),
-                    config=params.config)
-        logits = np.asarray(logits)
-        jax.effects_barrier()
+    hooks = capture_linear_inputs(rec, _gsm_inputs(gsm, params, tokens))
+    logits = np.asarray(fn(params.weights, jnp.asarray(tokens), hooks, config=params.config))
+    jax.effects_barrier()
     return {**rec.summary(), "nonfinite_logits": int((~np.isfinite(logits)).sum())}
 
 
@@ -439,34 +410,41 @@ class _FloatInput:
     value: jax.Array
 
 
-@contextlib.contextmanager
-def order_b(*, float_product: bool = True) -> Iterator[list[int]]:
+@struct.dataclass
+class OrderBSites(Sites):
     """Order (b) at every GSM site that feeds a W8A8 linear: quantize the site's activation
-    per token to int8 first (the reference quantizer, dequantized back), run the GSM filter
-    on those dequantized values, then feed the linear in float (`float_product`: the int8
-    weight times the float activation, `linear`'s w8a16 path) or requantize (False: the
-    linear's own per-token int8). Yields a list that gets one entry per site traced with
-    the swap (empty: this family has no such site). Other sites are unchanged."""
-    traced: list[int] = []
+    per token to int8 first (the reference quantizer, dequantized back), run the arm's GSM
+    (`inner`) on those dequantized values, then feed the linear in float (`float_product`:
+    the int8 weight times the float activation, `linear`'s w8a16 path) or requantize
+    (False: the linear's own per-token int8). `traced.obj` (a list) gets one entry per
+    site traced with the swap (empty: this family has no such site). Other sites are
+    unchanged; without GSM (inner = no hooks) a site is a pass-through."""
 
-    def site(gsm, layer, site_idx, x, positions, next_weight=None):
-        if gsm is None or not wants_int8_input(next_weight):
-            return _ORIG_SITE(gsm, layer, site_idx, x, positions, next_weight)
-        traced.append(1)
-        xq = quantize_activation(x).dequantize()
-        y, ring = _ORIG_SITE(gsm, layer, site_idx, xq, positions, None)
-        return (_FloatInput(y) if float_product else y), ring
+    inner: Sites
+    traced: _Identity = struct.field(pytree_node=False)
+    float_product: bool = struct.field(pytree_node=False, default=True)
 
-    def lin(x, w):
+    @property
+    def uses_rings(self) -> bool:
+        return self.inner.uses_rings
+
+    def site(self, step, layer, index, x, next_weight=None):
+        if type(self.inner) is Sites or not wants_int8_input(next_weight):
+            return self.inner.site(step, layer, index, x, next_weight)
+        self.traced.obj.append(1)
+        y = self.inner.site(step, layer, index, quantize_activation(x).dequantize(), None)
+        return _FloatInput(y) if self.float_product else y
+
+    def linear(self, step, layer, name, x, w):
         if isinstance(x, _FloatInput):
-            return _ORIG_LINEAR(x.value, w.replace(scheme="w8a16"))
-        return _ORIG_LINEAR(x, w)
+            return linear(x.value, w.replace(scheme="w8a16"))
+        return self.inner.linear(step, layer, name, x, w)
 
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(_patched("smooth_site_prefill", _ORIG_SITE, site))
-        if float_product:
-            stack.enter_context(_patched("linear", _ORIG_LINEAR, lin))
-        yield traced
+
+def order_b(gsm: Any, traced: list | None = None, *, float_product: bool = True) -> OrderBSites:
+    """The order-(b) hooks around `gsm` (None or a `GSMInputs`); pass them as `gsm=`."""
+    return OrderBSites(as_sites(gsm), _Identity([] if traced is None else traced),
+                       float_product)
 
 
 # ----------------------------------------------------------------------------- claim 3
@@ -666,7 +644,8 @@ def claim9_verdict(a: np.ndarray | None, b: np.ndarray | None) -> tuple[str, dic
 ORDER_A = ("At each GSM site feeding a W8A8 linear (attn_out -> o, ffn_mid -> down) the "
            "filter runs on the float activation, then the per-token int8 scale is taken from "
            "the smoothed values and they are cast to int8 (models/gsm_sites.py "
-           "smooth_site_prefill -> pallas_kernels/smooth_quant.py smooth_quantize_prefill: "
+           "smooth_site_prefill -> gsm_jax/smoothing.py smooth_quantize_prefill, kernels in "
+           "pallas_kernels/smooth_quant.py: "
            "the XLA filter then quantize_rows off GPU, one fused kernel on GPU), and linear "
            "multiplies that QuantizedActivation as is.")
 
@@ -686,24 +665,14 @@ def run_claim_9(params: ModelParams, *, sizes: dict, progress: bool,
     q, err = _build(lambda: quantize(params, "w8a8"))
     traced_float: list[int] = []
     traced_requant: list[int] = []
-
-    @contextlib.contextmanager
-    def b_float():
-        with order_b(float_product=True) as tr:
-            yield
-        traced_float.extend(tr)
-
-    @contextlib.contextmanager
-    def b_requant():
-        with order_b(float_product=False) as tr:
-            yield
-        traced_requant.extend(tr)
+    b_float = functools.partial(order_b, traced=traced_float, float_product=True)
+    b_requant = functools.partial(order_b, traced=traced_requant, float_product=False)
 
     arms = [Arm("w8a8", q, None, unavailable=err, note="no GSM"),
             Arm("a", q, cfg, unavailable=err, note="smooth in float, then quantize"),
-            Arm("b", q, cfg, context=b_float, unavailable=err,
+            Arm("b", q, cfg, hooks=b_float, unavailable=err,
                 note="quantize, then smooth the dequantized values; float product"),
-            Arm("b_requant", q, cfg, context=b_requant, unavailable=err,
+            Arm("b_requant", q, cfg, hooks=b_requant, unavailable=err,
                 note="quantize, smooth, requantize per token (all-int8 product)"),
             Arm("float+gsm", params, cfg, note="GSM on the float model")]
     log(f"{params.source}: {data}; scoring {len(arms)} arms")
@@ -742,8 +711,8 @@ def run_claim_9(params: ModelParams, *, sizes: dict, progress: bool,
             "site_traces_swapped": {"b": len(traced_float), "b_requant": len(traced_requant)},
             "order_a": ORDER_A,
             "order_b": "Implemented in this module only (gsm_jax.workflow.evidence.lowp_claims."
-                       "order_b): smooth_site_prefill and linear are swapped in the model "
-                       "modules under a context manager; the site's activation is quantized "
+                       "OrderBSites, the model's site and linear hooks); the site's "
+                       "activation is quantized "
                        "per token (quantize_activation, dequantized back), filtered, and the "
                        "W8A8 linear multiplies the result in float (its w8a16 path).",
             "reading": "The document's 先量化再平滑 (quantize first, then smooth; because "

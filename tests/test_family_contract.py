@@ -1,0 +1,314 @@
+"""The family contract, checked on a tiny random model of every registered family.
+
+A family is one model file plus one line in `gsm_jax/families.py`; this module is what it
+must then pass (docs/adding_a_family.md). Every registered family needs a builder in
+`TINY` below, so registering one without it fails here:
+
+- prefill then decode equals the teacher-forced forward (ragged rows, GSM off and on);
+- chunked `extend` (chunks of 1, 7 and 32 tokens) equals one prefill, and decoding after
+  it equals decoding after the prefill;
+- `cache_insert` of a prefilled row into a running batch decodes as that row alone;
+- GSM at strength 0 equals GSM compiled out;
+- every hook implementation (`models/sites.py`) sees the same activations, and hooks that
+  only observe leave the logits unchanged;
+- sharded over 8 forced host devices (a subprocess) equals one device;
+- the int8 / FP8 weight containers run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from tiny_models import tiny_dsv4, tiny_gsm_llama
+
+import gsm_jax
+from gsm_jax.families import family_module
+from gsm_jax.families import names as registered_families
+from gsm_jax.gsm_runtime import gsm_inputs_for_batch
+from gsm_jax.models.sites import SITES, Sites
+from gsm_jax.params import ModelParams
+from gsm_jax.quant import LinearInputs
+from gsm_jax.workflow.evidence.lowp_claims import Recorder, capture_linear_inputs
+from gsm_jax.workflow.profile import StatsSites
+
+# float32 throughout: the two sides of every check compute the same sums, in other
+# orders or shapes (a chunk vs a whole prompt, one query vs many), so they agree to a
+# few ulps of the logit scale
+RTOL = 2e-5
+
+
+def tiny_gemma3(seed: int = 0) -> ModelParams:
+    """Gemma 3 with sliding (window 5) and global layers, norms randomised."""
+    from gsm_jax.models import gemma3
+
+    cfg = gemma3.Gemma3Config(
+        vocab_size=96, hidden_size=32, intermediate_size=48, num_layers=4, num_heads=4,
+        num_kv_heads=2, head_dim=16, sliding_layers=(True, False, True, False),
+        sliding_window=5, query_pre_attn_scalar=12.0, max_position_embeddings=256)
+    w = gemma3.init_weights(cfg, jax.random.key(seed))
+    rng = np.random.default_rng(seed)
+    layers = {k: (v + jnp.asarray(rng.normal(0, 0.3, v.shape), v.dtype) if "norm" in k else v)
+              for k, v in w["layers"].items()}
+    return ModelParams({**w, "layers": layers}, cfg, None, "tiny-gemma3")
+
+
+TINY = {"llama": tiny_gsm_llama, "gemma3": tiny_gemma3, "deepseek_v4": tiny_dsv4}
+
+
+def test_every_registered_family_has_a_tiny_model():
+    assert set(registered_families()) == set(TINY)
+
+
+@pytest.fixture(scope="module", params=sorted(TINY))
+def tiny(request) -> ModelParams:
+    return TINY[request.param]()
+
+
+def _gsm(params, strength, batch, lengths):
+    cfg = gsm_jax.GSMConfig(window_size=4, smooth_strength=strength, target_layers="all")
+    return gsm_inputs_for_batch(cfg, params.config.num_layers, batch, lengths)
+
+
+def _rows(params, lengths, seed=0):
+    rng = np.random.default_rng(seed)
+    t = max(lengths)
+    toks = rng.integers(1, params.config.vocab_size, (len(lengths), t)).astype(np.int32)
+    return jnp.asarray(toks), jnp.asarray(lengths, jnp.int32)
+
+
+def _scale(x):
+    return float(np.abs(np.asarray(x)).max())
+
+
+def _close(a, b, scale):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=RTOL * scale)
+
+
+# ----------------------------------------------------------------------------- the paths
+
+
+@pytest.mark.parametrize("strength", [None, 0.3])
+def test_prefill_then_decode_equals_forward(tiny, strength):
+    fam, cfg = family_module(tiny.config.family), tiny.config
+    lengths = [20, 13]
+    toks, lens = _rows(tiny, lengths)
+    gsm = None if strength is None else _gsm(tiny, strength, 2, lengths)
+    full = fam.forward(tiny.weights, cfg, toks, lens, gsm)
+    scale = _scale(full)
+    cache = fam.init_cache(cfg, 2, 32, gsm_max_window=None if gsm is None else gsm.max_window)
+    p = 9  # prefill 9 tokens per row, then decode the rest one by one
+    logits, cache = fam.prefill(tiny.weights, cfg, toks[:, :p], jnp.asarray([p, p]), cache, gsm)
+    _close(logits, full[:, p - 1], scale)
+    for i in range(p, max(lengths)):
+        active = jnp.asarray([i < n for n in lengths])
+        logits, cache = fam.decode_step(tiny.weights, cfg, toks[:, i], cache, gsm, active)
+        for r, n in enumerate(lengths):
+            if i < n:
+                _close(logits[r], full[r, i], scale)
+    np.testing.assert_array_equal(np.asarray(cache.lengths), lengths)
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 32])
+def test_chunked_extend_equals_one_prefill(tiny, chunk):
+    fam, cfg = family_module(tiny.config.family), tiny.config
+    lengths = [40, 29]
+    toks, lens = _rows(tiny, lengths, seed=1)
+    gsm = _gsm(tiny, 0.3, 2, lengths)
+    mk = lambda: fam.init_cache(cfg, 2, 48, gsm_max_window=gsm.max_window)  # noqa: E731
+    ref_logits, ref_cache = fam.prefill(tiny.weights, cfg, toks, lens, mk(), gsm)
+    scale = _scale(ref_logits)
+    cache, last = mk(), [None, None]
+    for s in range(0, max(lengths), chunk):
+        n_new = jnp.asarray([min(chunk, max(n - s, 0)) for n in lengths], jnp.int32)
+        piece = toks[:, s: s + chunk]
+        if piece.shape[1] < chunk:
+            piece = jnp.pad(piece, ((0, 0), (0, chunk - piece.shape[1])))
+        logits, cache = fam.extend(tiny.weights, cfg, piece, n_new, cache, gsm)
+        for r in range(2):
+            if int(n_new[r]) > 0:
+                last[r] = logits[r]
+    for r in range(2):
+        _close(last[r], ref_logits[r], scale)
+    np.testing.assert_array_equal(np.asarray(cache.lengths), lengths)
+    nxt = jnp.asarray([5, 6], jnp.int32)
+    for _ in range(3):  # the caches continue alike
+        a, ref_cache = fam.decode_step(tiny.weights, cfg, nxt, ref_cache, gsm)
+        b, cache = fam.decode_step(tiny.weights, cfg, nxt, cache, gsm)
+        _close(b, a, scale)
+        nxt = jnp.argmax(a, axis=-1).astype(jnp.int32)
+
+
+def test_extend_all_logits_equal_forward(tiny):
+    fam, cfg = family_module(tiny.config.family), tiny.config
+    toks, lens = _rows(tiny, [24, 24], seed=2)
+    full = fam.forward(tiny.weights, cfg, toks, lens)
+    cache = fam.init_cache(cfg, 2, 32)
+    _, cache = fam.prefill(tiny.weights, cfg, toks[:, :10], jnp.asarray([10, 10]), cache)
+    logits, _ = fam.extend(tiny.weights, cfg, toks[:, 10:], jnp.asarray([14, 14]), cache,
+                           all_logits=True)
+    _close(logits, full[:, 10:], _scale(full))
+
+
+def test_cache_insert_joins_a_running_batch(tiny):
+    fam, cfg = family_module(tiny.config.family), tiny.config
+    toks, lens = _rows(tiny, [12, 12, 12], seed=3)
+    gsm = _gsm(tiny, 0.3, 3, [12, 12, 12])
+    win = gsm.max_window
+    running = fam.init_cache(cfg, 3, 24, gsm_max_window=win)
+    _, running = fam.prefill(tiny.weights, cfg, toks, lens, running, gsm)
+    # a new request prefilled alone, then put into slot 1
+    newcomer = toks[1:2, :7]
+    alone = fam.init_cache(cfg, 1, 24, gsm_max_window=win)
+    gsm1 = _gsm(tiny, 0.3, 1, [7])
+    _, alone = fam.prefill(tiny.weights, cfg, newcomer, jnp.asarray([7]), alone, gsm1)
+    joined = fam.cache_insert(running, alone, jnp.asarray([1]))
+    nxt = jnp.asarray([4, 9, 11], jnp.int32)
+    batch_logits, _ = fam.decode_step(tiny.weights, cfg, nxt, joined, gsm)
+    solo_logits, _ = fam.decode_step(tiny.weights, cfg, nxt[1:2], alone, gsm1)
+    _close(batch_logits[1], solo_logits[0], _scale(solo_logits))
+
+
+def test_gsm_strength_zero_equals_gsm_compiled_out(tiny):
+    fam, cfg = family_module(tiny.config.family), tiny.config
+    toks, lens = _rows(tiny, [16, 11], seed=4)
+    off = fam.forward(tiny.weights, cfg, toks, lens)
+    zero = fam.forward(tiny.weights, cfg, toks, lens, _gsm(tiny, 0.0, 2, [16, 11]))
+    np.testing.assert_array_equal(np.asarray(off), np.asarray(zero))
+    strong = fam.forward(tiny.weights, cfg, toks, lens, _gsm(tiny, 0.5, 2, [16, 11]))
+    assert not np.allclose(np.asarray(off), np.asarray(strong))  # the switch is live
+
+
+# ----------------------------------------------------------------------------- the hooks
+
+
+class _SowSites(Sites):
+    """Sows every site's input, raw."""
+
+    def site(self, step, layer, index, x, next_weight=None):
+        step.sow(SITES[index], x)
+        return x
+
+
+def test_every_hook_sees_the_same_activations(tiny):
+    fam, cfg = family_module(tiny.config.family), tiny.config
+    toks, lens = _rows(tiny, [14, 14], seed=5)
+    base = fam.forward(tiny.weights, cfg, toks, lens)
+    x0, raw = fam.hidden_states(tiny.weights, cfg, toks, lens, _SowSites())
+    assert set(raw) == set(SITES)
+    L = cfg.num_layers
+    shape = (L, len(SITES))
+    center, scale = jnp.zeros(shape), jnp.full(shape, jnp.nan)
+    x1, stats = fam.hidden_states(tiny.weights, cfg, toks, lens, StatsSites(center, scale))
+    np.testing.assert_array_equal(np.asarray(x0), np.asarray(x1))
+    for s in SITES:
+        want = np.abs(np.asarray(raw[s])).max(axis=-1)  # [L, B, T]
+        np.testing.assert_allclose(np.asarray(stats[f"partials/{s}"]["max_abs"]), want,
+                                   rtol=1e-6)
+    # the SmoothQuant capture sees the site inputs as the inputs of o / down
+    x2, ins = fam.hidden_states(tiny.weights, cfg, toks, lens, LinearInputs(values=True))
+    np.testing.assert_array_equal(np.asarray(x0), np.asarray(x2))
+    feeds = {"down": "ffn_mid", "o": "attn_out", "shared_down": "ffn_mid"}
+    seen = [n for n in feeds if n in ins]
+    for name in seen:
+        np.testing.assert_array_equal(np.asarray(ins[name]), np.asarray(raw[feeds[name]]))
+    if cfg.family in ("llama", "gemma3"):
+        assert set(seen) == {"o", "down"}
+    # the low-precision recorder observes only: the same logits, GSM inside or not
+    rec = Recorder()
+    watched = fam.forward(tiny.weights, cfg, toks, lens, capture_linear_inputs(rec))
+    np.testing.assert_array_equal(np.asarray(base), np.asarray(watched))
+    gsm = _gsm(tiny, 0.3, 2, [14, 14])
+    np.testing.assert_array_equal(
+        np.asarray(fam.forward(tiny.weights, cfg, toks, lens, gsm)),
+        np.asarray(fam.forward(tiny.weights, cfg, toks, lens, capture_linear_inputs(rec, gsm))))
+
+
+def test_hooks_run_side_by_side_in_threads(tiny):
+    """Two tools tracing at once: nothing is patched, so neither sees the other."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    fam, cfg = family_module(tiny.config.family), tiny.config
+    toks, lens = _rows(tiny, [10, 10], seed=6)
+    f = jax.jit(fam.hidden_states, static_argnums=1)
+    solo = [f(tiny.weights, cfg, toks, lens, _SowSites())[1], f(tiny.weights, cfg, toks, lens,
+                                                               LinearInputs(values=False))[1]]
+    with ThreadPoolExecutor(2) as ex:
+        both = list(ex.map(lambda s: jax.jit(fam.hidden_states, static_argnums=1)(
+            tiny.weights, cfg, toks, lens, s)[1], [_SowSites(), LinearInputs(values=False)]))
+    for a, b in zip(solo, both, strict=True):
+        assert set(a) == set(b)
+        for k in a:
+            np.testing.assert_array_equal(np.asarray(a[k]), np.asarray(b[k]))
+
+
+# ----------------------------------------------------------------------------- containers
+
+
+@pytest.mark.parametrize("scheme", ["w8a8", "fp8"])
+def test_int8_and_fp8_containers_run(tiny, scheme):
+    from gsm_jax.quant import quantize
+
+    q = quantize(tiny, scheme)
+    fam, cfg = family_module(cfg_family := tiny.config.family), tiny.config
+    toks, lens = _rows(tiny, [12, 9], seed=7)
+    ref = np.asarray(fam.forward(tiny.weights, cfg, toks, lens))
+    out = np.asarray(fam.forward(q.weights, cfg, toks, lens))
+    assert np.all(np.isfinite(out)), cfg_family
+    # 8-bit weights and activations: within 10% of the logit scale, not equal
+    err = np.abs(out - ref).max() / np.abs(ref).max()
+    assert 0 < err < 0.1, (cfg_family, scheme, err)
+    gen = gsm_jax.generate_tokens(q, [list(map(int, toks[0, :5]))], max_new_tokens=4)
+    assert len(gen[0]) == 4
+
+
+# ----------------------------------------------------------------------------- sharded
+
+_SHARDED = textwrap.dedent("""
+    import json, sys
+    import jax, jax.numpy as jnp, numpy as np
+    sys.path.insert(0, "tests")
+    import gsm_jax
+    from test_family_contract import TINY, _gsm, _rows
+    from gsm_jax.families import family_module
+    out = {}
+    mesh = jax.make_mesh((2, 4), ("data", "model"))
+    for name, build in sorted(TINY.items()):
+        p = build()
+        fam = family_module(p.config.family)
+        toks, lens = _rows(p, [12, 9], seed=8)
+        gsm = _gsm(p, 0.3, 2, [12, 9])
+        one = np.asarray(fam.forward(p.weights, p.config, toks, lens, gsm))
+        sp = gsm_jax.shard(p, mesh)
+        with jax.set_mesh(sp.mesh if hasattr(sp, "mesh") else mesh):
+            many = np.asarray(jax.jit(fam.forward, static_argnums=1)(
+                sp.weights, p.config, toks, lens, gsm))
+        gen1 = gsm_jax.generate_tokens(p, [list(map(int, toks[0, :6]))], max_new_tokens=5)
+        gen8 = gsm_jax.generate_tokens(sp, [list(map(int, toks[0, :6]))], max_new_tokens=5)
+        out[name] = {"err": float(np.abs(one - many).max() / np.abs(one).max()),
+                     "greedy_equal": [list(map(int, g)) for g in gen1]
+                     == [list(map(int, g)) for g in gen8]}
+    print(json.dumps(out))
+""")
+
+
+@pytest.mark.heavy
+def test_sharded_equals_one_device():
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+           "JAX_PLATFORMS": "cpu"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-c", _SHARDED], cwd=root, env=env,
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    assert set(res) == set(TINY)
+    for name, v in res.items():
+        assert v["err"] < 1e-5, (name, v)
+        assert v["greedy_equal"], name
