@@ -141,8 +141,8 @@ def _prefill_xla(x, positions, window, strength, lo, *, max_window: int, precisi
     max_window shifted slices costs max_window passes; the band matmul costs
     4 * block flops per element and runs as batched GEMMs. The block is the
     smallest bucket holding the batch's largest window count, picked at run
-    time by `lax.switch` (no recompiles): on CPU, T=512, C=1536, block 16
-    (window 8) took 1.3 ms against 3.3 ms for block 64.
+    time by `lax.switch` (no recompiles; the measured gain is in
+    docs/performance_notes.md, "GSM filter prefill: band-matmul block size").
     """
     start, count = window_bounds(positions, window[:, None], lo, max_window)  # [B, T]
     mask = smooth_mask(positions, count, strength[:, None], lo)
@@ -174,8 +174,9 @@ def _scatter_rows(rings: jax.Array, layer: jax.Array, slot: jax.Array, x: jax.Ar
     Indices are in range by construction; saying so keeps XLA from guarding the
     write with a select that reads (and so copies) the old ring. At batch 1
     XLA:CPU rewrites a one-row scatter as a dynamic-update-slice, which next to
-    the `lax.switch` read copied the whole [L, 1, W, C] stack every layer
-    (~10x the step time); writing the same row twice keeps it a scatter.
+    the `lax.switch` read copied the whole [L, 1, W, C] stack every layer; writing
+    the same row twice keeps it a scatter (docs/performance_notes.md, "GSM decode
+    ring write at batch 1: keep it a scatter").
     """
     batch = jnp.arange(x.shape[0])
     values = x.astype(rings.dtype)
@@ -200,9 +201,8 @@ def _decode_xla_stacked(x, rings, layer, position, window, strength, lo, *, prec
     needs w - 1 ring rows; reading all W rows for w = 8 costs 8x the memory
     traffic. The row count must be static, so each bucket of `decode_buckets`
     is one `lax.switch` branch, picked at run time from the largest count in
-    the batch: changing the window never recompiles. Measured on XLA:CPU,
-    B=16, C=1536, W=64, ring donated: window 8 took ~0.1 ms against ~1.0 ms
-    for a masked sum over the full ring.
+    the batch: changing the window never recompiles (docs/performance_notes.md,
+    "GSM decode: read only the ring rows the window needs").
 
     The model carries all layers' rings through its layer scan; touching only
     [layer, b, slot] (one scatter) and the gathered rows keeps the step from
@@ -231,8 +231,8 @@ def _decode_xla_stacked(x, rings, layer, position, window, strength, lo, *, prec
     def window_sum(rows: int) -> Callable[[jax.Array], jax.Array]:
         def f(flat: jax.Array) -> jax.Array:
             total = x.astype(jnp.float32)
-            # Unrolled adds fuse into one loop; a reduce over the gathered
-            # [B, rows, C] block ran ~2x slower on XLA:CPU.
+            # Unrolled adds fuse into one loop (docs/performance_notes.md, "GSM
+            # decode window sum: unrolled adds, not a reduce").
             for d in range(1, rows):
                 got = flat[base + jnp.mod(n - d, W)].astype(jnp.float32)  # row gather
                 total = total + jnp.where((mask & (d < count))[:, None], got, 0.0)
