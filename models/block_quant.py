@@ -148,10 +148,10 @@ def _scale_f32(scale: jax.Array) -> jax.Array:
 def _unpack_e2m1_jnp(packed: jax.Array, dtype=jnp.float32) -> jax.Array:
     """[..., n] uint8 -> [..., 2n] `dtype`, low nibble first.
 
-    Two equal routes, picked by what XLA:CPU runs faster (a [4096, 256]-byte unpack and
-    its batch-1 product): to float32 through the 16-entry table (0.57 ms, against 1.71
-    through float4), to bfloat16 through `bitcast_convert_type` to float4_e2m1fn, which
-    yields [low, high] pairs (1.25 ms, against 3.27 through the table).
+    Two equal routes, picked by what XLA:CPU runs faster: to float32 through the
+    16-entry table, to bfloat16 through `bitcast_convert_type` to float4_e2m1fn, which
+    yields [low, high] pairs (docs/performance_notes.md, "FP4 unpack: table for
+    float32, float4 bitcast for bfloat16").
     """
     if jnp.dtype(dtype) == jnp.bfloat16:
         pairs = jax.lax.bitcast_convert_type(packed, jnp.float4_e2m1fn)  # [..., n, 2]
@@ -223,8 +223,8 @@ class BlockQuantWeight:
     def dequantize_stored(self, dtype=jnp.float32) -> jax.Array:
         """The float weight [..., out, in] (stored orientation)."""
         # bf16 has float32's exponent range, so power-of-two scales times e4m3 / e2m1
-        # values are exact in it: no float32 detour (which XLA:CPU runs 5x slower for
-        # FP4 into a bf16 product)
+        # values are exact in it: no float32 detour (docs/performance_notes.md, "FP4 into
+        # a bf16 product: no float32 detour")
         work = jnp.bfloat16 if jnp.dtype(dtype) == jnp.bfloat16 else jnp.float32
         v = _unpack_e2m1_jnp(self.values, work) if self.fmt == "e2m1" else \
             self.values.astype(work)

@@ -168,7 +168,7 @@ def _int8_digits(x: jax.Array, digits: int | None = None) -> tuple[jax.Array, ja
     is at most s_0 / 2 / 128**(digits-1) <= absmax / 127 / 128**(digits-1): 4.8e-7 *
     absmax for the default 3 digits (21 bits of the token's largest element: more than
     the 16 the scheme's name promises, a little under float32's 24; 4 digits give
-    3.8e-9 but cost 13% more per decode step at batch 16)."""
+    3.8e-9 but cost more per decode step: docs/performance_notes.md, "w8a16 digits")."""
     digits = W8A16_DIGITS if digits is None else digits
     r = x.astype(jnp.float32)
     absmax = jnp.max(jnp.abs(r), axis=-1)
@@ -225,7 +225,7 @@ def _after(x: jax.Array, values: jax.Array) -> jax.Array:
     Per-layer weights (`models.llama.unstack_layers`) are separate parameters, so no
     convert of them depends on an activation; XLA:CPU's default scheduler then runs
     every layer's convert first and keeps all the f32 copies alive at once (~500 MB
-    for SmolLM2; w8a16 decode at batch 16 229 ms instead of 131 ms per step). The
+    for SmolLM2; docs/performance_notes.md, "w8a16: tie each weight convert"). The
     select on a condition that is always true but computed from x (NaN included: x0
     == x0 or x0 != x0) costs one scalar test inside the convert loop.
     """
@@ -242,8 +242,8 @@ def _w8a8_matmul(xq: QuantizedActivation, w: QuantizedWeight) -> jax.Array:
     XLA:CPU sends a one-row int8 product (decode at batch 1) down its matrix-vector
     path, which first converts the whole int8 weight to int32; from two rows on it
     runs the int8 GEMM library kernel on the int8 weight as stored. So on CPU a single
-    row is multiplied as two identical rows (measured: 30-layer SmolLM2-shaped linears
-    at batch 1, 19.8 -> 14.5 ms). The integer result is the same.
+    row is multiplied as two identical rows (docs/performance_notes.md, "W8A8 on CPU: a
+    one-row product runs as two rows"). The integer result is the same.
     """
     values, shape = xq.values, xq.values.shape
     rows = int(np.prod(shape[:-1], dtype=np.int64))
@@ -267,8 +267,8 @@ def _block_quant_matmul(x: jax.Array, w: BlockQuantWeight) -> jax.Array:
     """
     if w.act == "e4m3":
         x = quantize_activation_e4m3(x)
-    # the select runs on bytes: on FP8 XLA:CPU emulates it, 4.7x slower (a [4096, 512]
-    # FP8 product at batch 1: 1.93 vs 0.41 ms)
+    # the select runs on bytes: on FP8 XLA:CPU emulates it (docs/performance_notes.md,
+    # "FP8 products: the ordering select runs on bytes")
     raw = _after(x, jax.lax.bitcast_convert_type(w.values, jnp.uint8))
     values = jax.lax.bitcast_convert_type(raw, w.values.dtype)
     stored = w.replace(values=values).dequantize_stored(x.dtype)
