@@ -1,8 +1,11 @@
 """DeepSeek-V4 decoder in Flax, with per-layer-type decode caches and GSM sites.
 
-One file for the family, laid out like `llama.py`: the config, the modules, and the
-entry points the generation code calls (`forward`, `prefill`, `decode_step`,
-`init_cache`, `weights_from_hf`, `init_weights`).
+One file for the family, laid out like `llama.py`: the config, the modules, one
+`layer` (`DecoderLayer.__call__`, the same code in every step mode of
+`models/common.py`), and the entry points, thin wrappers over `common.run_layers`:
+`hidden_states` / `forward` (teacher forcing), `prefill`, `extend` (a chunk after what
+each row holds: chunked prefill) and `decode_step`; plus `init_cache`, `cache_insert`,
+`weights_from_hf`, `init_weights`.
 
 The architecture, block by block (names follow the Hugging Face reference,
 `transformers.models.deepseek_v4`):
@@ -46,13 +49,19 @@ still being compressed (for CSA also the previous block, whose first series
 the next entry needs). Writes happen before reads; an inactive row's writes are
 masked, so it neither advances nor changes its state.
 
-Layers differ by type, so the entry points loop over them in Python (one traced
-body per layer; compile time grows with depth). Prefill attention materialises
-[B, H, T, T + entries] scores: fine for the prompt lengths used here, not for
+Layers differ by type, so the layer loop is unrolled (a tuple of per-layer weights;
+one traced body per layer, compile time grows with depth). Prefill attention
+materialises [B, H, T, T + entries] scores and an extend chunk of C tokens
+[B, H, C, window + C + entries]: fine for the prompt lengths used here, not for
 very long contexts.
 
-GSM sites: `attn_out` is the input of the grouped output projection (all heads,
-after the inverse rotation); `ffn_mid` is the shared expert's intermediate.
+Hooks (`models/sites.py`): the GSM sites go through `step.site` (`attn_out`: the input
+of the grouped output projection, all heads, after the inverse rotation; `ffn_mid`: the
+shared expert's intermediate), the plain projections through `step.linear` under their
+leaf names ("q_a", "q_b", "kv", "o_b", "router", "shared_gate_up", "shared_down"), the
+nested ones prefixed ("compressor.kv_gate", "indexer.q_b", "indexer.weights_proj",
+"indexer.compressor.kv_gate"). o_a (a grouped product), the routed experts and the
+hyper-connections are not projections through the hooks.
 """
 
 from __future__ import annotations
@@ -69,17 +78,12 @@ import numpy as np
 from flax import struct
 
 from gsm_jax.errors import ModelLoadError, UnsupportedModelError
+from gsm_jax.models import common
 from gsm_jax.models.block_quant import BlockQuantWeight, projection_param
-from gsm_jax.models.gsm_sites import (
-    ATTN_OUT,
-    FFN_MID,
-    GSMInputs,
-    smooth_site_decode,
-    smooth_site_prefill,
-)
+from gsm_jax.models.common import Step
 from gsm_jax.models.linear import linear
 from gsm_jax.models.moe import DISPATCHES, routed_experts, swiglu
-from gsm_jax.models.partitioning import constrain_rings
+from gsm_jax.models.sites import ATTN_OUT, FFN_MID, Sites
 
 _MASK_VALUE = -1e30  # finite: the sink logit keeps every softmax row well defined anyway
 
@@ -413,11 +417,13 @@ class DeepseekV4Cache:
 
     lengths: [B] tokens already in the cache (= the position of the next token).
     rings: per site [layers, B, max_window, C] raw site inputs (see gsm_sites), or None.
+    max_len: the positions a row can hold (static; `init_cache`'s max_len).
     """
 
     layers: tuple[LayerCache, ...]
     lengths: jax.Array
     rings: tuple[jax.Array, jax.Array] | None = None
+    max_len: int | None = struct.field(pytree_node=False, default=None)
 
 
 def _layer_cache_shapes(cfg: DeepseekV4Config, layer: int, batch: int, max_len: int) -> dict:
@@ -450,7 +456,7 @@ def init_cache(
         rings = tuple(jnp.zeros((cfg.num_layers, batch_size, gsm_max_window, c), dtype)
                       for c in cfg.site_sizes)
     return DeepseekV4Cache(layers=layers, lengths=jnp.zeros((batch_size,), jnp.int32),
-                           rings=rings)
+                           rings=rings, max_len=max_len)
 
 
 def cache_insert(cache: DeepseekV4Cache, rows: DeepseekV4Cache,
@@ -459,17 +465,7 @@ def cache_insert(cache: DeepseekV4Cache, rows: DeepseekV4Cache,
 
     Continuous batching: a request prefilled on its own joins a running batch.
     """
-    def put(big, small, axis=0):
-        index = (slice(None),) * axis + (slots,)
-        return big.at[index].set(small.astype(big.dtype))
-
-    layers = tuple(jax.tree.map(put, big, small)
-                   for big, small in zip(cache.layers, rows.layers, strict=True))
-    rings = cache.rings
-    if cache.rings is not None and rows.rings is not None:
-        rings = tuple(put(b, s, axis=1) for b, s in zip(cache.rings, rows.rings, strict=True))
-    return DeepseekV4Cache(layers=layers, lengths=cache.lengths.at[slots].set(rows.lengths),
-                           rings=rings)
+    return common.insert_rows(cache, rows, slots)
 
 
 def _ring_from_sequence(seq: jax.Array, lengths: jax.Array, size: int) -> jax.Array:
@@ -622,7 +618,8 @@ class Compressor(nn.Module):
 
     overlap=False (HCA): entry w pools block w. overlap=True (CSA and its indexer):
     projections carry two series, entry w pools series a of block w - 1 with series
-    b of block w (the missing block before the first is given zero weight).
+    b of block w (the missing block before the first is given zero weight). The raw
+    projections (`kv_gate`, [kv | gate]) are computed by the caller, through the hooks.
     """
 
     cfg: DeepseekV4Config
@@ -639,9 +636,6 @@ class Compressor(nn.Module):
         self.kv_gate = _weight(self, "kv_gate", (d, 2 * f))  # [kv | gate]
         self.position_bias = self.param("position_bias", _small, (self.rate, f), jnp.float32)
         self.norm = self.param("norm", nn.initializers.ones, (self.dim,), jnp.float32)
-
-    def project(self, x: jax.Array) -> jax.Array:
-        return linear(x, self.kv_gate)
 
     def _slots(self, cur: jax.Array, prev: jax.Array | None, prev_ok: jax.Array | None):
         """Raw [..., rate, 2F] block projections -> (kv, gate) [..., S, dim] to pool over."""
@@ -674,6 +668,27 @@ class Compressor(nn.Module):
         cos, sin = rope_cos_sin(rope, jnp.arange(n) * self.rate)
         return apply_rope(pooled, cos[None], sin[None])
 
+    def entries_at(self, seq: jax.Array, seq_start: jax.Array, w: jax.Array,
+                   rope: RopeSpec) -> jax.Array:
+        """Entries w [B, n] of each row from raw projections seq [B, L, 2F] in which
+        seq[b, i] is position seq_start[b] + i -> [B, n, dim]. The blocks an entry
+        pools must lie in seq (other w give garbage, for the caller to drop)."""
+        rows = jnp.arange(seq.shape[0])[:, None, None]
+        j = jnp.arange(self.rate)
+
+        def block(first):  # [B, n] first positions -> [B, n, rate, 2F]
+            idx = first[..., None] + j - seq_start[:, None, None]
+            return seq[rows, jnp.clip(idx, 0, seq.shape[1] - 1)]
+
+        cur = block(w * self.rate)
+        prev = prev_ok = None
+        if self.overlap:
+            prev, prev_ok = block((w - 1) * self.rate), (w > 0)[..., None, None]
+        kv, gate = self._slots(cur, prev, prev_ok)
+        pooled = pool_entries(kv, gate, self.norm, self.cfg.rms_norm_eps)
+        cos, sin = rope_cos_sin(rope, w * self.rate)
+        return apply_rope(pooled, cos, sin)
+
     def entry_from_ring(self, ring: jax.Array, w: jax.Array, rope: RopeSpec) -> jax.Array:
         """Entry w [B] of each row from its ring [B, R, 2F] (block w complete in it) -> [B, dim]."""
         j = jnp.arange(self.rate)[None, :]
@@ -704,6 +719,11 @@ def topk_select(scores: jax.Array, visible: jax.Array, k: int) -> jax.Array:
     return jnp.any((idx[..., None] == jnp.arange(n)) & picked[..., None], axis=-2)
 
 
+def _plain_linear(name: str, x: Any, w: Any) -> jax.Array:
+    del name
+    return linear(x, w)
+
+
 class Indexer(nn.Module):
     """Lightning indexer: scores compressed entries per query, keeps the top `index_topk`."""
 
@@ -715,20 +735,47 @@ class Indexer(nn.Module):
         self.q_b = _weight(self, "q_b", (cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim))
         self.weights_proj = _weight(self, "weights_proj", (cfg.hidden_size, cfg.index_n_heads))
 
-    def scores(self, x, q_res, positions, keys):
-        """x [B,T,D], q_res [B,T,q_lora], keys [B,n,ci] -> index scores [B,T,n] (f32)."""
+    def scores(self, x, q_res, positions, keys, lin=_plain_linear):
+        """x [B,T,D], q_res [B,T,q_lora], keys [B,n,ci] -> index scores [B,T,n] (f32).
+        lin(name, x, w): the projections (the layer's hooks)."""
         cfg = self.cfg
         hi, ci = cfg.index_n_heads, cfg.index_head_dim
-        q = linear(q_res, self.q_b).reshape(q_res.shape[:2] + (hi, ci))
+        q = lin("indexer.q_b", q_res, self.q_b).reshape(q_res.shape[:2] + (hi, ci))
         cos, sin = rope_cos_sin(cfg.compress_rope, positions)
         q = apply_rope(q, cos[:, :, None], sin[:, :, None])
         dots = jnp.einsum("bthc,bnc->bthn", q.astype(jnp.float32), keys.astype(jnp.float32))
-        head_w = linear(x, self.weights_proj).astype(jnp.float32) * hi**-0.5
+        head_w = lin("indexer.weights_proj", x, self.weights_proj).astype(jnp.float32) * hi**-0.5
         return jnp.einsum("bthn,bth->btn", jax.nn.relu(dots) * ci**-0.5, head_w)
 
 
+def _ring_after(seq: jax.Array, seq_start: jax.Array, end: jax.Array, size: int) -> jax.Array:
+    """A ring [B, size, F] after a chunk: slot s holds the last position q < end [B] with
+    q % size == s (zeros where q < 0), read from seq [B, L, F] in which seq[b, i] is
+    position seq_start[b] + i (it must hold positions end - size .. end - 1 that are >= 0)."""
+    last = (end - 1)[:, None]
+    q = last - ((last - jnp.arange(size)[None, :]) % size)
+    idx = jnp.clip(q - seq_start[:, None], 0, seq.shape[1] - 1)
+    got = jnp.take_along_axis(seq, idx[..., None], axis=1)
+    return jnp.where((q >= 0)[..., None], got, 0).astype(seq.dtype)
+
+
+def _ring_history(ring: jax.Array, start: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """A ring [B, R, F] (position p in slot p % R) as the sequence of positions
+    start - R .. start - 1 [B, R, F], and those positions [B, R]."""
+    size = ring.shape[1]
+    pos = start[:, None] - size + jnp.arange(size)[None, :]
+    return ring[jnp.arange(ring.shape[0])[:, None], pos % size], pos
+
+
 class Attention(nn.Module):
-    """Shared-KV MQA with sinks over a sliding window (+ compressed entries for CSA/HCA)."""
+    """Shared-KV MQA with sinks over a sliding window (+ compressed entries for CSA/HCA).
+
+    One `__call__` for every step mode; what differs is where the keys come from
+    (`_chunk_keys`: the call's own tokens, forward / prefill; `_extend_keys`: the cache's
+    window and rings followed by the chunk; `_decode_keys`: one token against the cache)
+    and how the layer cache is written. Projections go through `step.linear`, the GSM site
+    `attn_out` through `step.site`.
+    """
 
     cfg: DeepseekV4Config
     layer: int
@@ -762,74 +809,155 @@ class Attention(nn.Module):
         if self.kind == CSA:
             _ = (self.indexer.q_b, self.indexer.compressor.kv_gate)
 
-    def _project(self, x: jax.Array, positions: jax.Array):
+    def _project(self, x: jax.Array, positions: jax.Array, lin):
         """x [B,T,D] -> q [B,T,H,hd], kv [B,T,hd] (both RoPE'd), q_res [B,T,q_lora]."""
         cfg = self.cfg
         rope = cfg.rope(self.layer)
-        q_res = rms_norm(linear(x, self.q_a), self.q_a_norm, cfg.rms_norm_eps)
-        q = linear(q_res, self.q_b).reshape(x.shape[:2] + (cfg.num_heads, cfg.head_dim))
+        q_res = rms_norm(lin("q_a", x, self.q_a), self.q_a_norm, cfg.rms_norm_eps)
+        q = lin("q_b", q_res, self.q_b).reshape(x.shape[:2] + (cfg.num_heads, cfg.head_dim))
         q = unweighted_rms_norm(q, cfg.rms_norm_eps)
-        kv = rms_norm(linear(x, self.kv), self.kv_norm, cfg.rms_norm_eps)
+        kv = rms_norm(lin("kv", x, self.kv), self.kv_norm, cfg.rms_norm_eps)
         cos, sin = rope_cos_sin(rope, positions)
         q = apply_rope(q, cos[:, :, None], sin[:, :, None])
         return q, apply_rope(kv, cos, sin), q_res
 
-    def _output(self, attn, positions, smooth):
+    def _output(self, attn, positions, step: Step, lin):
         """Un-rotate the rope slice, GSM site `attn_out`, grouped low-rank projection."""
         cfg = self.cfg
         cos, sin = rope_cos_sin(cfg.rope(self.layer), positions)
         attn = apply_rope(attn, cos[:, :, None], -sin[:, :, None])
         b, t = attn.shape[:2]
-        flat, ring = smooth(attn.reshape(b, t, -1))  # GSM site attn_out
+        flat = step.site(self.layer, ATTN_OUT, attn.reshape(b, t, -1))  # GSM site attn_out
         grouped = flat.reshape(b * t, cfg.o_groups, -1)
         # per group g: [B*T, I] @ o_a[g]; as a dot_general with g as the batch dimension
         # of both operands XLA:CPU ran it 2.8x faster at batch-8 decode than the einsum
         low = jax.lax.dot_general(grouped, self.o_a.astype(flat.dtype),
                                   (((2,), (1,)), ((1,), (0,))))  # [G, B*T, O]
         low = jnp.swapaxes(low, 0, 1).reshape(b, t, -1)
-        return linear(low, self.o_b), ring
+        return lin("o_b", low, self.o_b)
 
-    def prefill(self, x, positions, smooth):
-        """Whole right-padded prompts x [B,T,D] -> (out [B,T,D], cache sequences, GSM ring).
-
-        The cache sequences are per-token (window: K=V, rings: raw compressor
-        projections) or per-entry (comp, index); `prefill` below turns them into
-        the decode cache.
-        """
+    def __call__(self, x, cache: LayerCache | None, step: Step):
+        """x [B,T,D] -> (out [B,T,D], the new LayerCache or None (forward))."""
         cfg = self.cfg
         t = x.shape[1]
-        q, kv, q_res = self._project(x, positions)
+
+        def lin(name, a, w):
+            return step.linear(self.layer, name, a, w)
+
+        # RoPE positions: each token's index in its row (padding too: it is masked out)
+        positions = step.start[:, None] + jnp.arange(t)[None, :]
+        q, kv, q_res = self._project(x, positions, lin)
+        if step.mode == "decode":
+            keys, mask, new = self._decode_keys(x, q_res, positions, kv, cache, step, lin)
+            mask = mask[:, None]
+        elif step.mode == "extend":
+            keys, mask, new = self._extend_keys(x, q_res, positions, kv, cache, step, lin)
+        else:
+            keys, mask, new = self._chunk_keys(x, q_res, positions, kv, cache, step, lin)
+        with jax.named_scope("attention"):
+            attn = sink_attention(q, keys, mask, self.sinks, cfg.head_dim**-0.5)
+        return self._output(attn, positions, step, lin), new
+
+    def _chunk_keys(self, x, q_res, positions, kv, cache, step, lin):
+        """Forward / prefill: right-padded whole prompts attend over themselves. Prefill
+        also turns the per-token sequences (window: K=V; rings: raw compressor
+        projections) and the entries into the layer's decode cache."""
+        cfg = self.cfg
+        b, t = x.shape[:2]
         steps = jnp.arange(t)
         # key j is visible to query i when i - sliding_window < j <= i
         band = ((steps[None, :] <= steps[:, None])
                 & (steps[None, :] > steps[:, None] - cfg.sliding_window))
-        keys, mask = kv, jnp.broadcast_to(band, (x.shape[0], t, t))
-        cache = {"window": kv}
+        keys, mask = kv, jnp.broadcast_to(band, (b, t, t))
+        seqs = {"window": kv}
         if self.kind != SLIDING:
             rope, rate = cfg.compress_rope, cfg.compress_rate(self.layer)
-            kvg = self.compressor.project(x)
+            kvg = lin("compressor.kv_gate", x, self.compressor.kv_gate)
             comp = self.compressor.entries(kvg, rope)  # [B, n, hd]
             n = comp.shape[1]
             visible = jnp.arange(n)[None, None, :] < ((positions + 1) // rate)[..., None]
-            cache["comp"], cache["comp_ring"] = comp, kvg
+            seqs["comp"], seqs["comp_ring"] = comp, kvg
             if self.kind == CSA:
-                ikvg = self.indexer.compressor.project(x)
+                ikvg = lin("indexer.compressor.kv_gate", x, self.indexer.compressor.kv_gate)
                 ikeys = self.indexer.compressor.entries(ikvg, rope)
-                scores = self.indexer.scores(x, q_res, positions, ikeys)
+                scores = self.indexer.scores(x, q_res, positions, ikeys, lin)
                 visible = topk_select(scores, visible, cfg.index_topk)
-                cache["index"], cache["index_ring"] = ikeys, ikvg
+                seqs["index"], seqs["index_ring"] = ikeys, ikvg
             keys = jnp.concatenate([keys, comp], axis=1)
             mask = jnp.concatenate([mask, visible], axis=2)
-        with jax.named_scope("attention"):
-            attn = sink_attention(q, keys, mask, self.sinks, cfg.head_dim**-0.5)
-        out, ring = self._output(attn, positions, smooth)
-        return out, cache, ring
+        if step.mode == "forward":
+            return keys, mask, None
+        fields = {}
+        for name, value in seqs.items():
+            buf = getattr(cache, name)
+            if name in ("comp", "index"):  # entries: slot w = entry w
+                if buf.shape[1] < value.shape[1]:
+                    raise ValueError(f"a prompt of {t} tokens does not fit the cache")
+                fields[name] = jax.lax.dynamic_update_slice(
+                    buf, value.astype(buf.dtype), (0,) * buf.ndim)
+            else:  # rings: the last positions of each row's prompt
+                fields[name] = _ring_from_sequence(value, step.n_new,
+                                                   buf.shape[1]).astype(buf.dtype)
+        return keys, mask, LayerCache(**fields)
 
-    def decode(self, x, positions, active, cache: LayerCache, smooth):
-        """One token per row x [B,1,D] at positions [B,1] against the layer cache."""
+    def _extend_entries(self, module: Compressor, entries, ring, kvg, step, rope):
+        """A chunk's raw projections kvg [B, C, 2F] after the ring's: the entries of the
+        blocks completed in the chunk written at their slots, and the ring advanced."""
+        size, rate = ring.shape[1], module.rate
+        start, end = step.start, step.start + step.n_new
+        hist, _ = _ring_history(ring, start)
+        seq = jnp.concatenate([hist, kvg.astype(ring.dtype)], axis=1)  # from start - size
+        w = start[:, None] // rate + jnp.arange(kvg.shape[1] // rate + 1)[None, :]  # [B, n]
+        done = w < (end // rate)[:, None]  # block w's last token is in the chunk
+        new = module.entries_at(seq, start - size, w, rope)
+        slot = jnp.where(done, w, entries.shape[1])  # not completed: dropped
+        rows = jnp.arange(entries.shape[0])[:, None]
+        entries = entries.at[rows, slot].set(new.astype(entries.dtype), mode="drop")
+        return entries, _ring_after(seq, start - size, end, size)
+
+    def _extend_keys(self, x, q_res, positions, kv, cache: LayerCache, step, lin):
+        """A chunk after each row's cache.lengths tokens: keys are the window ring's
+        positions start - Wc .. start - 1 followed by the chunk's own, then every
+        compressed entry (those of blocks completed in the chunk pooled from the ring's
+        and the chunk's raw projections, and written first). Masks go by position.
+        Cost: [B, H, C, Wc + C + Nc] scores, and per compressed layer a gather of
+        ceil(C / rate) + 1 blocks."""
         cfg = self.cfg
-        pos = positions[:, 0]
-        q, kv, q_res = self._project(x, positions)
+        valid = step.valid
+        start, end = step.start, step.start + step.n_new
+        size = cache.window.shape[1]
+        hist, hist_pos = _ring_history(cache.window, start)
+        seq = jnp.concatenate([hist, kv.astype(hist.dtype)], axis=1)
+        key_pos = jnp.concatenate([jnp.where(hist_pos >= 0, hist_pos, -1),
+                                   jnp.where(valid, positions, -1)], axis=1)
+        qp, kp = positions[:, :, None], key_pos[:, None, :]
+        mask = valid[:, :, None] & (kp >= 0) & (kp <= qp) & (kp > qp - cfg.sliding_window)
+        keys = seq
+        new = {"window": _ring_after(seq, start - size, end, size)}
+        if self.kind != SLIDING:
+            rope, rate = cfg.compress_rope, cfg.compress_rate(self.layer)
+            kvg = lin("compressor.kv_gate", x, self.compressor.kv_gate)
+            comp, new["comp_ring"] = self._extend_entries(self.compressor, cache.comp,
+                                                          cache.comp_ring, kvg, step, rope)
+            new["comp"] = comp
+            visible = (jnp.arange(comp.shape[1])[None, None, :]
+                       < ((positions + 1) // rate)[..., None]) & valid[..., None]
+            if self.kind == CSA:
+                ikvg = lin("indexer.compressor.kv_gate", x, self.indexer.compressor.kv_gate)
+                ikeys, new["index_ring"] = self._extend_entries(
+                    self.indexer.compressor, cache.index, cache.index_ring, ikvg, step, rope)
+                new["index"] = ikeys
+                scores = self.indexer.scores(x, q_res, positions, ikeys, lin)
+                visible = topk_select(scores, visible, cfg.index_topk)
+            keys = jnp.concatenate([keys, comp], axis=1)
+            mask = jnp.concatenate([mask, visible], axis=2)
+        return keys, mask, LayerCache(**new)
+
+    def _decode_keys(self, x, q_res, positions, kv, cache: LayerCache, step, lin):
+        """One token per row x [B,1,D] at positions [B,1] against the layer cache; an
+        inactive row's writes are masked."""
+        cfg = self.cfg
+        pos, active = positions[:, 0], step.active
         size = cache.window.shape[1]
         window = _write_rows(cache.window, pos % size, kv[:, 0], active)
         slot_pos = pos[:, None] - ((pos[:, None] - jnp.arange(size)[None, :]) % size)
@@ -840,27 +968,27 @@ class Attention(nn.Module):
             done = (pos + 1) % rate == 0  # this token completes block w
             w = jnp.maximum((pos + 1) // rate - 1, 0)
 
-            def update(comp, ring, module, x_in):
-                ring = _write_rows(ring, pos % ring.shape[1], module.project(x_in)[:, 0], active)
+            def update(comp, ring, module, name):
+                raw = lin(name, x, module.kv_gate)
+                ring = _write_rows(ring, pos % ring.shape[1], raw[:, 0], active)
                 entry = module.entry_from_ring(ring, w, rope)
                 slot = jnp.minimum(w, comp.shape[1] - 1)
                 return _write_rows(comp, slot, entry, active & done), ring
 
-            comp, new["comp_ring"] = update(cache.comp, cache.comp_ring, self.compressor, x)
+            comp, new["comp_ring"] = update(cache.comp, cache.comp_ring, self.compressor,
+                                            "compressor.kv_gate")
             new["comp"] = comp
             visible = jnp.arange(comp.shape[1])[None, :] < ((pos + 1) // rate)[:, None]
             if self.kind == CSA:
                 ikeys, new["index_ring"] = update(cache.index, cache.index_ring,
-                                                  self.indexer.compressor, x)
+                                                  self.indexer.compressor,
+                                                  "indexer.compressor.kv_gate")
                 new["index"] = ikeys
-                scores = self.indexer.scores(x, q_res, positions, ikeys)[:, 0]
+                scores = self.indexer.scores(x, q_res, positions, ikeys, lin)[:, 0]
                 visible = topk_select(scores, visible, cfg.index_topk)
             keys = jnp.concatenate([keys, comp], axis=1)
             mask = jnp.concatenate([mask, visible], axis=1)
-        with jax.named_scope("attention"):
-            attn = sink_attention(q, keys, mask[:, None], self.sinks, cfg.head_dim**-0.5)
-        out, ring = self._output(attn, positions, smooth)
-        return out, LayerCache(**new), ring
+        return keys, mask, LayerCache(**new)
 
 
 class MoE(nn.Module):
@@ -890,10 +1018,10 @@ class MoE(nn.Module):
         self.shared_gate_up = _weight(self, "shared_gate_up", (d, 2 * i))
         self.shared_down = _weight(self, "shared_down", (i, d))
 
-    def route(self, x: jax.Array, tokens: jax.Array):
+    def route(self, x: jax.Array, tokens: jax.Array, lin=_plain_linear):
         """x [M, D], tokens [M] -> (experts [M, k], weights [M, k] f32)."""
         cfg = self.cfg
-        scores = score_fn(cfg.scoring_func, linear(x, self.router).astype(jnp.float32))
+        scores = score_fn(cfg.scoring_func, lin("router", x, self.router).astype(jnp.float32))
         if self.is_hash:
             idx = self.tid2eid[tokens].astype(jnp.int32)  # frozen token -> experts table
         else:  # the correction bias only changes which experts are chosen
@@ -901,30 +1029,33 @@ class MoE(nn.Module):
         w = jnp.take_along_axis(scores, idx, axis=-1)
         return idx, w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20) * cfg.routed_scaling_factor
 
-    def __call__(self, x: jax.Array, tokens: jax.Array, smooth):
-        """x [B,T,D] -> (out [B,T,D], GSM ring). The GSM site is the shared expert only:
+    def __call__(self, x: jax.Array, tokens: jax.Array, smooth, lin=_plain_linear):
+        """x [B,T,D] -> (out [B,T,D], what `smooth` gave besides the activation).
 
-        routed experts each see a data-dependent subset of a sequence's tokens, so a
-        window along the sequence is not defined for their intermediates.
+        smooth(mid, next_weight) -> (mid, extra): the GSM site `ffn_mid`, the shared
+        expert only (routed experts each see a data-dependent subset of a sequence's
+        tokens, so a window along the sequence is not defined for their
+        intermediates). lin(name, x, w): the plain projections (the layer's hooks).
         """
         cfg = self.cfg
         b, t, d = x.shape
         flat = x.reshape(b * t, d)
         with jax.named_scope("router"):
-            idx, w = self.route(flat, tokens.reshape(-1))
+            idx, w = self.route(flat, tokens.reshape(-1), lin)
         with jax.named_scope("routed_experts"):
             routed = routed_experts(flat, idx, w, self.experts_gate_up, self.experts_down,
                                     cfg.swiglu_limit, dispatch=cfg.expert_dispatch)
         with jax.named_scope("shared_expert"):
-            mid = swiglu(linear(x, self.shared_gate_up), cfg.swiglu_limit)
+            mid = swiglu(lin("shared_gate_up", x, self.shared_gate_up), cfg.swiglu_limit)
             # GSM site ffn_mid; with a W8A8 shared_down it comes back smoothed + int8
-            mid, ring = smooth(mid, self.shared_down)
-            shared = linear(mid, self.shared_down)
-        return routed.reshape(b, t, d) + shared, ring
+            mid, extra = smooth(mid, self.shared_down)
+            shared = lin("shared_down", mid, self.shared_down)
+        return routed.reshape(b, t, d) + shared, extra
 
 
 class DecoderLayer(nn.Module):
-    """Hyper-connected attention block, then hyper-connected MoE block."""
+    """Hyper-connected attention block, then hyper-connected MoE block: one `__call__`
+    for every step mode (the attention picks its mode-specific parts from `step.mode`)."""
 
     cfg: DeepseekV4Config
     layer: int
@@ -945,48 +1076,26 @@ class DecoderLayer(nn.Module):
         _ = (self.attn_hc.fn, self.ffn_hc.fn, self.moe.router, self.attn_norm)
         self.attn.create_params()
 
-    def _ffn(self, h, tokens, smooth):
+    def __call__(self, h, cache: LayerCache | None, step: Step, tokens: jax.Array):
+        """Streams h [B,T,N,D] of tokens [B,T] -> (h, this layer's new LayerCache or None)."""
+        layer, eps = self.layer, self.cfg.rms_norm_eps
+        post, comb, x = self.attn_hc(h)
+        out, cache = self.attn(rms_norm(x, self.attn_norm, eps), cache, step)
+        h = hc_expand(post, comb, out, h)
         post, comb, x = self.ffn_hc(h)
-        out, ring = self.moe(rms_norm(x, self.ffn_norm, self.cfg.rms_norm_eps), tokens, smooth)
-        return hc_expand(post, comb, out, h), ring
+        out, _ = self.moe(rms_norm(x, self.ffn_norm, eps), tokens,
+                          lambda m, w: (step.site(layer, FFN_MID, m, w), None),  # GSM site
+                          lambda name, a, w: step.linear(layer, name, a, w))
+        return hc_expand(post, comb, out, h), cache
 
-    def prefill(self, h, tokens, positions, gsm, gsm_positions):
-        """h [B,T,N,D] -> (h, cache sequences, (attn ring, ffn ring))."""
-        layer = self.layer
-        post, comb, x = self.attn_hc(h)
-        x = rms_norm(x, self.attn_norm, self.cfg.rms_norm_eps)
-        out, cache, ring_attn = self.attn.prefill(
-            x, positions,
-            lambda a: smooth_site_prefill(gsm, layer, ATTN_OUT, a, gsm_positions))
-        h = hc_expand(post, comb, out, h)
-        h, ring_ffn = self._ffn(
-            h, tokens, lambda m, w: smooth_site_prefill(gsm, layer, FFN_MID, m, gsm_positions,
-                                                        next_weight=w))
-        return h, cache, (ring_attn, ring_ffn)
 
-    def decode(self, h, tokens, positions, active, cache, gsm, rings):
-        """h [B,1,N,D], one token per row -> (h, new LayerCache, rings).
-
-        rings: both sites' GSM rings stacked over layers, [layers, B, W, C] each (or
-        None); this layer's slice is read and written in place.
-        """
-        layer = self.layer
-        ring_attn, ring_ffn = rings if rings is not None else (None, None)
-
-        def site(index, ring):
-            def smooth(a, next_weight=None):
-                y, r = smooth_site_decode(gsm, layer, index, a[:, 0], ring, positions[:, 0],
-                                          active, next_weight=next_weight)
-                return y[:, None], r  # also a QuantizedActivation: [B, C] -> [B, 1, C]
-            return smooth
-
-        post, comb, x = self.attn_hc(h)
-        x = rms_norm(x, self.attn_norm, self.cfg.rms_norm_eps)
-        out, cache, ring_attn = self.attn.decode(x, positions, active, cache,
-                                                 site(ATTN_OUT, ring_attn))
-        h = hc_expand(post, comb, out, h)
-        h, ring_ffn = self._ffn(h, tokens[:, None], site(FFN_MID, ring_ffn))
-        return h, cache, None if rings is None else (ring_attn, ring_ffn)
+def layer(cfg: DeepseekV4Config, weights: dict, index: int, x, cache: LayerCache | None,
+          step: Step):
+    """The family's one layer (`common.run_layers`' layer_fn): `DecoderLayer` `index` applied
+    to its weights. x is (streams [B,T,N,D], tokens [B,T]): hash routing reads the tokens."""
+    h, tokens = x
+    h, cache = DecoderLayer(cfg, index).apply({"params": weights}, h, cache, step, tokens)
+    return (h, tokens), cache
 
 
 class DeepseekV4(nn.Module):
@@ -1011,9 +1120,9 @@ class DeepseekV4(nn.Module):
         cfg = self.cfg
         b, t = tokens.shape
         h = jnp.broadcast_to(self.embed[tokens][:, :, None], (b, t, cfg.hc_mult, cfg.hidden_size))
-        positions = jnp.broadcast_to(jnp.arange(t), (b, t))
-        for layer in self.layers:
-            h, _, _ = layer.prefill(h, tokens, positions, None, positions)
+        step = common.forward_step(jnp.full((b,), t, jnp.int32), t)
+        for block in self.layers:
+            h, _ = block(h, None, step, tokens)
         return h
 
     def create_params(self) -> None:
@@ -1454,17 +1563,13 @@ def _mtp_weights(flat: dict[str, Any]) -> dict:
 # ----------------------------------------------------------------------------- entry points
 
 
-def _layer_apply(cfg, layer, layer_weights, method, *args):
-    return DecoderLayer(cfg, layer).apply(
-        {"params": layer_weights}, *args, method=method)
-
-
-def _embed_streams(weights: dict, cfg: DeepseekV4Config, tokens: jax.Array) -> jax.Array:
+def embed(weights: dict, cfg: DeepseekV4Config, tokens: jax.Array) -> jax.Array:
+    """Tokens [...] -> the hc_mult residual streams [..., N, D] (copies of the embedding)."""
     x = jnp.take(weights["embed"], tokens, axis=0)
     return jnp.broadcast_to(x[..., None, :], x.shape[:-1] + (cfg.hc_mult, cfg.hidden_size))
 
 
-def _logits(weights: dict, cfg: DeepseekV4Config, h: jax.Array) -> jax.Array:
+def logits(weights: dict, cfg: DeepseekV4Config, h: jax.Array) -> jax.Array:
     """Hyper head (collapse the streams) -> final norm -> LM head. h [..., N, D] -> f32 [..., V]."""
     with jax.named_scope("hc_head"):
         flat = h.reshape(h.shape[:-2] + (-1,)).astype(jnp.float32)
@@ -1480,68 +1585,75 @@ def _logits(weights: dict, cfg: DeepseekV4Config, h: jax.Array) -> jax.Array:
                           preferred_element_type=jnp.float32)
 
 
-def _prefill_layers(weights, cfg, tokens, lengths, gsm):
-    """All layers over right-padded prompts -> (streams, per-layer hidden, caches, rings)."""
-    b, t = tokens.shape
-    steps = jnp.arange(t)
-    positions = jnp.broadcast_to(steps, (b, t))
-    # GSM sees padding as position -1 (never enters a window)
-    gsm_positions = jnp.where(steps[None, :] < lengths[:, None], positions, -1)
-    h = _embed_streams(weights, cfg, tokens)
-    hidden, caches, rings = [], [], []
-    for i in range(cfg.num_layers):
-        with jax.named_scope(f"layer_{i}"):
-            h, cache, ring = _layer_apply(cfg, i, weights["layers"][i], "prefill",
-                                          h, tokens, positions, gsm, gsm_positions)
-        hidden.append(h)
-        caches.append(cache)
-        rings.append(ring)
-    return h, hidden, caches, rings
+def _run(weights: dict, cfg: DeepseekV4Config, tokens: jax.Array,
+         cache: DeepseekV4Cache | None, step: Step, layer_fn=None):
+    """Every layer (an unrolled loop: the layers differ by type) -> (streams, cache, sown)."""
+    h = embed(weights, cfg, tokens)
+    layers = common.layer_weights(weights, cfg.num_layers, scan_ok=False)
+    pieces = None if cache is None else tuple(cache.layers)
+    (h, _), pieces, sown = common.run_layers(layer_fn or layer, cfg, layers, (h, tokens),
+                                             pieces, step)
+    if cache is not None:
+        cache = cache.replace(layers=pieces, lengths=common.new_lengths(step).astype(jnp.int32),
+                              rings=common.rings_out(step, cache))
+    return h, cache, sown
+
+
+def hidden_states(weights: dict, cfg: DeepseekV4Config, tokens: jax.Array, lengths: jax.Array,
+                  sites: Sites | None = None) -> tuple[jax.Array, dict]:
+    """Teacher-forced streams [B, T, N, D] (before the hyper head) over right-padded rows
+    of `lengths` tokens, and what the hooks sowed, {name: [L, ...]} (`models/sites.py`)."""
+    h, _, sown = _run(weights, cfg, tokens, None,
+                      common.forward_step(lengths, tokens.shape[1], sites))
+    return h, sown
 
 
 def forward(weights: dict, cfg: DeepseekV4Config, tokens: jax.Array, lengths: jax.Array,
-            gsm: GSMInputs | None = None) -> jax.Array:
+            gsm: Sites | None = None) -> jax.Array:
     """Teacher-forced logits [B, T, V] (f32) over right-padded rows of `lengths` tokens."""
-    h, *_ = _prefill_layers(weights, cfg, tokens, lengths, gsm)
-    return _logits(weights, cfg, h)
+    return logits(weights, cfg, hidden_states(weights, cfg, tokens, lengths, gsm)[0])
 
 
 def layer_outputs(weights: dict, cfg: DeepseekV4Config, tokens: jax.Array,
                   lengths: jax.Array) -> list[jax.Array]:
-    """Each layer's output streams [B, T, N, D] (tests: localising a mismatch)."""
-    return _prefill_layers(weights, cfg, tokens, lengths, None)[1]
+    """Each layer's output streams [B, T, N, D] (tests: localising a mismatch), sown."""
+    def sowing(cfg, lw, index, x, cache, step):
+        x, cache = layer(cfg, lw, index, x, cache, step)
+        step.sow("layer_output", x[0])
+        return x, cache
+
+    _, _, sown = _run(weights, cfg, tokens, None,
+                      common.forward_step(lengths, tokens.shape[1]), sowing)
+    return list(sown["layer_output"])
 
 
 def prefill(weights: dict, cfg: DeepseekV4Config, tokens: jax.Array, lengths: jax.Array,
-            cache: DeepseekV4Cache, gsm: GSMInputs | None = None
+            cache: DeepseekV4Cache, gsm: Sites | None = None
             ) -> tuple[jax.Array, DeepseekV4Cache]:
     """Fill a fresh cache with right-padded prompts; return each row's last-token logits [B, V]."""
-    h, _, caches, rings = _prefill_layers(weights, cfg, tokens, lengths, gsm)
-    new_layers = []
-    for old, seqs in zip(cache.layers, caches, strict=True):
-        fields = {}
-        for name, value in seqs.items():
-            buf = getattr(old, name)
-            if name in ("comp", "index"):  # entries: slot w = entry w
-                if buf.shape[1] < value.shape[1]:
-                    raise ValueError(f"a prompt of {tokens.shape[1]} tokens does not fit the cache")
-                fields[name] = jax.lax.dynamic_update_slice(
-                    buf, value.astype(buf.dtype), (0,) * buf.ndim)
-            else:  # rings: the last positions of each row's prompt
-                fields[name] = _ring_from_sequence(value, lengths, buf.shape[1]).astype(buf.dtype)
-        new_layers.append(LayerCache(**fields))
-    new_rings = cache.rings
-    if gsm is not None and cache.rings is not None:
-        new_rings = constrain_rings(tuple(jnp.stack([r[s] for r in rings]).astype(c.dtype)
-                                          for s, c in enumerate(cache.rings)))
-    last = jnp.take_along_axis(h, jnp.maximum(lengths - 1, 0)[:, None, None, None], axis=1)[:, 0]
-    logits = _logits(weights, cfg, last)
-    return logits, DeepseekV4Cache(layers=tuple(new_layers), lengths=lengths.astype(jnp.int32),
-                                   rings=new_rings)
+    step = common.prefill_step(lengths, tokens.shape[1], cache, gsm)
+    h, cache, _ = _run(weights, cfg, tokens, cache, step)
+    return logits(weights, cfg, common.last_token(h, lengths)), cache
+
+
+def extend(weights: dict, cfg: DeepseekV4Config, tokens: jax.Array, n_new: jax.Array,
+           cache: DeepseekV4Cache, gsm: Sites | None = None, *,
+           all_logits: bool = False) -> tuple[jax.Array, DeepseekV4Cache]:
+    """Append a chunk of prompt tokens [B, C] (the first `n_new` [B] of each row real) to
+    rows already holding `cache.lengths` tokens: chunked prefill. Returns the logits of
+    each row's last new token [B, V] (all_logits: of every chunk position, [B, C, V]) and
+    the cache; the same as one prefill over the whole prompt (tested), with chunks that
+    split compression blocks and the window, GSM windows included. The chunk attends over
+    the window ring, itself and every compressed entry (`Attention._extend_keys`)."""
+    step = common.extend_step(n_new, tokens.shape[1], cache, gsm)
+    h, cache, _ = _run(weights, cfg, tokens, cache, step)
+    if all_logits:
+        return logits(weights, cfg, h), cache
+    return logits(weights, cfg, common.last_token(h, n_new)), cache
 
 
 def decode_step(weights: dict, cfg: DeepseekV4Config, tokens: jax.Array, cache: DeepseekV4Cache,
-                gsm: GSMInputs | None = None,
+                gsm: Sites | None = None,
                 active: jax.Array | None = None) -> tuple[jax.Array, DeepseekV4Cache]:
     """One token per row at position `cache.lengths`; returns logits [B, V] and the new cache.
 
@@ -1549,21 +1661,171 @@ def decode_step(weights: dict, cfg: DeepseekV4Config, tokens: jax.Array, cache: 
     cache writes are masked and GSM leaves their output unsmoothed (the ring slot it
     touches is the one the row's next real token overwrites).
     """
-    b = tokens.shape[0]
-    if active is None:
-        active = jnp.ones((b,), bool)
-    positions = cache.lengths[:, None]
-    h = _embed_streams(weights, cfg, tokens[:, None])
-    rings_all = cache.rings if gsm is not None else None
-    new_layers = []
-    for i in range(cfg.num_layers):
-        with jax.named_scope(f"layer_{i}"):
-            h, layer_cache, rings_all = _layer_apply(
-                cfg, i, weights["layers"][i], "decode", h, tokens, positions, active,
-                cache.layers[i], gsm, rings_all)
-        new_layers.append(layer_cache)
-    logits = _logits(weights, cfg, h[:, 0])
-    new_cache = DeepseekV4Cache(
-        layers=tuple(new_layers), lengths=cache.lengths + active.astype(jnp.int32),
-        rings=rings_all if gsm is not None else cache.rings)
-    return logits, new_cache
+    step = common.decode_step_ctx(cache, active, gsm)
+    h, cache, _ = _run(weights, cfg, tokens[:, None], cache, step)
+    return logits(weights, cfg, h[:, 0]), cache
+
+# ----------------------------------------------------------------------------- family contract
+# What the runtime (gsm_jax.families and the tools above it) reads from this module beside
+# its entry points; docs/adding_a_family.md lists every name.
+
+FAMILY = "deepseek_v4"
+TITLE = "DeepSeek-V4"  # in messages
+HF_MODEL_TYPES = ("deepseek_v4",)  # Hugging Face model_type values it loads
+
+# Logical axes of each weight of the float layout ([..., in, out] projections), by leaf
+# name; a leaf not listed is replicated whole (norms, routers, compressors, the indexer,
+# hyper-connections, the single K=V head and the low-rank q_a).
+LOGICAL_AXES = {
+    "embed": ("vocab", None),
+    "lm_head": (None, "vocab"),
+    "q_b": (None, "heads"),
+    "o_a": ("heads", None, None),  # [groups, in, rank]: whole head groups
+    "o_b": ("heads", None),
+    "sinks": ("heads",),
+    "experts_gate_up": ("experts", None, None),
+    "experts_down": ("experts", None, None),
+    "shared_gate_up": (None, "mlp"),
+    "shared_down": ("mlp", None),
+}
+# leaves under these whose names recur elsewhere with another meaning (the indexer's q_b)
+REPLICATED_UNDER = ("indexer", "compressor", "mtp")
+
+
+def logical_axes(names: list[str], ndim: int) -> tuple[str | None, ...]:
+    """The logical axes of the float weight at path `names`: by leaf name, except that
+    everything under REPLICATED_UNDER is replicated."""
+    from gsm_jax.models.partitioning import table_axes
+
+    if any(n in REPLICATED_UNDER for n in names[:-1]):
+        return (None,) * ndim
+    return table_axes(LOGICAL_AXES, names[-1], ndim)
+
+
+def model_axis_sizes(cfg: DeepseekV4Config) -> dict[str, int]:
+    """What the mesh's model axis splits whole, besides the vocabulary (checked up front)."""
+    return {"experts": cfg.n_routed_experts, "heads": cfg.num_heads,
+            "output_groups": cfg.o_groups}
+
+
+# Planner: labels of the cache leaves (`init_cache`), by leaf name
+CACHE_KINDS = {"window": "sliding-window K=V", "comp": "compressed entries",
+               "index": "indexer entries", "comp_ring": "compressor rings",
+               "index_ring": "compressor rings"}
+# Planner: weights a checkpoint with a quantization_config stores as FP8 e4m3 in 128 x 128
+# blocks (the indexer's q_b too; compressors stay bf16), and the routed experts (FP4 or FP8)
+FP8_WEIGHTS = frozenset({"q_a", "q_b", "kv", "o_a", "o_b", "shared_gate_up", "shared_down"})
+EXPERT_WEIGHTS = frozenset({"experts_gate_up", "experts_down"})
+
+
+def stored_weight_bytes(name: str, shape: tuple[int, ...], quant: dict | None,
+                        expert_dtype: str, dtype: str) -> tuple[str, float]:
+    """Planner: (dtype label, bytes) of one weight as `gsm_jax.load` keeps it."""
+    import math
+
+    n = math.prod(shape)
+    if quant and name in EXPERT_WEIGHTS and expert_dtype == "fp4":
+        return "fp4 (+e8m0 scales)", n * (0.5 + 1 / 32)
+    if quant and (name in FP8_WEIGHTS or name in EXPERT_WEIGHTS):
+        bo, bi = quant.get("weight_block_size", [128, 128])
+        blocks = math.prod(shape[:-2]) * math.ceil(shape[-1] / bo) * math.ceil(shape[-2] / bi)
+        return "fp8 e4m3 (+e8m0 scales)", n + blocks
+    return dtype, n * jnp.dtype(dtype).itemsize
+
+
+def abstract_stored_weights(shapes: Any, quant: dict, expert_dtype: str) -> Any:
+    """Planner: `weight_shapes`' tree with the leaves a checkpoint with `quant` (its
+    quantization_config) stores block-quantized as stored (FP8 dense projections, FP4 or
+    FP8 routed experts)."""
+    import math
+
+    from gsm_jax.models.block_quant import BlockQuantWeight
+
+    bo, bi = quant.get("weight_block_size", [128, 128])
+
+    def stored(path, leaf):
+        name = str(getattr(path[-1], "key", path[-1]))
+        if any(str(getattr(p, "key", "")) in ("indexer", "compressor") for p in path[:-1]):
+            fp8 = name == "q_b"  # the indexer's wq_b is FP8 too; compressors stay bf16
+        else:
+            fp8 = name in FP8_WEIGHTS
+        if not (fp8 or name in EXPERT_WEIGHTS):
+            return leaf
+        *lead, inp, out = leaf.shape
+        if name in EXPERT_WEIGHTS and expert_dtype == "fp4":
+            return BlockQuantWeight(
+                jax.ShapeDtypeStruct((*lead, out, inp // 2), jnp.uint8),
+                jax.ShapeDtypeStruct((*lead, out, math.ceil(inp / 32)), jnp.uint8),
+                "e2m1", (1, 32))
+        return BlockQuantWeight(
+            jax.ShapeDtypeStruct((*lead, out, inp), jnp.float8_e4m3fn),
+            jax.ShapeDtypeStruct((*lead, math.ceil(out / bo), math.ceil(inp / bi)), jnp.uint8),
+            "e4m3", (bo, bi))
+
+    return jax.tree_util.tree_map_with_path(stored, shapes)
+
+
+def mtp_layers(cfg: DeepseekV4Config, quant: dict | None) -> int:
+    """Planner: MTP blocks counted as one more layer each (a release checkpoint has one)."""
+    return int(getattr(cfg, "num_nextn_predict_layers", 0) or 0) or (1 if quant else 0)
+
+
+def activation_widths(cfg: DeepseekV4Config, tokens: int) -> tuple[int, int]:
+    """Planner: (intermediate width per token, attention keys per query) of a prefill of
+    `tokens`: the routed experts' or the heads' width; raw plus compressed entries."""
+    inter = max(cfg.num_experts_per_tok * cfg.moe_intermediate_size * 2,
+                cfg.num_heads * cfg.head_dim)
+    return inter, tokens + tokens // max(min(cfg.compress_rate_csa, cfg.compress_rate_hca), 1)
+
+
+# Quantization: the dense attention projections (plus the compressors' kv_gate and the
+# shared experts; routed experts on request). The router, the indexer, the
+# hyper-connections and o_a (a grouped einsum) stay float: they select or mix.
+QUANT_ATTN_LINEARS = ("q_a", "q_b", "kv", "o_b")
+
+
+def quantize_weights(weights: dict, q: Any, routed_experts: bool) -> dict:
+    """`gsm_jax.quantize`: `weights` with every projection above passed through `q` (a
+    float weight -> its quantized container)."""
+    def one(lw):
+        lw, attn, moe = dict(lw), dict(lw["attn"]), dict(lw["moe"])
+        for name in QUANT_ATTN_LINEARS:
+            attn[name] = q(attn[name])
+        if "compressor" in attn:
+            attn["compressor"] = {**attn["compressor"],
+                                  "kv_gate": q(attn["compressor"]["kv_gate"])}
+        for name in ("shared_gate_up", "shared_down") + (
+                ("experts_gate_up", "experts_down") if routed_experts else ()):
+            moe[name] = q(moe[name])
+        lw["attn"], lw["moe"] = attn, moe
+        return lw
+
+    return {**weights, "layers": tuple(one(lw) for lw in weights["layers"])}
+
+
+def load_checkpoint(cfg: DeepseekV4Config, hf_config: dict, store: Any, dtype: Any,
+                    keep_quantized: bool, placer: Any, progress: Any) -> tuple[dict, dict]:
+    """`gsm_jax.load` of a safetensors directory (`store`): (weights, what params.extra
+    records). dtype None: as stored (low precision kept, the other tensors bf16).
+    `placer()` gives the function that places a subtree on the mesh, or None."""
+    from gsm_jax.models.deepseek_v4_checkpoint import (
+        check_quantization_config,
+        checkpoint_tensors,
+    )
+
+    quant = check_quantization_config(hf_config)
+    keep = keep_quantized and quant is not None
+    if dtype is None:
+        dtype = jnp.bfloat16 if quant is not None else jnp.float32
+    unused: list[str] = []
+    progress(f"converting {len(store.tensors)} tensors "
+             f"({'FP8/FP4 kept as stored' if keep else jnp.dtype(dtype).name})")
+    weights = weights_from_hf(cfg, checkpoint_tensors(store, quant), dtype,
+                              keep_quantized=keep, unused=unused, place=placer())
+    extra: dict[str, Any] = {}
+    if quant is not None:
+        extra["checkpoint_quantization"] = "fp8-e4m3+" + quant["expert_dtype"] + (
+            " (kept)" if keep else " (dequantized)")
+    if unused:
+        extra["unused_tensors"] = tuple(unused)
+    return weights, extra
