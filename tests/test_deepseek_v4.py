@@ -452,3 +452,86 @@ def test_cache_insert_joins_a_running_batch():
     joined = insert(joined, take(alone1, 0), jnp.array([1]))
     for a, b in zip(jax.tree.leaves(joined), jax.tree.leaves(joint), strict=True):
         np.testing.assert_allclose(np.asarray(a)[:2], np.asarray(b)[:2], atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- extend
+
+
+_extend = jax.jit(dv.extend, static_argnums=1, static_argnames=("all_logits",))
+
+
+def _extend_chunks(weights, cfg, prompts, chunk, gsm=None, cache=None, all_logits=False):
+    """Feed each row's prompt through `extend` in chunks of `chunk` tokens (the last chunk
+    of a row shorter, finished rows n_new = 0: ragged). cache: rows already holding
+    cache.lengths tokens (default: a fresh cache). Returns per row the logits of every
+    new position [len, V] (all_logits) or of its last one [V], and the cache."""
+    if cache is None:
+        cache = dv.init_cache(cfg, BATCH, CACHE_LEN,
+                              gsm_max_window=None if gsm is None else gsm.max_window)
+    lens = np.array([len(p) for p in prompts] + [0] * (BATCH - len(prompts)))
+    start = np.asarray(cache.lengths)
+    done = np.zeros(BATCH, np.int64)
+    got = [[] for _ in prompts]
+    while (done < lens).any():
+        n = np.minimum(lens - done, chunk).astype(np.int32)
+        tokens = np.zeros((BATCH, chunk), np.int32)
+        for i, p in enumerate(prompts):
+            tokens[i, : n[i]] = p[done[i]: done[i] + n[i]]
+        logits, cache = _extend(weights, cfg, jnp.asarray(tokens), jnp.asarray(n), cache, gsm,
+                                all_logits=all_logits)
+        logits = np.asarray(logits)
+        for i in np.flatnonzero(n[: len(prompts)]):
+            got[i].append(logits[i, : n[i]] if all_logits else logits[i])
+        done += n
+    np.testing.assert_array_equal(np.asarray(cache.lengths), start + done)
+    if all_logits:
+        return [np.concatenate(g) for g in got], cache
+    return [g[-1] for g in got], cache
+
+
+@pytest.mark.parametrize("gsm_on", [False, True], ids=["gsm_off", "gsm_on"])
+@pytest.mark.parametrize("chunk", [1, 3, 7])
+def test_extend_in_chunks_equals_prefill_and_decode_continues(chunk, gsm_on):
+    """Ragged prompts through `extend` in chunks of 1, 3 and 7 tokens (splitting the
+    compression blocks of rates 2 and 4 and the window of 4): the last-token logits equal
+    one prefill's, and decode steps after it equal teacher forcing, GSM off and on."""
+    _, cfg, weights = _models("mixed_hc2_yarn")
+    rng = np.random.default_rng(21)
+    steps = 6
+    rows = [rng.integers(0, VOCAB, n + steps) for n in (13, 8, 3)]
+    prompts = [r[:-steps] for r in rows]
+    gsm = _gsm(cfg, BATCH, 0.6) if gsm_on else None
+    last, cache = _extend_chunks(weights, cfg, prompts, chunk, gsm)
+    fresh = dv.init_cache(cfg, BATCH, CACHE_LEN,
+                          gsm_max_window=None if gsm is None else gsm.max_window)
+    ref_last, _ = _prefill(weights, cfg, *_pad(prompts, PROMPT_LEN), fresh, gsm)
+    tf = _teacher_forced(weights, cfg, rows, gsm)
+    got = [[lg] for lg in last]
+    for k in range(steps):
+        toks = np.zeros((BATCH,), np.int32)
+        toks[: len(rows)] = [r[len(p) + k] for r, p in zip(rows, prompts, strict=True)]
+        active = jnp.asarray(np.arange(BATCH) < len(rows))
+        logits, cache = _decode(weights, cfg, jnp.asarray(toks), cache, gsm, active)
+        for i in range(len(rows)):
+            got[i].append(np.asarray(logits[i]))
+    for i, (r, p) in enumerate(zip(rows, prompts, strict=True)):
+        _assert_close(last[i], ref_last[i], f"row {i} extend vs prefill")
+        _assert_close(np.stack(got[i]), tf[i, len(p) - 1: len(r)], f"row {i} vs teacher forcing")
+
+
+def test_extend_all_logits_after_prefill_equals_forward():
+    """A ragged prefill, then chunks of 4 with all_logits=True (GSM on): every new
+    position's logits equal teacher forcing's."""
+    _, cfg, weights = _models("mixed_hc2_yarn")
+    rng = np.random.default_rng(22)
+    rows = [rng.integers(0, VOCAB, n) for n in (21, 10, 14)]
+    heads = (5, 2, 9)  # tokens prefilled first: the chunks start at different positions
+    gsm = _gsm(cfg, BATCH, 0.6)
+    cache = dv.init_cache(cfg, BATCH, CACHE_LEN, gsm_max_window=gsm.max_window)
+    _, cache = _prefill(weights, cfg, *_pad([r[:h] for r, h in zip(rows, heads, strict=True)],
+                                            PROMPT_LEN), cache, gsm)
+    got, _ = _extend_chunks(weights, cfg, [r[h:] for r, h in zip(rows, heads, strict=True)],
+                            4, gsm, cache, all_logits=True)
+    tf = _teacher_forced(weights, cfg, rows, gsm)
+    for i, (r, h) in enumerate(zip(rows, heads, strict=True)):
+        _assert_close(got[i], tf[i, h: len(r)], f"row {i}")
