@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import struct
 
 import gsm_jax
 from gsm_jax.config import SITES, resolve_mask
@@ -108,6 +109,7 @@ def tiny():
     return ModelParams(llama.init_weights(cfg, jax.random.key(3)), cfg, None, "tiny-llama")
 
 
+@struct.dataclass
 class _Raw(Sites):
     """A hook that sows the site activations themselves."""
 
