@@ -35,13 +35,13 @@ from typing import Any
 from gsm_jax.errors import GSMConfigError
 from gsm_jax.gsm.schema import (
     SITES,
-    _atomic_write,
-    _int,
-    _is_real,
-    _read_bytes,
-    _real,
-    _site,
-    _sites,
+    atomic_write,
+    check_int,
+    check_real,
+    check_site,
+    check_sites,
+    is_real,
+    read_bytes,
 )
 
 PROFILE_SCHEMA = "gsm-jax/profile/v1"
@@ -60,7 +60,7 @@ def _finite_or_none(v: Any) -> Any:
 
 def _kurtosis(stat: Mapping[str, Any]) -> float | None:
     k = stat.get("excess_kurtosis")
-    if k is None or not _is_real(k) or math.isnan(float(k)):
+    if k is None or not is_real(k) or math.isnan(float(k)):
         return None
     return float(k)
 
@@ -77,15 +77,15 @@ def select_high_kurtosis(
     lower layer, then the earlier site in `SITES`. Pairs without a finite kurtosis
     (null/NaN) are never chosen. Returned sorted by (layer, site order).
     """
-    fraction = _real("fraction", fraction, 0.0, 1.0)
+    fraction = check_real("fraction", fraction, 0.0, 1.0)
     scored = []
     for st in stats:
-        layer = _int("stats.layer", st.get("layer"), lo=0)
-        site = _site("stats.site", st.get("site"))
+        layer = check_int("stats.layer", st.get("layer"), lo=0)
+        site = check_site("stats.site", st.get("site"))
         scored.append((_kurtosis(st), layer, site))
     valid = [(k, layer, site) for k, layer, site in scored if k is not None]
     if threshold is not None:
-        threshold = _real("kurtosis_threshold", threshold)
+        threshold = check_real("kurtosis_threshold", threshold)
         chosen = [(layer, site) for k, layer, site in valid if k >= threshold]
     else:
         n = min(len(valid), math.ceil(fraction * len(scored) - 1e-9))
@@ -105,13 +105,13 @@ def build_profile(
     **extra: Any,
 ) -> dict[str, Any]:
     """Assemble a profile dict (schema v1); the profiler calls this, then `write_profile`."""
-    num_layers = _int("num_layers", num_layers, lo=1)
+    num_layers = check_int("num_layers", num_layers, lo=1)
     clean = [{k: _finite_or_none(v) for k, v in st.items()} for st in stats]
     prof: dict[str, Any] = {
         "schema": PROFILE_SCHEMA,
         "model": str(model),
         "num_layers": num_layers,
-        "sites": list(_sites("sites", sites)),
+        "sites": list(check_sites("sites", sites)),
         "kurtosis_definition": KURTOSIS_DEFINITION,
         **extra,
         "selection": {"fraction": fraction, "threshold": threshold},
@@ -128,13 +128,13 @@ def write_profile(path: str | os.PathLike, profile: Mapping[str, Any]) -> None:
     prof = dict(profile)
     prof["stats"] = [{k: _finite_or_none(v) for k, v in st.items()} for st in prof["stats"]]
     _validate_profile(prof, str(path))
-    _atomic_write(Path(path), json.dumps(prof, indent=2, allow_nan=False) + "\n")
+    atomic_write(Path(path), json.dumps(prof, indent=2, allow_nan=False) + "\n")
 
 
 def load_profile(path: str | os.PathLike) -> dict[str, Any]:
     """Read and check a profile JSON; `GSMConfigError` names the file and the problem."""
     path = Path(path)
-    raw = _read_bytes(path, "profile")
+    raw = read_bytes(path, "profile")
     try:
         prof = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -154,23 +154,23 @@ def _validate_profile(prof: Any, where: str) -> dict[str, Any]:
         if key not in prof:
             raise bad(f"missing key {key!r}")
     try:
-        n = _int("num_layers", prof["num_layers"], lo=1)
-        _sites("sites", prof["sites"])
+        n = check_int("num_layers", prof["num_layers"], lo=1)
+        check_sites("sites", prof["sites"])
         if not isinstance(prof["stats"], list):
             raise GSMConfigError(f"stats: must be a list, got {type(prof['stats']).__name__}")
         for st in prof["stats"]:
             if not isinstance(st, dict):
                 raise GSMConfigError(f"stats entry {st!r}: must be an object")
-            _site("stats.site", st.get("site"))
-            _int("stats.layer", st.get("layer"), lo=0, hi=n - 1)
+            check_site("stats.site", st.get("site"))
+            check_int("stats.layer", st.get("layer"), lo=0, hi=n - 1)
         pairs = prof["high_kurtosis"]
         if not isinstance(pairs, list):
             raise GSMConfigError("high_kurtosis: must be a list of [layer, site] pairs")
         for p in pairs:
             if not (isinstance(p, list | tuple) and len(p) == 2):
                 raise GSMConfigError(f"high_kurtosis entry {p!r}: must be [layer, site]")
-            _int("high_kurtosis layer", p[0], lo=0, hi=n - 1)
-            _site("high_kurtosis site", p[1])
+            check_int("high_kurtosis layer", p[0], lo=0, hi=n - 1)
+            check_site("high_kurtosis site", p[1])
     except GSMConfigError as e:
         raise bad(str(e)) from e
     return prof

@@ -26,13 +26,13 @@ from gsm_jax.gsm.schema import (
     ADAPTIVE_MIN_WINDOW,
     SITES,
     GSMConfig,
-    _is_int,
-    _is_pairs,
+    is_int,
+    is_pairs,
 )
 
 
-def _check_num_layers(num_layers: Any) -> int:
-    if not _is_int(num_layers) or num_layers < 1:
+def check_num_layers(num_layers: Any) -> int:
+    if not is_int(num_layers) or num_layers < 1:
         raise GSMConfigError(f"num_layers={num_layers!r}: must be an integer >= 1")
     return int(num_layers)
 
@@ -69,7 +69,7 @@ def resolve_mask(cfg: GSMConfig, num_layers: int) -> np.ndarray:
     The result is the target (``target_layers``) restricted to ``cfg.sites``; it
     ignores ``enable`` (`GSMConfig.runtime` applies that).
     """
-    num_layers = _check_num_layers(num_layers)
+    num_layers = check_num_layers(num_layers)
     mask = np.zeros((num_layers, len(SITES)), dtype=bool)
     tl = cfg.target_layers
     if tl == "all":
@@ -78,7 +78,7 @@ def resolve_mask(cfg: GSMConfig, num_layers: int) -> np.ndarray:
         for layer, site in high_kurtosis_pairs(cfg, num_layers):
             _check_layer(layer, num_layers, f"profile {cfg.profile}")
             mask[layer, SITES.index(site)] = True
-    elif _is_pairs(tl):
+    elif is_pairs(tl):
         for layer, sites in tl:
             _check_layer(layer, num_layers, "target_layers")
             for site in sites:
@@ -171,6 +171,6 @@ def row_enabled(
 
 
 def _int_input(name: str, v: Any) -> int:
-    if not _is_int(v) or v < 0:
+    if not is_int(v) or v < 0:
         raise InvalidInputError(f"{name} entry {v!r}: must be an integer >= 0")
     return int(v)

@@ -5,7 +5,7 @@ its constants and validation, and reading / writing config files.
 model (which (layer, site) pairs, which rows of a batch) is `gsm_jax.gsm.resolve`;
 the arrays the jitted step takes are `gsm_jax.gsm_runtime`; profiles are
 `gsm_jax.gsm.profile_io`; hot reload is `gsm_jax.gsm.watcher`. The file helpers
-at the bottom (``_read_bytes``, ``_parse``, ``_atomic_write``) are shared by those
+at the bottom (``read_bytes``, ``parse_mapping``, ``atomic_write``) are shared by those
 modules.
 """
 
@@ -51,16 +51,16 @@ TargetLayers = str | tuple[int, ...] | tuple[tuple[int, tuple[str, ...]], ...]
 # --------------------------------------------------------------------------- helpers
 
 
-def _is_int(v: Any) -> bool:
+def is_int(v: Any) -> bool:
     return isinstance(v, numbers.Integral) and not isinstance(v, bool | np.bool_)
 
 
-def _is_real(v: Any) -> bool:
+def is_real(v: Any) -> bool:
     return isinstance(v, numbers.Real) and not isinstance(v, bool | np.bool_)
 
 
-def _int(key: str, v: Any, lo: int | None = None, hi: int | None = None) -> int:
-    if not _is_int(v):
+def check_int(key: str, v: Any, lo: int | None = None, hi: int | None = None) -> int:
+    if not is_int(v):
         raise GSMConfigError(f"{key}={v!r}: must be an integer, got {type(v).__name__}")
     v = int(v)
     if lo is not None and v < lo:
@@ -70,8 +70,8 @@ def _int(key: str, v: Any, lo: int | None = None, hi: int | None = None) -> int:
     return v
 
 
-def _real(key: str, v: Any, lo: float | None = None, hi: float | None = None) -> float:
-    if not _is_real(v):
+def check_real(key: str, v: Any, lo: float | None = None, hi: float | None = None) -> float:
+    if not is_real(v):
         raise GSMConfigError(f"{key}={v!r}: must be a number, got {type(v).__name__}")
     v = float(v)
     if not math.isfinite(v):
@@ -83,17 +83,17 @@ def _real(key: str, v: Any, lo: float | None = None, hi: float | None = None) ->
     return v
 
 
-def _site(key: str, s: Any) -> str:
+def check_site(key: str, s: Any) -> str:
     if s not in SITES or not isinstance(s, str):
         raise GSMConfigError(f"{key}: unknown site {s!r}; valid sites: {', '.join(SITES)}")
     return s
 
 
-def _sites(key: str, v: Any) -> tuple[str, ...]:
+def check_sites(key: str, v: Any) -> tuple[str, ...]:
     """A list of sites -> deduplicated tuple in `SITES` order."""
     if isinstance(v, str | bytes) or not isinstance(v, Iterable):
         raise GSMConfigError(f"{key}={v!r}: must be a list of sites from {list(SITES)}")
-    given = {_site(key, s) for s in v}
+    given = {check_site(key, s) for s in v}
     return tuple(s for s in SITES if s in given)
 
 
@@ -101,7 +101,7 @@ def _layer_key(key: str, k: Any) -> int:
     # JSON object keys are strings: accept "3" as layer 3 in the {layer: [sites]} form.
     if isinstance(k, str) and k.strip().isdigit():
         k = int(k)
-    return _int(key, k, lo=0)
+    return check_int(key, k, lo=0)
 
 
 def _target_layers(v: Any) -> TargetLayers:
@@ -119,7 +119,7 @@ def _target_layers(v: Any) -> TargetLayers:
             layer = _layer_key(key, k)
             if layer in pairs:
                 raise GSMConfigError(f"{key}: layer {layer} given twice")
-            pairs[layer] = _sites(f"{key}[{layer}]", sites)
+            pairs[layer] = check_sites(f"{key}[{layer}]", sites)
         return tuple(sorted(pairs.items()))
     if isinstance(v, bytes) or not isinstance(v, Iterable):
         raise GSMConfigError(
@@ -130,10 +130,10 @@ def _target_layers(v: Any) -> TargetLayers:
     if items and all(isinstance(i, tuple) and len(i) == 2 for i in items):
         # the normalised {layer: [sites]} form (what dataclasses.replace passes back)
         return _target_layers(dict(items))
-    return tuple(sorted({_int(f"{key} entry", i, lo=0) for i in items}))
+    return tuple(sorted({check_int(f"{key} entry", i, lo=0) for i in items}))
 
 
-def _is_pairs(tl: TargetLayers) -> bool:
+def is_pairs(tl: TargetLayers) -> bool:
     return isinstance(tl, tuple) and bool(tl) and isinstance(tl[0], tuple)
 
 
@@ -177,7 +177,7 @@ class GSMConfig:
             raise GSMConfigError(f"enable={self.enable!r}: must be true or false")
         put("enable", bool(self.enable))
 
-        max_window = _int("max_window", self.max_window, lo=1)
+        max_window = check_int("max_window", self.max_window, lo=1)
         put("max_window", max_window)
         if self.window_size == ADAPTIVE and isinstance(self.window_size, str):
             if max_window < ADAPTIVE_MIN_WINDOW:
@@ -192,11 +192,11 @@ class GSMConfig:
                 "or 'adaptive'"
             )
         else:
-            put("window_size", _int("window_size", self.window_size, lo=1, hi=max_window))
+            put("window_size", check_int("window_size", self.window_size, lo=1, hi=max_window))
 
-        max_strength = _real("max_strength", self.max_strength, lo=0.0, hi=STRENGTH_CEILING)
+        max_strength = check_real("max_strength", self.max_strength, lo=0.0, hi=STRENGTH_CEILING)
         put("max_strength", max_strength)
-        strength = _real("smooth_strength", self.smooth_strength, lo=0.0)
+        strength = check_real("smooth_strength", self.smooth_strength, lo=0.0)
         if strength > max_strength:
             raise GSMConfigError(
                 f"smooth_strength={strength!r} is above max_strength={max_strength!r}: refused "
@@ -207,21 +207,22 @@ class GSMConfig:
         put("smooth_strength", strength)
 
         put("target_layers", _target_layers(self.target_layers))
-        put("sites", _sites("sites", self.sites))
+        put("sites", check_sites("sites", self.sites))
         if self.precision not in PRECISIONS or not isinstance(self.precision, str):
             raise GSMConfigError(
                 f"precision={self.precision!r}: must be one of {', '.join(PRECISIONS)}"
             )
-        put("calibration_samples", _int("calibration_samples", self.calibration_samples, lo=1))
-        put("protect_first", _int("protect_first", self.protect_first, lo=0))
-        put("short_request_tokens", _int("short_request_tokens", self.short_request_tokens, lo=0))
-        put("rollout_fraction", _real("rollout_fraction", self.rollout_fraction, 0.0, 1.0))
+        put("calibration_samples", check_int("calibration_samples", self.calibration_samples, lo=1))
+        put("protect_first", check_int("protect_first", self.protect_first, lo=0))
+        put("short_request_tokens",
+            check_int("short_request_tokens", self.short_request_tokens, lo=0))
+        put("rollout_fraction", check_real("rollout_fraction", self.rollout_fraction, 0.0, 1.0))
         if self.profile is not None:
             if not isinstance(self.profile, str | os.PathLike):
                 raise GSMConfigError(f"profile={self.profile!r}: must be a file path or null")
             put("profile", os.fspath(self.profile))
         if self.kurtosis_threshold is not None:
-            put("kurtosis_threshold", _real("kurtosis_threshold", self.kurtosis_threshold))
+            put("kurtosis_threshold", check_real("kurtosis_threshold", self.kurtosis_threshold))
 
     # ---- construction / serialisation
 
@@ -268,7 +269,7 @@ class GSMConfig:
         d = {k: getattr(self, k) for k in self.valid_keys()}
         d["sites"] = list(self.sites)
         tl = self.target_layers
-        if _is_pairs(tl):
+        if is_pairs(tl):
             d["target_layers"] = {layer: list(sites) for layer, sites in tl}
         elif isinstance(tl, tuple):
             d["target_layers"] = list(tl)
@@ -282,7 +283,7 @@ class GSMConfig:
             text = json.dumps(self.to_dict(), indent=2) + "\n"
         else:
             text = yaml.safe_dump(self.to_dict(), sort_keys=False)
-        _atomic_write(path, text)
+        atomic_write(path, text)
 
     def replace(self, **changes: Any) -> GSMConfig:
         """A copy with ``changes`` applied, validated again."""
@@ -304,7 +305,7 @@ def _format_of(path: Path) -> str:
     )
 
 
-def _parse(path: Path, raw: bytes) -> Any:
+def parse_mapping(path: Path, raw: bytes) -> Any:
     fmt = _format_of(path)
     if not raw.strip():
         raise GSMConfigError(f"{path}: config file is empty")
@@ -315,7 +316,7 @@ def _parse(path: Path, raw: bytes) -> Any:
         raise GSMConfigError(f"cannot parse config file {path} as {fmt.upper()}: {e}") from e
 
 
-def _read_bytes(path: Path, what: str = "config file") -> bytes:
+def read_bytes(path: Path, what: str = "config file") -> bytes:
     try:
         return path.read_bytes()
     except FileNotFoundError as e:
@@ -328,10 +329,10 @@ def _read_bytes(path: Path, what: str = "config file") -> bytes:
 
 def _read_mapping(path: Path) -> Any:
     _format_of(path)
-    return _parse(path, _read_bytes(path))
+    return parse_mapping(path, read_bytes(path))
 
 
-def _atomic_write(path: Path, text: str) -> None:
+def atomic_write(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:

@@ -10,8 +10,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from gsm_jax.errors import GSMConfigError
-from gsm_jax.gsm.resolve import _check_num_layers, resolve_mask
-from gsm_jax.gsm.schema import GSMConfig, _parse, _read_bytes, _real
+from gsm_jax.gsm.resolve import check_num_layers, resolve_mask
+from gsm_jax.gsm.schema import GSMConfig, check_real, parse_mapping, read_bytes
 
 # The logger keeps the name it had before the split (gsm_jax/config.py), so logging
 # set up for "gsm_jax.config" still sees refused and reloaded configs.
@@ -39,12 +39,12 @@ class ConfigWatcher:
     ) -> None:
         self.path = Path(path)
         self.on_change = on_change
-        self.num_layers = None if num_layers is None else _check_num_layers(num_layers)
+        self.num_layers = None if num_layers is None else check_num_layers(num_layers)
         self._lock = threading.RLock()
         self._history: list[GSMConfig] = []
         self._max_history = max(1, int(history))
         self.last_error: str | None = None
-        raw = _read_bytes(self.path)
+        raw = read_bytes(self.path)
         self._config = self._load(raw)  # a bad file at start is an error: no good config yet
         self._seen = hashlib.blake2b(raw).digest()
         self._thread: threading.Thread | None = None
@@ -57,7 +57,7 @@ class ConfigWatcher:
             return self._config
 
     def _load(self, raw: bytes) -> GSMConfig:
-        data = _parse(self.path, raw)
+        data = parse_mapping(self.path, raw)
         try:
             cfg = GSMConfig.from_dict(data)
             if self.num_layers is not None:
@@ -82,7 +82,7 @@ class ConfigWatcher:
         """Reload if the file changed; True iff a new valid config took effect."""
         with self._lock:
             try:
-                raw = _read_bytes(self.path)
+                raw = read_bytes(self.path)
             except GSMConfigError as e:
                 self._refuse(str(e))
                 self._seen = None
@@ -120,7 +120,7 @@ class ConfigWatcher:
 
     def start(self, interval: float = 1.0) -> ConfigWatcher:
         """Poll every ``interval`` seconds in a daemon thread (no-op if running)."""
-        interval = _real("interval", interval, lo=0.001)
+        interval = check_real("interval", interval, lo=0.001)
         with self._lock:
             if self._thread is not None and self._thread.is_alive():
                 return self

@@ -53,7 +53,7 @@ from gsm_jax.config import (
 )
 from gsm_jax.errors import GSMConfigError, GSMJaxError, InvalidInputError
 from gsm_jax.params import ModelParams
-from gsm_jax.workflow.evaluate import DEFAULT, EvalResult, Evaluator, _jsonable, check_params
+from gsm_jax.workflow.evaluate import DEFAULT, EvalResult, Evaluator, check_params, jsonable
 from gsm_jax.workflow.metrics import Budget
 
 DEFAULT_STRENGTHS = (0.01, 0.02, 0.03, 0.05, 0.1, 0.2, 0.3)
@@ -166,7 +166,7 @@ class CalibrationResult:
         elif self.best_found is not None:
             GSMConfig.from_dict(self.best_found["config"]).to_file(out / "gsm.best_found.yaml")
         path = out / REPORT_FILE
-        path.write_text(json.dumps(_jsonable(self.to_dict()), indent=2, allow_nan=False) + "\n")
+        path.write_text(json.dumps(jsonable(self.to_dict()), indent=2, allow_nan=False) + "\n")
         if plots:
             P.quality_vs_strength(
                 [t for t in self.trials if t["stage"] in ("strength", "window", "curve")],

@@ -155,7 +155,7 @@ class EvalResult:
         if path.suffix.lower() != ".json":
             path = path / "eval.json"
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(_jsonable(self.to_dict()), indent=2, allow_nan=False) + "\n")
+        path.write_text(json.dumps(jsonable(self.to_dict()), indent=2, allow_nan=False) + "\n")
         return path
 
     @classmethod
@@ -197,11 +197,11 @@ class EvalResult:
         return "\n".join(lines)
 
 
-def _jsonable(x: Any) -> Any:
+def jsonable(x: Any) -> Any:
     if isinstance(x, dict):
-        return {str(k): _jsonable(v) for k, v in x.items()}
+        return {str(k): jsonable(v) for k, v in x.items()}
     if isinstance(x, list | tuple):
-        return [_jsonable(v) for v in x]
+        return [jsonable(v) for v in x]
     if isinstance(x, np.generic):
         x = x.item()
     if isinstance(x, float) and not math.isfinite(x):

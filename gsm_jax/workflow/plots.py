@@ -16,7 +16,7 @@ import numpy as np
 from gsm_jax.config import SITES
 
 
-def _plt():
+def pyplot():
     import matplotlib
 
     matplotlib.use("Agg", force=False)
@@ -25,11 +25,11 @@ def _plt():
     return plt
 
 
-def _save(fig, path: str | os.PathLike) -> Path:
+def save_figure(fig, path: str | os.PathLike) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110, bbox_inches="tight")
-    _plt().close(fig)
+    pyplot().close(fig)
     return path
 
 
@@ -41,7 +41,7 @@ def profile_heatmap(profile: Any, path: str | os.PathLike) -> Path:
     """
     from matplotlib.colors import LogNorm
 
-    plt = _plt()
+    plt = pyplot()
     data = profile.to_dict() if hasattr(profile, "to_dict") else profile
     n = int(data["num_layers"])
     kurt = np.full((len(SITES), n), np.nan)
@@ -73,7 +73,7 @@ def profile_heatmap(profile: Any, path: str | os.PathLike) -> Path:
            else f"top {100 * sel.get('fraction', 0.25):g}% by excess kurtosis")
     fig.suptitle(f"{data['model']}: activation profile, {data.get('calibration_samples')} seq x "
                  f"{data.get('seq_len')} tok (outlined: high_kurtosis, {how})", fontsize=10)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def _rect(x: int, y: int):
@@ -97,7 +97,7 @@ def quality_vs_strength(trials: Sequence[Mapping[str, Any]], path: str | os.Path
     ``protect_first``, ``scope`` and an evaluation ``result``; only the trials of
     the full target set are drawn.
     """
-    plt = _plt()
+    plt = pyplot()
     series: dict[str, list[tuple[float, float, float]]] = {}
     for t in trials:
         if t.get("scope", "targets") != "targets" or t.get("result") is None:
@@ -125,14 +125,14 @@ def quality_vs_strength(trials: Sequence[Mapping[str, Any]], path: str | os.Path
     a2.grid(alpha=0.3)
     a2.legend(fontsize=7, loc="lower left")
     fig.suptitle(title or "GSM quality cost against strength", fontsize=10)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def layer_contributions(contrib: Sequence[Mapping[str, Any]], path: str | os.PathLike, *,
                         culprits: Sequence[int] = (), budget_kld: float | None = None,
                         title: str = "") -> Path:
     """Bar chart: mean KLD when only one layer's targeted sites are smoothed."""
-    plt = _plt()
+    plt = pyplot()
     layers = [int(c["layer"]) for c in contrib]
     kld = [float(c["mean_kld"]) for c in contrib]
     fig, ax = plt.subplots(figsize=(max(5.0, 0.35 * len(layers) + 2), 3.6),
@@ -150,13 +150,13 @@ def layer_contributions(contrib: Sequence[Mapping[str, Any]], path: str | os.Pat
     ax.grid(alpha=0.3, axis="y")
     ax.set_title(title or "per-layer contribution (red: culprits removed by back-off)",
                  fontsize=10)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def protect_first_plot(rows: Sequence[Mapping[str, Any]], path: str | os.PathLike, *,
                        title: str = "") -> Path:
     """Mean KLD against protect_first, one line per (strength, window) setting."""
-    plt = _plt()
+    plt = pyplot()
     series: dict[str, list[tuple[int, float]]] = {}
     for r in rows:
         label = f"strength {r['strength']}, window {r['window']}"
@@ -172,13 +172,13 @@ def protect_first_plot(rows: Sequence[Mapping[str, Any]], path: str | os.PathLik
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     ax.set_title(title or "does protecting the first tokens help?", fontsize=10)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def overhead_plot(rows: Sequence[Mapping[str, Any]], path: str | os.PathLike, *,
                   title: str = "") -> Path:
     """Bar chart of step times (ms) with GSM off and on, per measured step."""
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.5, 3.6), constrained_layout=True)
     names = [r["step"] for r in rows]
     x = np.arange(len(rows))
@@ -194,4 +194,4 @@ def overhead_plot(rows: Sequence[Mapping[str, Any]], path: str | os.PathLike, *,
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3, axis="y")
     ax.set_title(title or "GSM step-time overhead", fontsize=10)
-    return _save(fig, path)
+    return save_figure(fig, path)

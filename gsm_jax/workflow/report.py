@@ -45,7 +45,7 @@ from gsm_jax.workflow.calibrate import (
     machine_info,
     run_calibration,
 )
-from gsm_jax.workflow.evaluate import DEFAULT, Evaluator, _jsonable
+from gsm_jax.workflow.evaluate import DEFAULT, Evaluator, jsonable
 from gsm_jax.workflow.metrics import Budget
 from gsm_jax.workflow.overhead import measure_overhead
 from gsm_jax.workflow.profile import Profile, profile
@@ -227,7 +227,7 @@ def run_report(
             final[label] = clock.run(f"final: {label}", lambda c=c, parts=parts, label=label:
                                      ev().evaluate(c, parts=parts, label=label)).to_dict()
         added.append(f"final: {label}")
-        final_path.write_text(json.dumps(_jsonable(final), indent=2, allow_nan=False) + "\n")
+        final_path.write_text(json.dumps(jsonable(final), indent=2, allow_nan=False) + "\n")
     final = {k: final[k] for k in todo if k in final}  # report order
 
     # 4. overhead
@@ -303,7 +303,7 @@ def run_report(
                               if resume else []),
     }
     (data_dir / "report_meta.json").write_text(
-        json.dumps(_jsonable(meta), indent=2, allow_nan=False) + "\n")
+        json.dumps(jsonable(meta), indent=2, allow_nan=False) + "\n")
     (data_dir / "timings.json").write_text(json.dumps(clock.phases, indent=2) + "\n")
     path = render_report(out)
     say(f"wrote {path}")

@@ -129,14 +129,14 @@ def _headline(r: Mapping[str, Any]) -> str:
 # ----------------------------------------------------------------------------- figures
 
 
-def _plt():
-    from gsm_jax.workflow.plots import _plt as plt
+def pyplot():
+    from gsm_jax.workflow.plots import pyplot as plt
 
     return plt()
 
 
-def _save(fig: Any, path: Path) -> Path:
-    from gsm_jax.workflow.plots import _save as save
+def save_figure(fig: Any, path: Path) -> Path:
+    from gsm_jax.workflow.plots import save_figure as save
 
     return save(fig, path)
 
@@ -158,7 +158,7 @@ def _bars(ax: Any, groups: Sequence[str], series: Mapping[str, Sequence[float]],
 
 
 def _fig_1(res: Mapping[str, dict], path: Path) -> Path:
-    plt = _plt()
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), constrained_layout=True)
     models = list(res)
     for ax, step in zip(axes, ("decode", "prefill"), strict=True):
@@ -167,11 +167,11 @@ def _fig_1(res: Mapping[str, dict], path: Path) -> Path:
             "GSM on": [res[m]["numbers"].get(f"{step}_on_ms") for m in models]},
             f"{step} step, median ms")
         ax.set_title(f"{step} step time (lower is faster)", fontsize=9)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def _fig_2(res: Mapping[str, dict], path: Path) -> Path:
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 3.6), constrained_layout=True)
     models = list(res)
     _bars(ax, models, {
@@ -179,11 +179,11 @@ def _fig_2(res: Mapping[str, dict], path: Path) -> Path:
         "GSM on": [res[m]["numbers"]["bytes_per_step_on"] / 1e6 for m in models]},
         "MB accessed per decode step (XLA)")
     ax.set_title("proxy for memory traffic: bytes per decode step", fontsize=9)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def _fig_4(res: Mapping[str, dict], path: Path) -> Path:
-    plt = _plt()
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.8), constrained_layout=True)
     groups = ["high_kurtosis", "random (mean)", "all"]
     for ax, key, label in ((axes[0], "mean_kld", "mean KLD vs unsmoothed (log)"),
@@ -197,11 +197,11 @@ def _fig_4(res: Mapping[str, dict], path: Path) -> Path:
         _bars(ax, groups, series, label, log=True)
     fig.suptitle("which (layer, site) pairs to smooth: quality cost at strength 0.1, window 8",
                  fontsize=9)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def _fig_5(res: Mapping[str, dict], path: Path) -> Path:
-    plt = _plt()
+    plt = pyplot()
     models = list(res)
     fig, axes = plt.subplots(1, len(models), figsize=(5.2 * len(models), 3.8),
                              constrained_layout=True, squeeze=False)
@@ -219,11 +219,11 @@ def _fig_5(res: Mapping[str, dict], path: Path) -> Path:
         ax.set_title(m, fontsize=9)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def _fig_8(res: Mapping[str, dict], path: Path) -> Path:
-    plt = _plt()
+    plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8), constrained_layout=True)
     for m, r in res.items():
         c = r["numbers"]["curve"]
@@ -245,11 +245,11 @@ def _fig_8(res: Mapping[str, dict], path: Path) -> Path:
     if not axes[2].lines:
         axes[2].text(0.5, 0.5, "LAMBADA not measured\n(no tokenizer)", ha="center",
                      va="center", transform=axes[2].transAxes)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def _fig_11(res: Mapping[str, dict], path: Path) -> Path:
-    plt = _plt()
+    plt = pyplot()
     models = [m for m in res if res[m]["numbers"].get("held_out")]
     if not models:
         raise ValueError("no held-out numbers")
@@ -269,11 +269,11 @@ def _fig_11(res: Mapping[str, dict], path: Path) -> Path:
     lo = min([v for v in vals if v is not None] + [budget["min_same_top1_pct"]])
     axes[1].set_ylim(max(0.0, lo - 3), 100)
     fig.suptitle("back-off on held-out data (dashed: budget)", fontsize=9)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def _fig_12(res: Mapping[str, dict], path: Path) -> Path:
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 3.6), constrained_layout=True)
     models = list(res)
     _bars(ax, models, {
@@ -281,7 +281,7 @@ def _fig_12(res: Mapping[str, dict], path: Path) -> Path:
         "protect_first >= 1": [res[m]["numbers"]["pf1"]["mean_kld"] for m in models]},
         "mean KLD (log)", log=True)
     ax.set_title("averaging the first token into its neighbours", fontsize=9)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 FIGURES: dict[int, Callable[[Mapping[str, dict], Path], Path]] = {
