@@ -20,7 +20,7 @@ For one model (default SmolLM2-135M, every side loading the same GGUF), each set
 Settings (`--settings`, comma list of names, or a side name for all of its settings):
 
 - gsm_jax:fp32, gsm_jax:bf16 (`gsm_jax.load(..., dtype=...)`), gsm_jax:w8a16, gsm_jax:w8a8
-  (`gsm_jax.quant.quantize`), gsm_jax:w8a8+smoothquant (`gsm_jax.quant_quality`:
+  (`gsm_jax.quant.quantize`), gsm_jax:w8a8+smoothquant (`gsm_jax.workflow.evidence.quant_quality`:
   activation statistics on the first WikiText-2 tokens, disjoint from the KLD windows,
   per-layer alphas from `local_smoothquant_alphas`, or `--sq-alphas search|best`);
 - transformers:fp32, transformers:bf16 (`model.to(torch.bfloat16)`),

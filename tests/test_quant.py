@@ -349,12 +349,12 @@ def test_round_half_even_matches_jnp_round():
 
 def test_capture_follows_the_model():
     from gsm_jax.models.llama import hidden_states
-    from gsm_jax.quant import capture_linear_inputs
+    from gsm_jax.quant import smoothquant_inputs
 
     p = _tiny_params()
     ids = jnp.asarray(np.random.default_rng(14).integers(2, TINY.vocab_size, (2, 11)), jnp.int32)
     lengths = jnp.array([11, 11], jnp.int32)
-    x, stats = capture_linear_inputs(p.weights, TINY, ids, lengths)
+    x, stats = smoothquant_inputs(p.weights, TINY, ids, lengths)
     ref = hidden_states(p.weights, TINY, ids, lengths)[0]
     np.testing.assert_allclose(np.asarray(x), np.asarray(ref), rtol=1e-6, atol=1e-6)
     assert stats["down"].shape == (TINY.num_layers, TINY.intermediate_size)

@@ -360,7 +360,7 @@ def load_inputs(out: str | os.PathLike = "reports") -> ReportInputs:
 # ----------------------------------------------------------------------------- INT8 (Q3)
 # Filled from the INT8 runs (`benchmarks/quant_quality.py`, `benchmarks/bench_quant.py`),
 # whose results.json are copied to <out>/data/quant/{quality,speed}.json and their
-# PNGs to <out>/figures/quant_{quality,speed}.png. Text: `gsm_jax.quant_quality`.
+# PNGs to <out>/figures/quant_{quality,speed}.png. Text: `gsm_jax.workflow.evidence.quant_quality`.
 
 
 def _rel(path: Path, root: Path) -> str:

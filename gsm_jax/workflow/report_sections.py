@@ -80,7 +80,8 @@ class ReportInputs:
     dict, report order) from ``data/final_eval.json``; ``overhead`` from
     ``data/overhead.json``. The optional parts are None when not recorded:
     ``bench_text`` (the `BenchResult` table), ``serve_http`` (the HTTP on/off run),
-    ``int8_section`` / ``int8_summary`` (the INT8 runs, `gsm_jax.quant_quality`) and
+    ``int8_section`` / ``int8_summary`` (the INT8 runs,
+    `gsm_jax.workflow.evidence.quant_quality`) and
     ``claim3`` (evidence claim 3 for this model, quoted when there are no INT8 runs).
     """
 
