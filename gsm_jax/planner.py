@@ -50,8 +50,6 @@ from gsm_jax.sharding import RULES, logical_axes
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 KNOWN_CONFIGS = {"deepseek-v4-flash": DATA_DIR / "deepseek_v4_flash_config.json"}
-_V4_FP8 = {"q_a", "q_b", "kv", "o_a", "o_b", "shared_gate_up", "shared_down"}
-_V4_EXPERTS = {"experts_gate_up", "experts_down"}
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -128,19 +126,6 @@ def _shard_factor(family: str, path: tuple, ndim: int, mesh: dict[str, int]) -> 
     return math.prod(mesh[RULES[a]] for a in axes if a and RULES.get(a))
 
 
-def _v4_stored_bytes(name: str, shape: tuple[int, ...], quant: dict | None,
-                     expert_dtype: str, dtype: str) -> tuple[str, float]:
-    """(dtype label, bytes) of one V4 weight as `gsm_jax.load` keeps it."""
-    n = math.prod(shape)
-    if quant and name in _V4_EXPERTS and expert_dtype == "fp4":
-        return "fp4 (+e8m0 scales)", n * (0.5 + 1 / 32)
-    if quant and (name in _V4_FP8 or name in _V4_EXPERTS):
-        bo, bi = quant.get("weight_block_size", [128, 128])
-        blocks = math.prod(shape[:-2]) * math.ceil(shape[-1] / bo) * math.ceil(shape[-2] / bi)
-        return "fp8 e4m3 (+e8m0 scales)", n + blocks
-    return dtype, n * _BYTES[dtype]
-
-
 def plan(model: Any, mesh_shape: tuple[int, int] = (1, 1), device_memory: Any = "141GB",
          batch: int = 1, context: int = 4096, *, weights_dtype: str = "bfloat16",
          gsm_max_window: int | None = 64, prefill_tokens: int | None = None) -> Plan:
@@ -165,6 +150,7 @@ def plan(model: Any, mesh_shape: tuple[int, int] = (1, 1), device_memory: Any = 
     check_model(cfg, _FakeMesh(mesh))
     family = family_module(cfg.family)
     shapes = family.weight_shapes(cfg, jnp.dtype(weights_dtype))
+    stored_bytes = getattr(family, "stored_weight_bytes", None)  # a checkpoint's own dtypes
     lines: dict[str, float] = {}
     params = 0
     per_layer: list[float] = []
@@ -175,8 +161,8 @@ def plan(model: Any, mesh_shape: tuple[int, int] = (1, 1), device_memory: Any = 
             label, b = "float32", math.prod(leaf.shape) * 4
         elif np.dtype(leaf.dtype).kind in "iu":
             label, b = "int32 (hash tables)", math.prod(leaf.shape) * 4
-        elif cfg.family == "deepseek_v4":
-            label, b = _v4_stored_bytes(name, leaf.shape, quant, expert_dtype, weights_dtype)
+        elif stored_bytes is not None:
+            label, b = stored_bytes(name, leaf.shape, quant, expert_dtype, weights_dtype)
         else:
             label, b = weights_dtype, math.prod(leaf.shape) * _BYTES[weights_dtype]
         b /= _shard_factor(cfg.family, path, len(leaf.shape), mesh)
@@ -184,8 +170,9 @@ def plan(model: Any, mesh_shape: tuple[int, int] = (1, 1), device_memory: Any = 
         if str(getattr(path[0], "key", "")) == "layers" and len(path) > 1 \
                 and getattr(path[1], "idx", None) == 0:
             per_layer.append(b)
-    mtp = int(getattr(cfg, "num_nextn_predict_layers", 0) or 0) or (
-        1 if cfg.family == "deepseek_v4" and quant else 0)
+    mtp_layers = getattr(family, "mtp_layers", None)
+    mtp = mtp_layers(cfg, quant) if mtp_layers is not None else int(
+        getattr(cfg, "num_nextn_predict_layers", 0) or 0)
     if mtp:
         lines["weights: MTP block (as a layer)"] = mtp * sum(per_layer)
     # caches, from the model's own init_cache
@@ -195,7 +182,7 @@ def plan(model: Any, mesh_shape: tuple[int, int] = (1, 1), device_memory: Any = 
         names = [str(getattr(p, "name", getattr(p, "key", getattr(p, "idx", p)))) for p in path]
         if "lengths" in names:
             continue
-        kind = _cache_kind(names)
+        kind = _cache_kind(names, getattr(family, "CACHE_KINDS", {}))
         lines[kind] = lines.get(kind, 0) + leaf.size * leaf.dtype.itemsize / data
     lines["activations (estimate)"] = _activations(cfg, batch // data, context,
                                                    prefill_tokens, weights_dtype, tp)
@@ -212,14 +199,12 @@ class _FakeMesh:
         self.shape = shape
 
 
-def _cache_kind(names: list[str]) -> str:
+def _cache_kind(names: list[str], kinds: dict[str, str]) -> str:
+    """The line of a cache leaf: its family's label for it (`CACHE_KINDS`), else its name."""
     if "rings" in names:
         return "cache: GSM ring buffers"
     leaf = next(n for n in reversed(names) if not n.isdigit())  # per-layer tuples: k/0, ...
-    return {"window": "cache: sliding-window K=V", "comp": "cache: compressed entries",
-            "index": "cache: indexer entries", "comp_ring": "cache: compressor rings",
-            "index_ring": "cache: compressor rings", "k": "cache: K/V", "v": "cache: K/V",
-            }.get(leaf, f"cache: {leaf}")
+    return f"cache: {kinds.get(leaf, leaf)}"
 
 
 def _activations(cfg: Any, rows: int, context: int, prefill_tokens: int | None,
@@ -230,14 +215,9 @@ def _activations(cfg: Any, rows: int, context: int, prefill_tokens: int | None,
     t = min(prefill_tokens or context, context)
     d = cfg.hidden_size * getattr(cfg, "hc_mult", 1)
     heads = cfg.num_heads // tp if cfg.num_heads % tp == 0 else cfg.num_heads
-    if cfg.family == "deepseek_v4":
-        inter = max(cfg.num_experts_per_tok * cfg.moe_intermediate_size * 2,
-                    cfg.num_heads * cfg.head_dim)
-        entries = t // max(min(cfg.compress_rate_csa, cfg.compress_rate_hca), 1)
-        scores = rows * heads * t * (t + entries) * 4  # f32 scores, materialised
-    else:
-        inter = 2 * cfg.intermediate_size
-        scores = rows * heads * t * t * 4
+    widths = getattr(family_module(cfg.family), "activation_widths", None)
+    inter, keys = widths(cfg, t) if widths is not None else (2 * cfg.intermediate_size, t)
+    scores = rows * heads * t * keys * 4  # f32 scores, materialised
     stream = rows * t * (4 * d + inter) * b
     decode = decode_rows * ((4 * d + inter) * b + heads * context * 4 + cfg.vocab_size * 4)
     return max(stream + scores, decode)
@@ -248,36 +228,15 @@ def _activations(cfg: Any, rows: int, context: int, prefill_tokens: int | None,
 
 def abstract_weights(cfg: Any, quant: dict | None, expert_dtype: str,
                      dtype: str = "bfloat16") -> Any:
-    """The weight tree as ShapeDtypeStructs, block-quantized leaves as stored (V4 with a
-    quantization_config: FP8 dense projections, FP4 or FP8 routed experts)."""
-    from gsm_jax.models.block_quant import BlockQuantWeight
-
+    """The weight tree as ShapeDtypeStructs, block-quantized leaves as stored (a family's
+    `abstract_stored_weights`, given a quantization_config: DeepSeek-V4's FP8 dense
+    projections, FP4 or FP8 routed experts)."""
     family = family_module(cfg.family)
     shapes = family.weight_shapes(cfg, jnp.dtype(dtype))
-    if cfg.family != "deepseek_v4" or not quant:
+    stored = getattr(family, "abstract_stored_weights", None)
+    if stored is None or not quant:
         return shapes
-    bo, bi = quant.get("weight_block_size", [128, 128])
-
-    def stored(path, leaf):
-        name = str(getattr(path[-1], "key", path[-1]))
-        if any(str(getattr(p, "key", "")) in ("indexer", "compressor") for p in path[:-1]):
-            fp8 = name == "q_b"  # the indexer's wq_b is FP8 too; compressors stay bf16
-        else:
-            fp8 = name in _V4_FP8
-        if not (fp8 or name in _V4_EXPERTS):
-            return leaf
-        *lead, inp, out = leaf.shape
-        if name in _V4_EXPERTS and expert_dtype == "fp4":
-            return BlockQuantWeight(
-                jax.ShapeDtypeStruct((*lead, out, inp // 2), jnp.uint8),
-                jax.ShapeDtypeStruct((*lead, out, math.ceil(inp / 32)), jnp.uint8),
-                "e2m1", (1, 32))
-        return BlockQuantWeight(
-            jax.ShapeDtypeStruct((*lead, out, inp), jnp.float8_e4m3fn),
-            jax.ShapeDtypeStruct((*lead, math.ceil(out / bo), math.ceil(inp / bi)), jnp.uint8),
-            "e4m3", (bo, bi))
-
-    return jax.tree_util.tree_map_with_path(stored, shapes)
+    return stored(shapes, quant, expert_dtype)
 
 
 def compile_check(model: Any, mesh_shape: tuple[int, int], batch: int, context: int,

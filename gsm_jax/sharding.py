@@ -4,7 +4,8 @@
     params = gsm_jax.shard(gsm_jax.load("smollm2-135m"), mesh)   # or load(..., mesh=mesh)
     gsm_jax.generate(params, prompts)                             # the same jitted programs
 
-Every weight leaf gets logical axes by its name (`LOGICAL_AXES`, per family); the
+Every weight leaf gets logical axes by its name (`LOGICAL_AXES`, declared in each
+family's module beside its weights; a family may add its own rule, `logical_axes`); the
 logical axes map to mesh axes through `RULES`, as MaxText's logical axis rules do.
 The jitted prefill / decode programs are unchanged: XLA's SPMD partitioner
 (GSPMD) propagates the weights' shardings through them and inserts the collectives.
@@ -41,48 +42,21 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from gsm_jax import families
 from gsm_jax.errors import InvalidInputError
+from gsm_jax.families import family_module
 from gsm_jax.models.block_quant import BlockQuantWeight
 from gsm_jax.models.linear import QuantizedWeight
-from gsm_jax.models.partitioning import MESH_AXES, RULES, constrain_rings  # noqa: F401
+from gsm_jax.models.partitioning import MESH_AXES, RULES, constrain_rings, table_axes  # noqa: F401
 from gsm_jax.params import ModelParams
 
-# Logical axes of each weight of the *float* layout ([..., in, out] projections), by leaf
-# name; None entries are replicated. A leaf not listed is replicated whole.
-LOGICAL_AXES: dict[str, dict[str, tuple[str | None, ...]]] = {
-    "llama": {
-        "embed": ("vocab", None),
-        "lm_head": (None, "vocab"),
-        "qkv": (None, "heads"),
-        "qkv_bias": ("heads",),
-        "o": ("heads", None),
-        "gate_up": (None, "mlp"),
-        "down": ("mlp", None),
-    },
-    # the same projection names as Llama; q/k norms and the four block norms replicated
-    "gemma3": {
-        "embed": ("vocab", None),
-        "lm_head": (None, "vocab"),
-        "qkv": (None, "heads"),
-        "o": ("heads", None),
-        "gate_up": (None, "mlp"),
-        "down": ("mlp", None),
-    },
-    "deepseek_v4": {
-        "embed": ("vocab", None),
-        "lm_head": (None, "vocab"),
-        "q_b": (None, "heads"),
-        "o_a": ("heads", None, None),  # [groups, in, rank]: whole head groups
-        "o_b": ("heads", None),
-        "sinks": ("heads",),
-        "experts_gate_up": ("experts", None, None),
-        "experts_down": ("experts", None, None),
-        "shared_gate_up": (None, "mlp"),
-        "shared_down": ("mlp", None),
-    },
-}
-# V4 leaves whose names recur elsewhere with another meaning (the indexer's q_b)
-_V4_REPLICATED_UNDER = ("indexer", "compressor", "mtp")
+
+def __getattr__(name: str) -> Any:
+    """`LOGICAL_AXES`: {family: its logical axes table}, from the registry (each family
+    declares its table beside its weights, `LOGICAL_AXES` in its module)."""
+    if name == "LOGICAL_AXES":
+        return {f: family_module(f).LOGICAL_AXES for f in families.names()}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def check_mesh(mesh: Any) -> Mesh:
@@ -122,13 +96,11 @@ def _path_names(path: tuple) -> list[str]:
 def logical_axes(family: str, path: tuple, ndim: int) -> tuple[str | None, ...]:
     """The logical axes of the float weight at `path` (replicated: all None)."""
     names = _path_names(path)
-    if family == "deepseek_v4" and any(n in _V4_REPLICATED_UNDER for n in names[:-1]):
-        return (None,) * ndim
-    axes = LOGICAL_AXES.get(family, {}).get(names[-1])
-    if axes is None:
-        return (None,) * ndim
-    # stacked Llama layers carry a leading [L] axis
-    return (None,) * (ndim - len(axes)) + axes
+    fam = family_module(family)
+    rule = getattr(fam, "logical_axes", None)  # a family's own rule, else its table
+    if rule is not None:
+        return rule(names, ndim)
+    return table_axes(fam.LOGICAL_AXES, names[-1], ndim)
 
 
 def _mesh_spec(axes: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh,
@@ -218,9 +190,9 @@ def check_model(config: Any, mesh: Any) -> None:
     sharded size is checked when it is placed.)"""
     n = mesh.shape["model"]
     sizes = {"vocabulary": config.vocab_size}
-    if config.family == "deepseek_v4":
-        sizes.update(experts=config.n_routed_experts, heads=config.num_heads,
-                     output_groups=config.o_groups)
+    more = families.hook(config.family, "model_axis_sizes")
+    if more is not None:
+        sizes.update(more(config))
     for name, size in sizes.items():
         if n > 1 and size % n:
             raise InvalidInputError(

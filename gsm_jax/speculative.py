@@ -41,11 +41,11 @@ from gsm_jax.generation import MIN_PROMPT_BUCKET, _as_token_rows, _check_params,
 from gsm_jax.models.gsm_sites import GSMInputs
 from gsm_jax.params import ModelParams
 
-# Families whose cache is "KV slot s = position s, nothing else": there a rejected
-# suffix is forgotten by moving `lengths` back (stale slots are masked out and later
-# overwritten). Others (DeepSeek-V4's compressed KV and indexer entries fold blocks of
-# tokens into state) are always rolled back by re-running from the saved cache.
-_LENGTH_ROLLBACK_FAMILIES = frozenset({"llama"})
+# A family whose cache is "KV slot s = position s, nothing else" says so with
+# `LENGTH_ROLLBACK = True` in its module: there a rejected suffix is forgotten by moving
+# `lengths` back (stale slots are masked out and later overwritten). Others (DeepSeek-V4's
+# compressed KV and indexer entries fold blocks of tokens into state) are always rolled
+# back by re-running from the saved cache.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,7 +148,8 @@ def _append(fam: Any, weights: dict, config: Any, tokens: jax.Array, n_new: jax.
 
 def _can_rewind(cache: Any, config: Any) -> bool:
     """Whether moving `lengths` back forgets a rejected suffix (see `_rollback`)."""
-    return getattr(cache, "rings", None) is None and config.family in _LENGTH_ROLLBACK_FAMILIES
+    return getattr(cache, "rings", None) is None and bool(
+        getattr(family_module(config.family), "LENGTH_ROLLBACK", False))
 
 
 def _rollback(fam: Any, weights: dict, config: Any, saved: Any, grown: Any,

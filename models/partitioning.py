@@ -23,6 +23,17 @@ RULES: dict[str, str | None] = {
 }
 
 
+def table_axes(table: dict[str, tuple[str | None, ...]], name: str,
+               ndim: int) -> tuple[str | None, ...]:
+    """The logical axes of a weight named `name` with `ndim` axes, from a family's
+    `LOGICAL_AXES` table: all None (replicated) when not listed; leading axes beyond the
+    table's (stacked layers' [L]) replicated."""
+    axes = table.get(name)
+    if axes is None:
+        return (None,) * ndim
+    return (None,) * (ndim - len(axes)) + tuple(axes)
+
+
 def constrain_rings(rings: Any) -> Any:
     """GSM ring buffers [layers, B, window, C] split like the batch (and their channels over
     "model" where it divides them), when the call runs under a mesh (`jax.set_mesh`);
