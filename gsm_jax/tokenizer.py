@@ -158,7 +158,12 @@ class Tokenizer:
 
     Compares and hashes by identity (the default object behaviour), so it can sit in a pytree's
     static aux data; it pickles via the backend's JSON serialisation.
+
+    `chat_format` names a chat format built in code (`gsm_jax.chat_formats`: "deepseek_v4",
+    "deepseek_v41") that replaces the Jinja template for models that ship none.
     """
+
+    chat_format: str | None = None  # class default: tokenizers pickled before it existed
 
     def __init__(
         self,
@@ -174,6 +179,7 @@ class Tokenizer:
         chat_template: str | None = None,
         name: str = "<tokenizer>",
         vocab_size: int | None = None,
+        chat_format: str | None = None,
     ) -> None:
         """Wrap `backend`; special tokens are given by their text and must be in its vocabulary."""
         self._backend = backend
@@ -192,6 +198,18 @@ class Tokenizer:
             eos_ids = () if eos_id is None else (eos_id,)
         self._eos_ids = tuple(dict.fromkeys(int(i) for i in eos_ids))  # ordered, deduplicated
         self._pad_id = self._id_of(pad_token)
+        if chat_format is not None:
+            from gsm_jax import chat_formats
+
+            if chat_format not in chat_formats.FORMATS:
+                raise ModelLoadError(f"{name}: unknown chat format {chat_format!r}")
+            self.chat_format = chat_format
+            for token in chat_formats.special_tokens(chat_format):
+                self._id_of(token)  # all in the vocabulary, or a clear error
+            # the format ends every assistant turn with its EOS: generation stops there
+            fmt_eos = self._id_of(chat_formats.EOS)
+            if fmt_eos not in self._eos_ids:
+                self._eos_ids = (*self._eos_ids, fmt_eos)
         if self.add_bos and self._bos_id is None:
             raise ModelLoadError(f"{name}: add_bos is set but the tokenizer has no BOS token")
 
@@ -459,8 +477,12 @@ class Tokenizer:
 
         # See the module docstring: stop where transformers' generate stops.
         eos_ids = _as_id_tuple(read_json("generation_config.json").get("eos_token_id"))
+        model_config = read_json("config.json")
         if not eos_ids:
-            eos_ids = _as_id_tuple(read_json("config.json").get("eos_token_id"))
+            eos_ids = _as_id_tuple(model_config.get("eos_token_id"))
+        from gsm_jax.chat_formats import chat_format_for
+
+        chat_format = chat_format_for(model_config.get("model_type"))
         return cls(
             backend,
             bos_token=bos,
@@ -472,6 +494,7 @@ class Tokenizer:
             add_eos=post_eos if add_eos is None else bool(add_eos),
             chat_template=template,
             name=str(root),
+            chat_format=chat_format,
         )
 
     # ------------------------------------------------------------------ properties
@@ -542,7 +565,14 @@ class Tokenizer:
 
         `messages` is a list of `{"role": ..., "content": ...}` dicts, or a plain string taken as
         one user message. Extra keyword arguments are passed to the template (e.g. `tools`).
+        A model with a built-in `chat_format` renders in code instead and takes `thinking`
+        (or vLLM's `enable_thinking`) and `reasoning_effort` (see `gsm_jax.chat_formats`).
         """
+        if self.chat_format is not None:
+            from gsm_jax.chat_formats import prompt_text
+
+            return prompt_text(self._chat_pieces(messages, add_generation_prompt,
+                                                 template_kwargs))
         if self.chat_template is None:
             raise UnsupportedModelError(
                 f"{self.name}: this model has no chat template; pass plain text prompts instead"
@@ -561,6 +591,69 @@ class Tokenizer:
         return self._compiled_template.render(
             messages=messages, add_generation_prompt=add_generation_prompt, **context
         )
+
+    def encode_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]] | str,
+        **template_kwargs: Any,
+    ) -> list[int]:
+        """Token ids of the rendered conversation, generation header included.
+
+        With a Jinja template: `encode(apply_chat_template(...))`. With a built-in chat format:
+        the format's special tokens by id and each run of text between them encoded without
+        the added vocabulary (a special-token spelling in a message stays text), no extra BOS.
+        """
+        if self.chat_format is None:
+            return self.encode(self.apply_chat_template(messages, **template_kwargs))
+        ids: list[int] = []
+        text: list[str] = []
+
+        def flush() -> None:
+            if text:
+                ids.extend(self._plain_backend.encode("".join(text),
+                                                      add_special_tokens=False).ids)
+                text.clear()
+
+        for piece in self._chat_pieces(messages, True, template_kwargs):
+            if piece.special:
+                flush()
+                ids.append(self._id_of(piece.text))
+            else:
+                text.append(piece.text)
+        flush()
+        return ids
+
+    def _chat_pieces(self, messages: Any, add_generation_prompt: bool,
+                     kwargs: Mapping[str, Any]) -> list[Any]:
+        from gsm_jax.chat_formats import ChatFormatError, render
+
+        if not add_generation_prompt:
+            raise ChatFormatError(f"the {self.chat_format} chat format always ends with the "
+                                  "generation header (add_generation_prompt=False)")
+        kwargs = dict(kwargs)
+        thinking = kwargs.pop("thinking", None)
+        enable = kwargs.pop("enable_thinking", None)
+        if thinking is None:
+            thinking = enable
+        elif enable is not None and enable != thinking:
+            raise ChatFormatError("thinking and enable_thinking disagree", param="thinking")
+        effort = kwargs.pop("reasoning_effort", None)
+        if kwargs:
+            raise ChatFormatError(f"the {self.chat_format} chat format takes no option "
+                                  f"{sorted(kwargs)} (thinking, reasoning_effort)",
+                                  param="chat_template_kwargs")
+        if isinstance(messages, str):
+            messages = [{"role": "user", "content": messages}]
+        return render(self.chat_format, [dict(m) for m in messages], thinking=thinking,
+                      reasoning_effort=effort)
+
+    @cached_property
+    def _plain_backend(self) -> _BackendTokenizer:
+        # the backend without its added vocabulary: text encodes as text, never as a special
+        # token (what the chat formats' reference encoders do between their special tokens)
+        state = json.loads(self._backend.to_str())
+        state["added_tokens"] = []
+        return _BackendTokenizer.from_str(json.dumps(state))
 
     @cached_property
     def _compiled_template(self) -> Any:
@@ -598,6 +691,7 @@ class Tokenizer:
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state.pop("_compiled_template", None)  # a Jinja template does not pickle; rebuilt lazily
+        state.pop("_plain_backend", None)
         state["_backend"] = self._backend.to_str()
         return state
 
