@@ -1,0 +1,587 @@
+"""DeepSeek-V4.1-Flash checkpoints in the released layout: reader and tiny-checkpoint writer.
+
+The layout (`../shared/research/deepseek_v41.md` sections 1, 6.3 and 9):
+
+- config.json is nested: `text_config` (the architecture), `vision_config`,
+  `image_token_id` and a top-level `quantization_config` with
+  `weight_block_size` [32, 32], `scale_fmt` ue8m0, `expert_dtype` fp4.
+- Dense FP8 e4m3 weights (`attn.{wq_a,wq_b,wkv,wo_a,wo_b}`, `attn.indexer.wq_b`,
+  `ffn.shared_experts.w{1,2,3}`, `engram.wkv`) with an E8M0 `.scale` per 32 x 32
+  block, [ceil(out/32), ceil(in/32)] (V4 used 128 x 128).
+- Routed experts `ffn.experts.{e}.w{1,2,3}`: packed FP4 e2m1 in I8 (low nibble =
+  even column) with an E8M0 scale per row per 32 columns, as in V4.
+- Engram tables `layers.{i}.engram.embed.weight`: FP8 e4m3 [rows, head_dim] with an
+  E8M0 `embed.scale` [rows, head_dim/32] (one scale per row per 32 columns). Each
+  table holds exactly the sum of its layer's hash primes in rows (section 6.2).
+- F32: `hc_{attn,ffn}_{fn,base,scale}`, `attn.attn_sink`, `ffn.gate.bias`,
+  `ffn.gate.bias_vl`. Everything else of the backbone is BF16.
+- `mtp.*` (the DSpark draft) and the vision tower (`vision.*`, `aligner.*`,
+  `image_{start,end,newline}`) are written as given; the reader lists the vision
+  tensors as unused (text-only inference).
+
+Reading (`read_checkpoint`) checks the headers of every tensor up front (shapes of
+all scales against the config's block size, the Engram tables against the primes,
+the tokenizer next to an Engram model) and returns a `V41Checkpoint` whose tensors are
+read lazily, one at a time: FP8 / FP4 weights as `deepseek_v4_checkpoint.StoredQuant`
+(bytes + E8M0 scales as stored), Engram tables as `EngramTableRef` (rows gathered on
+demand, never dequantized whole unless asked).
+
+Writing (`write_checkpoint`): released-name float tensors -> that layout, the tests'
+stand-in for the 510 GB release.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from gsm_jax.errors import ModelLoadError, UnsupportedModelError
+from gsm_jax.models import block_quant as bq
+from gsm_jax.models.deepseek_v4_checkpoint import QuantRef, StoredQuant, TensorRef
+from gsm_jax.models.safetensors_io import (
+    DTYPES,
+    INDEX_FILE,
+    SafetensorsStore,
+    write_safetensors,
+)
+
+MODEL_TYPE = "deepseek_v41"
+TEXT_MODEL_TYPE = "deepseek_v41_text"
+VISION_MODEL_TYPE = "deepseek_v41_vision"
+ARCHITECTURE = "DeepseekV41ForCausalLM"
+BLOCK = (32, 32)
+ENGRAM_ROW_BLOCK = (1, 32)  # Engram tables: one scale per row per 32 columns
+EXPERT_BLOCK = (1, 32)  # FP4 experts (MXFP4)
+QUANTIZATION_CONFIG = {"quant_method": "fp8", "activation_scheme": "dynamic",
+                       "weight_block_size": list(BLOCK), "scale_fmt": "ue8m0",
+                       "expert_dtype": "fp4"}
+TOKENIZER_FILE = "tokenizer.json"
+
+_LAYER = r"(?:layers|mtp)\.(\d+)\."
+_FP8_RE = re.compile(r"layers\.\d+\.(?:attn\.(?:wq_a|wq_b|wkv|wo_a|wo_b)|attn\.indexer\.wq_b"
+                     r"|ffn\.shared_experts\.w[123]|engram\.wkv)\.weight")
+_EXPERT_RE = re.compile(r"layers\.\d+\.ffn\.experts\.\d+\.w[123]\.weight")
+_ENGRAM_TABLE_RE = re.compile(r"layers\.(\d+)\.engram\.embed\.weight")
+_ENGRAM_RE = re.compile(r"layers\.(\d+)\.engram\.")
+_F32_RE = re.compile(r"layers\.\d+\.(?:hc_(?:attn|ffn)_(?:fn|base|scale)|attn\.attn_sink"
+                     r"|ffn\.gate\.bias|ffn\.gate\.bias_vl)")
+_VISION_PREFIXES = ("vision.", "aligner.")
+_VISION_NAMES = ("image_start", "image_end", "image_newline")
+_TOP = ("embed.weight", "head.weight", "norm.weight")
+ENGRAM_TENSORS = ("embed.weight", "embed.scale", "wkv.weight", "wkv.scale", "q_weight",
+                  "k_weight")
+
+
+def is_vision(name: str) -> bool:
+    return name.startswith(_VISION_PREFIXES) or name in _VISION_NAMES
+
+
+# ----------------------------------------------------------------------------- config
+
+
+def text_config(hf: dict[str, Any]) -> dict[str, Any]:
+    """The architecture keys: `text_config` of the nested config.json."""
+    text = hf.get("text_config")
+    if not isinstance(text, dict):
+        raise UnsupportedModelError("config.json of a DeepSeek-V4.1 checkpoint needs a "
+                                    "'text_config' object (the nested released layout)")
+    return text
+
+
+def check_quantization_config(hf: dict[str, Any]) -> dict[str, Any]:
+    """The released `quantization_config` (FP8 e4m3, 32 x 32 blocks, UE8M0 scales, FP4
+    experts) validated; any other value is an UnsupportedModelError naming the key."""
+    qc = hf.get("quantization_config")
+    if not isinstance(qc, dict):
+        raise UnsupportedModelError("config field quantization_config is missing or not an "
+                                    "object (a released V4.1 checkpoint is FP8/FP4)")
+    expert = qc.get("expert_dtype", hf.get("expert_dtype", text_config(hf).get("expert_dtype")))
+    checks = (("quant_method", qc.get("quant_method"), ("fp8",)),
+              ("fmt", qc.get("fmt", "e4m3"), ("e4m3",)),
+              ("scale_fmt", qc.get("scale_fmt"), ("ue8m0",)),
+              ("activation_scheme", qc.get("activation_scheme", "dynamic"), ("dynamic",)),
+              ("expert_dtype", expert, ("fp4",)),
+              ("weight_block_size", qc.get("weight_block_size"), (list(BLOCK), BLOCK)))
+    for key, value, allowed in checks:
+        if value not in allowed:
+            raise UnsupportedModelError(
+                f"config field quantization_config.{key}={value!r} is not supported "
+                f"(a released DeepSeek-V4.1 checkpoint has {allowed[0]!r})")
+    return {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
+            "weight_block_size": BLOCK, "expert_dtype": "fp4"}
+
+
+def nested_config(hf_config: dict[str, Any]) -> dict[str, Any]:
+    """config.json in the released nested form. `hf_config` is either nested already
+    (has `text_config`) or the text config alone; the quantization_config is the
+    released one (a different one given here is a ValueError)."""
+    hf = dict(hf_config)
+    if "text_config" not in hf:
+        hf = {"text_config": hf}
+    text = dict(hf["text_config"])
+    text.pop("quantization_config", None)
+    text["model_type"] = TEXT_MODEL_TYPE
+    given = hf.get("quantization_config") or hf_config.get("quantization_config")
+    if given and any(given.get(k, v) != v for k, v in QUANTIZATION_CONFIG.items()):
+        raise ValueError(f"quantization_config {given!r}: this writer writes the released "
+                         f"{QUANTIZATION_CONFIG!r}")
+    vision = dict(hf.get("vision_config") or {"num_hidden_layers": 0})
+    vision.setdefault("model_type", VISION_MODEL_TYPE)
+    out = {"architectures": [ARCHITECTURE], "model_type": MODEL_TYPE,
+           "image_token_id": hf.get("image_token_id", 129264),
+           "bos_token_id": text.get("bos_token_id", 0), "eos_token_id": text.get("eos_token_id", 1),
+           "pad_token_id": text.get("pad_token_id", 2), "tie_word_embeddings": False,
+           "torch_dtype": "bfloat16"}
+    out.update({k: v for k, v in hf.items() if k not in ("text_config", "vision_config")})
+    out.update(architectures=[ARCHITECTURE], model_type=MODEL_TYPE, text_config=text,
+               vision_config=vision, quantization_config=dict(QUANTIZATION_CONFIG))
+    return out
+
+
+# ----------------------------------------------------------------------------- Engram primes
+
+
+def is_prime(n: int) -> bool:
+    """Deterministic Miller-Rabin for n < 3.3e24 (the bases 2..41)."""
+    if n < 2:
+        return False
+    small = (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41)
+    for p in small:
+        if n % p == 0:
+            return n == p
+    d, s = n - 1, 0
+    while d % 2 == 0:
+        d, s = d // 2, s + 1
+    for a in small:
+        x = pow(a, d, n)
+        if x in (1, n - 1):
+            continue
+        for _ in range(s - 1):
+            x = x * x % n
+            if x == n - 1:
+                break
+        else:
+            return False
+    return True
+
+
+def engram_primes(text: dict[str, Any]) -> dict[int, tuple[int, ...]]:
+    """layer id -> its hash primes, in the order n = 2 heads 0.., n = 3 heads 0.., ...
+
+    The rule (section 6.2): consecutive primes from `engram_vocab_size` up, never
+    reused; each Engram layer, in `engram_layer_ids` order, takes
+    (engram_max_ngram_size - 1) * engram_n_heads of them."""
+    layers = list(text.get("engram_layer_ids") or [])
+    if not layers:
+        return {}
+    try:
+        start = int(text["engram_vocab_size"])
+        per_layer = (int(text["engram_max_ngram_size"]) - 1) * int(text["engram_n_heads"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise UnsupportedModelError(f"config field text_config.{e.args[0] if e.args else e}: "
+                                    "Engram layers need engram_vocab_size, "
+                                    "engram_max_ngram_size and engram_n_heads") from e
+    if per_layer <= 0:
+        raise UnsupportedModelError("config fields text_config.engram_max_ngram_size / "
+                                    "engram_n_heads give no hash heads")
+    out, p = {}, start - 1
+    for layer in layers:
+        primes = []
+        while len(primes) < per_layer:
+            p += 1
+            if is_prime(p):
+                primes.append(p)
+        out[int(layer)] = tuple(primes)
+    return out
+
+
+def engram_rows(text: dict[str, Any]) -> dict[int, int]:
+    """layer id -> the row count of its Engram table (the sum of its primes)."""
+    return {layer: sum(primes) for layer, primes in engram_primes(text).items()}
+
+
+# ----------------------------------------------------------------------------- reading
+
+
+@dataclasses.dataclass(frozen=True)
+class EngramTableRef:
+    """An Engram table as stored: FP8 rows [rows, d] + E8M0 row scales [rows, d/32].
+
+    Nothing is read until asked; `rows(ids)` reads only the rows asked for."""
+
+    store: SafetensorsStore
+    name: str
+    scale_name: str
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.store.info(self.name).shape
+
+    def _gather(self, name: str, ids: np.ndarray) -> np.ndarray:
+        info = self.store.info(name)
+        out = np.empty((len(ids), *info.shape[1:]), DTYPES[info.dtype])
+        if not len(ids):
+            return out
+        order = np.argsort(ids, kind="stable")
+        sorted_ids = ids[order]
+        # runs of consecutive ids -> one contiguous read each
+        breaks = np.flatnonzero(np.diff(sorted_ids) != 1) + 1
+        for run in np.split(np.arange(len(ids)), breaks):
+            lo, hi = int(sorted_ids[run[0]]), int(sorted_ids[run[-1]]) + 1
+            out[order[run]] = self.store.read(name, slice(lo, hi))[sorted_ids[run] - lo]
+        return out
+
+    def rows(self, ids: Any) -> StoredQuant:
+        """The rows `ids` (any shape of ints) as stored: values [n, d], scale [n, d/32]."""
+        ids = np.asarray(ids, np.int64).reshape(-1)
+        rows = self.shape[0]
+        if ids.size and (ids.min() < 0 or ids.max() >= rows):
+            raise IndexError(f"{self.name}: row ids must lie in [0, {rows})")
+        return StoredQuant(self._gather(self.name, ids), self._gather(self.scale_name, ids),
+                           "e4m3", ENGRAM_ROW_BLOCK)
+
+    def dequantize_rows(self, ids: Any) -> np.ndarray:
+        """float32 [n, d] of the rows `ids`."""
+        return self.rows(ids).dequantize()
+
+    def load(self) -> StoredQuant:
+        """The whole table as stored (bytes, not dequantized): for small tables."""
+        scale = self.store.read(self.scale_name)
+        bad = int(np.count_nonzero(scale == bq.E8M0_NAN))
+        if bad:
+            raise ModelLoadError(f"scale {self.scale_name!r} holds {bad} E8M0 NaN byte(s)")
+        return StoredQuant(self.store.read(self.name), scale, "e4m3", ENGRAM_ROW_BLOCK)
+
+    def dequantize(self, chunk_rows: int = 1 << 16) -> np.ndarray:
+        """float32 [rows, d], dequantized chunk by chunk (materialises the whole table)."""
+        rows, d = self.shape
+        out = np.empty((rows, d), np.float32)
+        for lo in range(0, rows, chunk_rows):
+            hi = min(rows, lo + chunk_rows)
+            out[lo:hi] = bq.dequantize_np(self.store.read(self.name, slice(lo, hi)),
+                                          self.store.read(self.scale_name, slice(lo, hi)),
+                                          "e4m3", ENGRAM_ROW_BLOCK)
+        return out
+
+
+@dataclasses.dataclass
+class V41Checkpoint:
+    """The tensors of a released-layout checkpoint, read lazily.
+
+    tensors: name -> TensorRef (BF16 / F32 / ints), QuantRef (FP8 32 x 32 or FP4 1 x 32,
+    `.load()` gives a StoredQuant) or EngramTableRef; scales are folded into their
+    weight. unused: the vision tensors (text-only inference), to be reported.
+    engram_primes: layer -> its hash primes (section 6.2)."""
+
+    directory: Path
+    store: SafetensorsStore
+    tensors: dict[str, Any]
+    unused: tuple[str, ...]
+    engram_primes: dict[int, tuple[int, ...]]
+    tokenizer_file: Path | None
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def __iter__(self):
+        return iter(self.tensors)
+
+    def __getitem__(self, name: str) -> Any:
+        """The tensor as stored: numpy, a StoredQuant, or an EngramTableRef (lazy rows)."""
+        ref = self._ref(name)
+        return ref if isinstance(ref, EngramTableRef) else ref.load()
+
+    def _ref(self, name: str) -> Any:
+        if name not in self.tensors:
+            raise KeyError(f"tensor {name!r} is not in the checkpoint {self.directory}")
+        return self.tensors[name]
+
+    def dequantized(self, name: str) -> np.ndarray:
+        """The tensor as float32 (ints stay ints); FP8 / FP4 decoded with their scales."""
+        ref = self._ref(name)
+        if isinstance(ref, EngramTableRef):
+            return ref.dequantize()
+        value = ref.load()
+        if isinstance(value, StoredQuant):
+            return value.dequantize()
+        return value if value.dtype.kind in "iub" else value.astype(np.float32)
+
+    def close(self) -> None:
+        self.store.close()
+
+
+def _expected_scale(kind: str, shape: tuple[int, ...]) -> tuple[int, int]:
+    """The scale grid a weight of stored `shape` needs."""
+    out, inp = shape[-2], shape[-1] * (2 if kind == "fp4" else 1)
+    block = {"fp8": BLOCK, "fp4": EXPERT_BLOCK, "engram": ENGRAM_ROW_BLOCK}[kind]
+    return bq.scale_grid((out, inp), block)
+
+
+def _validate_pairs(store: SafetensorsStore) -> dict[str, str]:
+    """weight -> its scale for every block-scaled weight, every header checked."""
+    names = set(store.tensors)
+    pairs: dict[str, str] = {}
+    for name in sorted(names):
+        if not name.endswith(".scale"):
+            continue
+        weight = name.removesuffix(".scale") + ".weight"
+        sinfo = store.info(name)
+        if weight not in names:
+            if sinfo.dtype in ("F8_E8M0", "U8"):
+                raise ModelLoadError(f"scale tensor {name!r} has no weight {weight!r}")
+            continue
+        winfo = store.info(weight)
+        if sinfo.dtype not in ("F8_E8M0", "U8"):
+            raise ModelLoadError(f"scale {name!r} has dtype {sinfo.dtype}; the released "
+                                 "layout stores E8M0 scales (F8_E8M0)")
+        table = _ENGRAM_TABLE_RE.fullmatch(weight)
+        if table:
+            kind = "engram"
+            if winfo.dtype != "F8_E4M3":
+                raise ModelLoadError(f"Engram table {weight!r} has dtype {winfo.dtype} "
+                                     "(expected F8_E4M3)")
+        elif winfo.dtype == "F8_E4M3":
+            kind = "fp8"
+        elif winfo.dtype in ("I8", "U8"):
+            kind = "fp4"
+        else:
+            raise ModelLoadError(f"tensor {weight!r} has a scale but dtype {winfo.dtype} "
+                                 "(expected F8_E4M3, or I8 holding packed FP4)")
+        if len(winfo.shape) != 2 or len(sinfo.shape) != 2:
+            raise ModelLoadError(f"weight {weight!r} {list(winfo.shape)} and scale {name!r} "
+                                 f"{list(sinfo.shape)} must both be 2-D")
+        want = _expected_scale(kind, winfo.shape)
+        if tuple(sinfo.shape) != want:
+            logical = [winfo.shape[0], winfo.shape[1] * (2 if kind == "fp4" else 1)]
+            block = {"fp8": BLOCK, "fp4": EXPERT_BLOCK, "engram": ENGRAM_ROW_BLOCK}[kind]
+            hint = ""
+            if kind == "fp8" and tuple(sinfo.shape) == bq.scale_grid(logical, (128, 128)):
+                hint = " (a 128 x 128 grid, as DeepSeek-V4 used; this checkpoint says 32 x 32)"
+            raise ModelLoadError(
+                f"scale {name!r} has shape {list(sinfo.shape)}, but its weight {weight!r} of "
+                f"logical shape {logical} in blocks of {list(block)} needs {list(want)}{hint}")
+        pairs[weight] = name
+    for name in sorted(names - set(pairs)):
+        info = store.info(name)
+        if info.dtype in ("F8_E4M3", "F8_E5M2") or (_EXPERT_RE.fullmatch(name)
+                                                      and info.dtype in ("I8", "U8")):
+            raise ModelLoadError(f"low-precision tensor {name!r} ({info.dtype}) has no scale "
+                                 f"tensor {name.removesuffix('.weight') + '.scale'!r}")
+    return pairs
+
+
+def _validate_engram(store: SafetensorsStore, text: dict[str, Any],
+                     primes: dict[int, tuple[int, ...]]) -> None:
+    """Every configured Engram layer has all its tensors, with the primes' row count."""
+    names = set(store.tensors)
+    n_layers = int(text.get("num_hidden_layers", 0))
+    configured = set(primes)
+    for name in sorted(names):
+        m = _ENGRAM_RE.match(name)
+        if m and int(m.group(1)) not in configured:
+            raise ModelLoadError(f"tensor {name!r} is an Engram tensor of layer {m.group(1)}, "
+                                 f"which is not in text_config.engram_layer_ids "
+                                 f"{sorted(configured)}")
+    declared = list(text.get("engram_num_embeddings") or [])
+    if configured and len(declared) != len(primes):
+        raise UnsupportedModelError(
+            f"config field text_config.engram_num_embeddings={declared!r} needs one row count "
+            f"per text_config.engram_layer_ids entry {list(primes)}")
+    head_dim = text.get("engram_head_dim")
+    for k, (layer, layer_primes) in enumerate(primes.items()):
+        if layer >= n_layers:
+            continue  # a truncated model: layers past num_hidden_layers are not loaded
+        p = f"layers.{layer}.engram."
+        for suffix in ENGRAM_TENSORS:
+            if p + suffix not in names:
+                what = "table" if suffix == "embed.weight" else \
+                    "table scale" if suffix == "embed.scale" else "tensor"
+                raise ModelLoadError(f"Engram {what} {p + suffix!r} of layer {layer} "
+                                     "(text_config.engram_layer_ids) is missing")
+        rows = sum(layer_primes)
+        table = store.info(p + "embed.weight")
+        if table.shape[0] != rows:
+            raise ModelLoadError(
+                f"Engram table {p + 'embed.weight'!r} has {table.shape[0]} rows, but layer "
+                f"{layer}'s {len(layer_primes)} hash primes ({layer_primes[0]} .. "
+                f"{layer_primes[-1]}, from engram_vocab_size {text.get('engram_vocab_size')}) "
+                f"sum to {rows}")
+        if declared[k] != rows:
+            raise ModelLoadError(
+                f"config field text_config.engram_num_embeddings[{k}]={declared[k]} for layer "
+                f"{layer} differs from its table {p + 'embed.weight'!r} and primes ({rows} rows)")
+        if head_dim is not None and table.shape[1] != int(head_dim):
+            raise ModelLoadError(f"Engram table {p + 'embed.weight'!r} is {table.shape[1]} wide, "
+                                 f"text_config.engram_head_dim is {head_dim}")
+        scale = store.info(p + "embed.scale")
+        if scale.shape[0] != table.shape[0]:
+            raise ModelLoadError(f"Engram table scale {p + 'embed.scale'!r} has "
+                                 f"{scale.shape[0]} rows, its table {table.shape[0]}")
+
+
+def read_checkpoint(path: str | os.PathLike) -> tuple[dict[str, Any], V41Checkpoint]:
+    """(config.json as a dict, the checkpoint's tensors) of a released-layout V4.1
+    directory. Every header is validated here; tensor data is read on demand.
+
+    Raises UnsupportedModelError for a config this layout does not describe (not
+    nested, other quantization) and ModelLoadError for files that contradict it
+    (missing or mis-shaped Engram tables or scales, scale grids of another block size,
+    FP8 without scales, Engram layers without tokenizer.json), each naming the
+    tensor or key."""
+    path = Path(path)
+    try:
+        hf = json.loads((path / "config.json").read_text())
+    except FileNotFoundError as e:
+        raise ModelLoadError(f"{path}: no config.json") from e
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"{path / 'config.json'}: not valid JSON ({e})") from e
+    if hf.get("model_type") != MODEL_TYPE:
+        raise UnsupportedModelError(f"config field model_type={hf.get('model_type')!r}: "
+                                    f"expected {MODEL_TYPE!r}")
+    text = text_config(hf)
+    check_quantization_config(hf)
+    primes = engram_primes(text)
+    n_layers = int(text.get("num_hidden_layers", 0))
+    tokenizer = path / TOKENIZER_FILE
+    if any(layer < n_layers for layer in primes) and not tokenizer.exists():
+        raise ModelLoadError(
+            f"{path}: text_config.engram_layer_ids {list(primes)} needs {TOKENIZER_FILE} next "
+            "to config.json (the Engram token map is built from it), and there is none")
+    store = SafetensorsStore(path)
+    try:
+        _validate_engram(store, text, primes)
+        pairs = _validate_pairs(store)
+    except Exception:
+        store.close()
+        raise
+    tensors: dict[str, Any] = {}
+    scales = set(pairs.values())
+    for name in sorted(set(store.tensors) - scales):
+        if name in pairs:
+            if _ENGRAM_TABLE_RE.fullmatch(name):
+                tensors[name] = EngramTableRef(store, name, pairs[name])
+            else:
+                tensors[name] = QuantRef(store, name, pairs[name], BLOCK, "fp4")
+        else:
+            tensors[name] = TensorRef(store, name)
+    unused = tuple(n for n in sorted(store.tensors) if is_vision(n))
+    return hf, V41Checkpoint(path, store, tensors, unused, primes,
+                             tokenizer if tokenizer.exists() else None)
+
+
+# ----------------------------------------------------------------------------- writing
+
+
+def stored_format(name: str) -> str:
+    """How the writer stores a released-name float tensor: 'fp8' (32 x 32 E8M0),
+    'fp4' (packed, 1 x 32 E8M0), 'engram' (FP8, per-row / 32 E8M0), 'f32', 'bf16', or
+    'given' (mtp.* and vision: the array's own dtype)."""
+    if name.startswith("mtp.") or is_vision(name):
+        return "given"
+    if _ENGRAM_TABLE_RE.fullmatch(name):
+        return "engram"
+    if _EXPERT_RE.fullmatch(name):
+        return "fp4"
+    if _FP8_RE.fullmatch(name):
+        return "fp8"
+    if _F32_RE.fullmatch(name):
+        return "f32"
+    if name in _TOP or name.startswith("layers."):
+        return "bf16"
+    raise ValueError(f"tensor {name!r} is not a released DeepSeek-V4.1 name (section 9.2)")
+
+
+_SAFETENSORS_DTYPE = {np.dtype(np.float32): "F32", np.dtype(ml_dtypes.bfloat16): "BF16",
+                      np.dtype(np.float16): "F16", np.dtype(np.float64): "F64",
+                      np.dtype(ml_dtypes.float8_e4m3fn): "F8_E4M3", np.dtype(np.int64): "I64",
+                      np.dtype(np.int32): "I32", np.dtype(np.int8): "I8",
+                      np.dtype(np.uint8): "U8", np.dtype(np.bool_): "BOOL"}
+
+
+def stored_tensors(name: str, value: Any) -> dict[str, tuple[np.ndarray, str]]:
+    """One released-name tensor in its stored dtype, plus its scale where it has one.
+    `value` may be (array, safetensors dtype) to write bytes verbatim."""
+    if isinstance(value, tuple):
+        return {name: value}
+    value = np.asarray(value)
+    fmt = stored_format(name)
+    if fmt == "given" or value.dtype.kind in "iub":
+        if value.dtype not in _SAFETENSORS_DTYPE:
+            raise ValueError(f"{name}: cannot store numpy dtype {value.dtype}")
+        return {name: (value, _SAFETENSORS_DTYPE[value.dtype])}
+    if fmt == "f32":
+        return {name: (value.astype(np.float32), "F32")}
+    if fmt == "bf16":
+        return {name: (value.astype(ml_dtypes.bfloat16), "BF16")}
+    if value.ndim != 2:
+        raise ValueError(f"{name}: a {fmt} weight must be 2-D [out, in], got {value.shape}")
+    block = {"fp8": BLOCK, "fp4": EXPERT_BLOCK, "engram": ENGRAM_ROW_BLOCK}[fmt]
+    if fmt == "fp4" and value.shape[1] % 2:
+        raise ValueError(f"{name}: packed FP4 needs an even input width, got {value.shape}")
+    values, scale = bq.quantize_np(value, "e2m1" if fmt == "fp4" else "e4m3", block)
+    stem = name.removesuffix(".weight")
+    stored = (values.view(np.int8), "I8") if fmt == "fp4" else (values, "F8_E4M3")
+    return {name: stored, stem + ".scale": (scale, "F8_E8M0")}
+
+
+def _shard_order(name: str) -> tuple:
+    """Top tensors, layers in order, mtp, vision, then the Engram tables (own shards,
+    as in the release)."""
+    table = _ENGRAM_TABLE_RE.fullmatch(re.sub(r"\.scale$", ".weight", name))
+    if table:
+        return (4, int(table.group(1)), name)
+    m = re.match(_LAYER, name)
+    if m:
+        return (1 if name.startswith("layers.") else 2, int(m.group(1)), name)
+    return (3 if is_vision(name) else 0, 0, name)
+
+
+def write_checkpoint(path: str | os.PathLike, hf_config: dict[str, Any],
+                     tensors: dict[str, Any], tokenizer_json: str | None = None, *,
+                     shard_bytes: int = 1 << 20) -> Path:
+    """Write released-name float tensors as a released-layout V4.1 checkpoint.
+
+    config.json (nested, released quantization_config), safetensors shards of at most
+    `shard_bytes` each (a tensor larger than that gets a shard of its own; Engram
+    tables start a new shard), model.safetensors.index.json with total_size, and
+    tokenizer.json when given. Returns the directory."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    hf = nested_config(hf_config)
+    stored: dict[str, tuple[np.ndarray, str]] = {}
+    for name, value in tensors.items():
+        for k, v in stored_tensors(name, value).items():
+            if k in stored:
+                raise ValueError(f"tensor {k!r} given twice")
+            stored[k] = (np.ascontiguousarray(v[0]), v[1])
+    files: list[list[str]] = [[]]
+    size, group = 0, None
+    for name in sorted(stored, key=_shard_order):
+        nbytes = stored[name][0].nbytes
+        order = _shard_order(name)
+        table = order[:2] if order[0] == 4 else None  # an Engram table and its scale
+        if files[-1] and (table != group if table else size + nbytes > shard_bytes):
+            files.append([])
+            size = 0
+        group = table
+        files[-1].append(name)
+        size += nbytes
+    weight_map = {}
+    for k, names in enumerate(files):
+        fname = f"model-{k + 1:05d}-of-{len(files):05d}.safetensors"
+        write_safetensors(path / fname, {n: stored[n] for n in names})
+        weight_map.update({n: fname for n in names})
+    total = sum(a.nbytes for a, _ in stored.values())
+    (path / INDEX_FILE).write_text(json.dumps(
+        {"metadata": {"total_size": int(total)}, "weight_map": weight_map}, indent=1))
+    (path / "config.json").write_text(json.dumps(hf, indent=1))
+    if tokenizer_json is not None:
+        (path / TOKENIZER_FILE).write_text(tokenizer_json)
+    return path
