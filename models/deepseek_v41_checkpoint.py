@@ -67,7 +67,7 @@ TOKENIZER_FILE = "tokenizer.json"
 _LAYER = r"(?:layers|mtp)\.(\d+)\."
 _FP8_RE = re.compile(r"layers\.\d+\.(?:attn\.(?:wq_a|wq_b|wkv|wo_a|wo_b)|attn\.indexer\.wq_b"
                      r"|ffn\.shared_experts\.w[123]|engram\.wkv)\.weight")
-_EXPERT_RE = re.compile(r"layers\.\d+\.ffn\.experts\.\d+\.w[123]\.weight")
+_EXPERT_RE = re.compile(r"(?:layers|mtp)\.\d+\.ffn\.experts\.\d+\.w[123]\.weight")
 _ENGRAM_TABLE_RE = re.compile(r"layers\.(\d+)\.engram\.embed\.weight")
 _ENGRAM_RE = re.compile(r"layers\.(\d+)\.engram\.")
 _F32_RE = re.compile(r"layers\.\d+\.(?:hc_(?:attn|ffn)_(?:fn|base|scale)|attn\.attn_sink"
@@ -244,8 +244,24 @@ class EngramTableRef:
         rows = self.shape[0]
         if ids.size and (ids.min() < 0 or ids.max() >= rows):
             raise IndexError(f"{self.name}: row ids must lie in [0, {rows})")
-        return StoredQuant(self._gather(self.name, ids), self._gather(self.scale_name, ids),
-                           "e4m3", ENGRAM_ROW_BLOCK)
+        scale = self._gather(self.scale_name, ids)
+        self._check_scale(scale)
+        return StoredQuant(self._gather(self.name, ids), scale, "e4m3", ENGRAM_ROW_BLOCK)
+
+    def _check_scale(self, scale: np.ndarray) -> None:
+        bad = int(np.count_nonzero(scale == bq.E8M0_NAN))
+        if bad:
+            raise ModelLoadError(f"scale {self.scale_name!r} holds {bad} E8M0 NaN byte(s) "
+                                 "(0xFF)")
+
+    def memmap(self) -> tuple[np.ndarray, np.ndarray]:
+        """(values [rows, d] float8_e4m3fn, scale [rows, d/32] uint8) as read-only memory
+        maps of the shard files: the whole table addressable without reading it."""
+        out = []
+        for name in (self.name, self.scale_name):
+            info = self.store.info(name)
+            out.append(np.memmap(info.file, DTYPES[info.dtype], "r", info.begin, info.shape))
+        return out[0], out[1]
 
     def dequantize_rows(self, ids: Any) -> np.ndarray:
         """float32 [n, d] of the rows `ids`."""
@@ -254,9 +270,7 @@ class EngramTableRef:
     def load(self) -> StoredQuant:
         """The whole table as stored (bytes, not dequantized): for small tables."""
         scale = self.store.read(self.scale_name)
-        bad = int(np.count_nonzero(scale == bq.E8M0_NAN))
-        if bad:
-            raise ModelLoadError(f"scale {self.scale_name!r} holds {bad} E8M0 NaN byte(s)")
+        self._check_scale(scale)
         return StoredQuant(self.store.read(self.name), scale, "e4m3", ENGRAM_ROW_BLOCK)
 
     def dequantize(self, chunk_rows: int = 1 << 16) -> np.ndarray:
@@ -265,8 +279,9 @@ class EngramTableRef:
         out = np.empty((rows, d), np.float32)
         for lo in range(0, rows, chunk_rows):
             hi = min(rows, lo + chunk_rows)
-            out[lo:hi] = bq.dequantize_np(self.store.read(self.name, slice(lo, hi)),
-                                          self.store.read(self.scale_name, slice(lo, hi)),
+            scale = self.store.read(self.scale_name, slice(lo, hi))
+            self._check_scale(scale)
+            out[lo:hi] = bq.dequantize_np(self.store.read(self.name, slice(lo, hi)), scale,
                                           "e4m3", ENGRAM_ROW_BLOCK)
         return out
 
@@ -277,7 +292,8 @@ class V41Checkpoint:
 
     tensors: name -> TensorRef (BF16 / F32 / ints), QuantRef (FP8 32 x 32 or FP4 1 x 32,
     `.load()` gives a StoredQuant) or EngramTableRef; scales are folded into their
-    weight. unused: the vision tensors (text-only inference), to be reported.
+    weight. unused: the vision tensors (text-only inference) and the tensors of layers
+    past num_hidden_layers (a truncated config), for the loader to report.
     engram_primes: layer -> its hash primes (section 6.2)."""
 
     directory: Path
@@ -426,41 +442,31 @@ def _validate_engram(store: SafetensorsStore, text: dict[str, Any],
                                  f"{scale.shape[0]} rows, its table {table.shape[0]}")
 
 
-def read_checkpoint(path: str | os.PathLike) -> tuple[dict[str, Any], V41Checkpoint]:
-    """(config.json as a dict, the checkpoint's tensors) of a released-layout V4.1
-    directory. Every header is validated here; tensor data is read on demand.
-
-    Raises UnsupportedModelError for a config this layout does not describe (not
-    nested, other quantization) and ModelLoadError for files that contradict it
-    (missing or mis-shaped Engram tables or scales, scale grids of another block size,
-    FP8 without scales, Engram layers without tokenizer.json), each naming the
-    tensor or key."""
-    path = Path(path)
-    try:
-        hf = json.loads((path / "config.json").read_text())
-    except FileNotFoundError as e:
-        raise ModelLoadError(f"{path}: no config.json") from e
-    except json.JSONDecodeError as e:
-        raise ModelLoadError(f"{path / 'config.json'}: not valid JSON ({e})") from e
+def _config_checks(hf: dict[str, Any], directory: Path) -> dict[str, Any]:
+    """The config-level checks; returns text_config."""
     if hf.get("model_type") != MODEL_TYPE:
         raise UnsupportedModelError(f"config field model_type={hf.get('model_type')!r}: "
                                     f"expected {MODEL_TYPE!r}")
     text = text_config(hf)
     check_quantization_config(hf)
-    primes = engram_primes(text)
     n_layers = int(text.get("num_hidden_layers", 0))
-    tokenizer = path / TOKENIZER_FILE
-    if any(layer < n_layers for layer in primes) and not tokenizer.exists():
+    active = [layer for layer in text.get("engram_layer_ids") or [] if layer < n_layers]
+    if active and not (directory / TOKENIZER_FILE).exists():
         raise ModelLoadError(
-            f"{path}: text_config.engram_layer_ids {list(primes)} needs {TOKENIZER_FILE} next "
-            "to config.json (the Engram token map is built from it), and there is none")
-    store = SafetensorsStore(path)
-    try:
-        _validate_engram(store, text, primes)
-        pairs = _validate_pairs(store)
-    except Exception:
-        store.close()
-        raise
+            f"{directory}: text_config.engram_layer_ids {list(text['engram_layer_ids'])} needs "
+            f"{TOKENIZER_FILE} next to config.json (the Engram token map is built from it), "
+            "and there is none")
+    return text
+
+
+def checkpoint_tensors(hf: dict[str, Any], store: SafetensorsStore) -> V41Checkpoint:
+    """The validated, lazily read tensors of an open store (what a family's
+    `load_checkpoint(cfg, hf_config, store, ...)` hook calls; `read_checkpoint` opens
+    the directory and calls this). The store stays owned by the caller."""
+    text = _config_checks(hf, store.directory)
+    primes = engram_primes(text)
+    _validate_engram(store, text, primes)
+    pairs = _validate_pairs(store)
     tensors: dict[str, Any] = {}
     scales = set(pairs.values())
     for name in sorted(set(store.tensors) - scales):
@@ -471,20 +477,61 @@ def read_checkpoint(path: str | os.PathLike) -> tuple[dict[str, Any], V41Checkpo
                 tensors[name] = QuantRef(store, name, pairs[name], BLOCK, "fp4")
         else:
             tensors[name] = TensorRef(store, name)
-    unused = tuple(n for n in sorted(store.tensors) if is_vision(n))
-    return hf, V41Checkpoint(path, store, tensors, unused, primes,
-                             tokenizer if tokenizer.exists() else None)
+    n_layers = int(text.get("num_hidden_layers", 0))
+
+    def unused(name: str) -> bool:
+        m = re.match(r"layers\.(\d+)\.", name)
+        return is_vision(name) or (m is not None and int(m.group(1)) >= n_layers)
+
+    tokenizer = store.directory / TOKENIZER_FILE
+    return V41Checkpoint(store.directory, store, tensors,
+                         tuple(n for n in sorted(tensors) if unused(n)), primes,
+                         tokenizer if tokenizer.exists() else None)
+
+
+def read_checkpoint(path: str | os.PathLike) -> tuple[dict[str, Any], V41Checkpoint]:
+    """(config.json as a dict, the checkpoint's tensors) of a released-layout V4.1
+    directory. Every header is validated here; tensor data is read on demand.
+
+    Raises UnsupportedModelError for a config this layout does not describe (not
+    nested, other quantization) and ModelLoadError for files that contradict it
+    (missing or mis-shaped Engram tables or scales, scale grids of another block size,
+    FP8 without scales, Engram layers without tokenizer.json), each naming the
+    tensor or key. `unused` lists the vision tensors and those of layers past
+    num_hidden_layers (a truncated config), for the loader to report."""
+    path = Path(path)
+    try:
+        hf = json.loads((path / "config.json").read_text())
+    except FileNotFoundError as e:
+        raise ModelLoadError(f"{path}: no config.json") from e
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"{path / 'config.json'}: not valid JSON ({e})") from e
+    _config_checks(hf, path)  # before indexing the shards
+    store = SafetensorsStore(path)
+    try:
+        return hf, checkpoint_tensors(hf, store)
+    except Exception:
+        store.close()
+        raise
 
 
 # ----------------------------------------------------------------------------- writing
 
 
-def stored_format(name: str) -> str:
+def stored_format(name: str, quantize_mtp: bool = False) -> str:
     """How the writer stores a released-name float tensor: 'fp8' (32 x 32 E8M0),
     'fp4' (packed, 1 x 32 E8M0), 'engram' (FP8, per-row / 32 E8M0), 'f32', 'bf16', or
-    'given' (mtp.* and vision: the array's own dtype)."""
-    if name.startswith("mtp.") or is_vision(name):
+    'given' (vision, and mtp.* unless `quantize_mtp`: the array's own dtype). With
+    `quantize_mtp` the draft's `mtp.{i}.*` tensors follow the layer rules, plus an
+    FP8 `main_proj`, as released."""
+    if is_vision(name):
         return "given"
+    if name.startswith("mtp."):
+        if not quantize_mtp:
+            return "given"
+        if re.fullmatch(r"mtp\.\d+\.main_proj\.weight", name):
+            return "fp8"
+        return stored_format("layers." + name.removeprefix("mtp."))
     if _ENGRAM_TABLE_RE.fullmatch(name):
         return "engram"
     if _EXPERT_RE.fullmatch(name):
@@ -505,13 +552,14 @@ _SAFETENSORS_DTYPE = {np.dtype(np.float32): "F32", np.dtype(ml_dtypes.bfloat16):
                       np.dtype(np.uint8): "U8", np.dtype(np.bool_): "BOOL"}
 
 
-def stored_tensors(name: str, value: Any) -> dict[str, tuple[np.ndarray, str]]:
+def stored_tensors(name: str, value: Any,
+                   quantize_mtp: bool = False) -> dict[str, tuple[np.ndarray, str]]:
     """One released-name tensor in its stored dtype, plus its scale where it has one.
     `value` may be (array, safetensors dtype) to write bytes verbatim."""
     if isinstance(value, tuple):
         return {name: value}
     value = np.asarray(value)
-    fmt = stored_format(name)
+    fmt = stored_format(name, quantize_mtp)
     if fmt == "given" or value.dtype.kind in "iub":
         if value.dtype not in _SAFETENSORS_DTYPE:
             raise ValueError(f"{name}: cannot store numpy dtype {value.dtype}")
@@ -545,19 +593,21 @@ def _shard_order(name: str) -> tuple:
 
 def write_checkpoint(path: str | os.PathLike, hf_config: dict[str, Any],
                      tensors: dict[str, Any], tokenizer_json: str | None = None, *,
-                     shard_bytes: int = 1 << 20) -> Path:
+                     shard_bytes: int = 1 << 20, quantize_mtp: bool = False) -> Path:
     """Write released-name float tensors as a released-layout V4.1 checkpoint.
 
     config.json (nested, released quantization_config), safetensors shards of at most
     `shard_bytes` each (a tensor larger than that gets a shard of its own; Engram
     tables start a new shard), model.safetensors.index.json with total_size, and
-    tokenizer.json when given. Returns the directory."""
+    tokenizer.json when given. A value may be (array, safetensors dtype), written
+    verbatim. `mtp.*` and vision tensors keep their given dtype unless `quantize_mtp`
+    (see `stored_format`). Returns the directory."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     hf = nested_config(hf_config)
     stored: dict[str, tuple[np.ndarray, str]] = {}
     for name, value in tensors.items():
-        for k, v in stored_tensors(name, value).items():
+        for k, v in stored_tensors(name, value, quantize_mtp).items():
             if k in stored:
                 raise ValueError(f"tensor {k!r} given twice")
             stored[k] = (np.ascontiguousarray(v[0]), v[1])

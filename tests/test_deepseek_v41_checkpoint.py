@@ -27,6 +27,7 @@ from gsm_jax.errors import ModelLoadError, UnsupportedModelError
 from gsm_jax.models.deepseek_v4_checkpoint import StoredQuant
 from gsm_jax.models.deepseek_v41_checkpoint import (
     EngramTableRef,
+    checkpoint_tensors,
     engram_primes,
     engram_rows,
     read_checkpoint,
@@ -318,6 +319,62 @@ def test_engram_rows_agree_with_the_reference_harness():
     assert list(engram_rows(text).values()) == text["engram_num_embeddings"]
 
 
+def test_open_store_entry_point(written):
+    """What a family's load_checkpoint(cfg, hf_config, store, ...) hook calls."""
+    path, tensors, hf, ckpt = written
+    store = SafetensorsStore(path)
+    other = checkpoint_tensors(hf, store)
+    assert set(other.tensors) == set(ckpt.tensors) and other.unused == ckpt.unused
+    np.testing.assert_array_equal(other.dequantized("layers.2.attn.indexer.wq_b.weight"),
+                                  ckpt.dequantized("layers.2.attn.indexer.wq_b.weight"))
+    store.close()
+
+
+def test_engram_table_memmap(written):
+    _, _, _, ckpt = written
+    table = ckpt["layers.1.engram.embed.weight"]
+    values, scale = table.memmap()
+    whole = table.load()
+    assert values.dtype == ml_dtypes.float8_e4m3fn and values.shape == (384, ENGRAM_D)
+    np.testing.assert_array_equal(np.asarray(values).view(np.uint8),
+                                  whole.values.view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(scale), whole.scale)
+
+
+@pytest.mark.parametrize("n_layers", [2, 1])
+def test_truncated_config_reports_the_layers_it_drops(tmp_path, n_layers):
+    # 2: Engram layer 1 is still loaded; 1: it is not, so no tokenizer is needed
+    path = _write_bad(tmp_path, text=tiny_text(num_hidden_layers=n_layers),
+                      tokenizer=n_layers > 1)
+    _, ckpt = read_checkpoint(path)
+    dropped = sorted(n for n in ckpt.tensors
+                     if n.startswith("layers.") and int(n.split(".")[1]) >= n_layers)
+    assert dropped and set(dropped) <= set(ckpt.unused)
+    assert not any(n.startswith("layers.0.") for n in ckpt.unused)
+    ckpt.close()
+
+
+def test_quantize_mtp_follows_the_layer_rules(tmp_path):
+    t = {k: v for k, v in tiny_tensors().items() if not k.startswith("mtp.")}
+    layer0 = {k: v for k, v in t.items() if k.startswith("layers.0.")}
+    mtp = {"mtp.0." + k.removeprefix("layers.0."): v for k, v in layer0.items()}
+    mtp["mtp.0.main_proj.weight"] = tiny_tensors(seed=1)["mtp.0.main_proj.weight"].astype(
+        np.float32)
+    path = write_checkpoint(tmp_path / "mtp", {"text_config": tiny_text()}, {**t, **mtp},
+                            TOKENIZER_JSON, quantize_mtp=True)
+    _, ckpt = read_checkpoint(path)
+    store = SafetensorsStore(path)
+    for name, value in mtp.items():
+        dtype, want = expected("layers.0." + name.removeprefix("mtp.0."), value)
+        if name == "mtp.0.main_proj.weight":
+            dtype, want = "F8_E4M3", ref_fp8(value)
+        assert store.info(name).dtype == dtype, name
+        np.testing.assert_array_equal(ckpt.dequantized(name), want.astype(np.float32),
+                                      err_msg=name)
+    store.close()
+    ckpt.close()
+
+
 # ----------------------------------------------------------------------------- bad inputs
 
 
@@ -417,6 +474,23 @@ def test_scale_without_weight(tmp_path):
     _, t["layers.0.attn.wo_b.scale"] = _raw(t.pop("layers.0.attn.wo_b.weight"), (32, 32))
     with pytest.raises(ModelLoadError, match=r"'layers\.0\.attn\.wo_b\.scale' has no weight"):
         read_checkpoint(_write_bad(tmp_path, t))
+
+
+def test_engram_nan_scale_is_refused_when_read(tmp_path):
+    from gsm_jax.models import block_quant as bq
+
+    t = tiny_tensors()
+    v, s = bq.quantize_np(t.pop("layers.1.engram.embed.weight"), "e4m3", (1, 32))
+    s[10, 1] = 0xFF
+    t["layers.1.engram.embed.weight"] = (v, "F8_E4M3")
+    t["layers.1.engram.embed.scale"] = (s, "F8_E8M0")
+    _, ckpt = read_checkpoint(_write_bad(tmp_path, t))
+    table = ckpt["layers.1.engram.embed.weight"]
+    table.rows([9, 11])
+    for read in (lambda: table.rows([3, 10]), table.load, table.dequantize):
+        with pytest.raises(ModelLoadError, match=r"'layers\.1\.engram\.embed\.scale'.*NaN"):
+            read()
+    ckpt.close()
 
 
 def test_engram_layers_need_a_tokenizer(tmp_path):
