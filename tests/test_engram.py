@@ -175,12 +175,15 @@ def _quantize_rows(table):
 @pytest.mark.parametrize("layer_id", [1, 5])
 def test_update_equals_nemo(model, token_map, specs, layer_id):
     """fp32 throughout on both sides; the table is made FP8-representable first (ours
-    quantises it, NeMo gets the dequantised copy), so the only difference is fp32 summation
-    order in the wkv matmul and the reductions: tolerance 2e-5 absolute on O(1) streams."""
+    quantises it, NeMo gets the dequantised copy), so the only difference is fp32 rounding /
+    summation order in the wkv matmul (192 terms) and the 64-wide reductions. The table is
+    scaled to unit size so the update itself is O(0.1-1) (init std 0.02 would make it ~0.01
+    and hide errors); measured differences are ~1e-7, the tolerance on the update (out - h)
+    is 1e-5 absolute, 100x above fp32 rounding and >1000x below the update's size."""
     mod = nemo_engram_layer(model, layer_id)
     li = [s.layer_id for s in specs].index(layer_id)
     spec = specs[li]
-    table = mod.embed.weight.detach().float().numpy()[: spec.num_embeddings]
+    table = 50.0 * mod.embed.weight.detach().float().numpy()[: spec.num_embeddings]
     q8, sb = _quantize_rows(table)
     deq = q8.astype(np.float32) * np.repeat(np.exp2(sb.astype(np.float32) - 127), 32, -1)
     rng = np.random.default_rng(layer_id)
@@ -205,9 +208,9 @@ def test_update_equals_nemo(model, token_map, specs, layer_id):
     upd = jax.jit(E.engram_update, static_argnames="embed_dtype")
     got = upd(jnp.asarray(h), jnp.asarray(q8), jnp.asarray(sb), jnp.asarray(hash_ids), **args)
     assert got.shape == h.shape and got.dtype == jnp.float32
-    np.testing.assert_allclose(np.asarray(got), ref, atol=2e-5, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(got) - h, ref - h, atol=1e-5, rtol=0)
     np.testing.assert_array_equal(np.asarray(got)[1, 8:], h[1, 8:])  # masked: unchanged
-    assert np.abs(ref - h).max() > 1e-3  # the update is not a no-op
+    assert np.abs(ref - h).max() > 0.05  # the update is not (close to) a no-op
     # caller-gathered rows (ids=None) give the same result
     pre = upd(jnp.asarray(h), jnp.asarray(q8[hash_ids]), jnp.asarray(sb[hash_ids]), None,
               **args)
