@@ -313,6 +313,36 @@ def test_engram_primes_follow_the_release():
     assert engram_rows(text) == {1: 384006168, 14: 384016682}
 
 
+def test_engram_primes_agree_with_models_engram():
+    """models/engram.py (the hash, another implementation of the same rule) takes the
+    same primes, for the released and the tiny configs."""
+    engram = pytest.importorskip("gsm_jax.models.engram")
+    released = dict(engram_layer_ids=[1, 14], engram_vocab_size=16000000,
+                    engram_max_ngram_size=4, engram_n_heads=8,
+                    engram_compressed_vocab_size=99092,
+                    engram_num_embeddings=[384006168, 384016682])
+    tiny = {**tiny_text(), "engram_compressed_vocab_size": 52}
+    for text in (released, tiny):
+        specs = engram.engram_specs(text)
+        assert {s.layer_id: s.primes for s in specs} == engram_primes(text)
+        assert [s.num_embeddings for s in specs] == list(engram_rows(text).values())
+
+
+def test_scale_grids_of_the_released_shapes():
+    """Section 9.2's stored shapes give its scale shapes."""
+    from gsm_jax.models.deepseek_v41_checkpoint import _expected_scale
+
+    released = [("fp8", (32768, 1280), (1024, 40)),  # attn.wq_b
+                ("fp8", (8192, 4096), (256, 128)),  # attn.wo_a
+                ("fp8", (4096, 1280), (128, 40)),  # attn.indexer.wq_b
+                ("fp8", (25600, 6144), (800, 192)),  # engram.wkv
+                ("fp4", (2304, 2560), (2304, 160)),  # experts.w1 (I8: 5120 logical)
+                ("fp4", (5120, 1152), (5120, 72)),  # experts.w2
+                ("engram", (384006168, 256), (384006168, 8))]  # engram.embed
+    for kind, shape, scale in released:
+        assert _expected_scale(kind, shape) == scale, (kind, shape)
+
+
 def test_engram_rows_agree_with_the_reference_harness():
     v41 = pytest.importorskip("v41_reference")
     text = v41.tiny_config()["text_config"]
