@@ -178,16 +178,18 @@ def engram_primes(text: dict[str, Any]) -> dict[int, tuple[int, ...]]:
     The rule (section 6.2): consecutive primes from `engram_vocab_size` up, never
     reused; each Engram layer, in `engram_layer_ids` order, takes
     (engram_max_ngram_size - 1) * engram_n_heads of them."""
-    layers = list(text.get("engram_layer_ids") or [])
+    layers = [int(layer) for layer in text.get("engram_layer_ids") or []]
     if not layers:
         return {}
-    try:
-        start = int(text["engram_vocab_size"])
-        per_layer = (int(text["engram_max_ngram_size"]) - 1) * int(text["engram_n_heads"])
-    except (KeyError, TypeError, ValueError) as e:
-        raise UnsupportedModelError(f"config field text_config.{e.args[0] if e.args else e}: "
-                                    "Engram layers need engram_vocab_size, "
-                                    "engram_max_ngram_size and engram_n_heads") from e
+    if len(set(layers)) != len(layers):
+        raise UnsupportedModelError(f"config field text_config.engram_layer_ids={layers!r} "
+                                    "repeats a layer")
+    for key in ("engram_vocab_size", "engram_max_ngram_size", "engram_n_heads"):
+        if not isinstance(text.get(key), int):
+            raise UnsupportedModelError(f"config field text_config.{key}={text.get(key)!r}: "
+                                        "Engram layers need it as an integer")
+    start = text["engram_vocab_size"]
+    per_layer = (text["engram_max_ngram_size"] - 1) * text["engram_n_heads"]
     if per_layer <= 0:
         raise UnsupportedModelError("config fields text_config.engram_max_ngram_size / "
                                     "engram_n_heads give no hash heads")
@@ -198,7 +200,7 @@ def engram_primes(text: dict[str, Any]) -> dict[int, tuple[int, ...]]:
             p += 1
             if is_prime(p):
                 primes.append(p)
-        out[int(layer)] = tuple(primes)
+        out[layer] = tuple(primes)
     return out
 
 
@@ -318,6 +320,17 @@ class V41Checkpoint:
         if name not in self.tensors:
             raise KeyError(f"tensor {name!r} is not in the checkpoint {self.directory}")
         return self.tensors[name]
+
+    def block_quant(self, name: str) -> bq.BlockQuantWeight:
+        """An FP8 / FP4 weight or an Engram table as the model's `BlockQuantWeight` (host
+        numpy leaves, stored [out, in(/2)] orientation; block (32, 32), (1, 32) for FP4
+        experts and Engram rows). The Engram table is read whole: use `[name].rows` or
+        `.memmap()` for the released sizes."""
+        ref = self._ref(name)
+        if not isinstance(ref, QuantRef | EngramTableRef):
+            raise TypeError(f"tensor {name!r} is not block-quantized")
+        q = ref.load()
+        return bq.BlockQuantWeight(q.values, q.scale, q.fmt, q.block)
 
     def dequantized(self, name: str) -> np.ndarray:
         """The tensor as float32 (ints stay ints); FP8 / FP4 decoded with their scales."""

@@ -246,6 +246,19 @@ def test_stored_containers(written):
     assert bf16.dtype == ml_dtypes.bfloat16
 
 
+@pytest.mark.parametrize("name", ["layers.0.attn.wq_b.weight", "layers.2.ffn.experts.1.w2.weight",
+                                  "layers.1.engram.embed.weight"])
+def test_block_quant_weights_decode_like_the_reader(written, name):
+    """The model's container (models/block_quant.BlockQuantWeight, jnp decode) gives the
+    reader's numbers."""
+    _, _, _, ckpt = written
+    w = ckpt.block_quant(name)
+    assert w.block == ((32, 32) if ".attn." in name else (1, 32))
+    np.testing.assert_array_equal(np.asarray(w.dequantize_stored()), ckpt.dequantized(name))
+    with pytest.raises(TypeError, match="not block-quantized"):
+        ckpt.block_quant("layers.0.attn_norm.weight")
+
+
 def test_engram_table_rows_are_read_lazily(written):
     _, tensors, _, ckpt = written
     table = ckpt["layers.1.engram.embed.weight"]
