@@ -356,6 +356,14 @@ def test_scale_grids_of_the_released_shapes():
         assert _expected_scale(kind, shape) == scale, (kind, shape)
 
 
+@pytest.mark.parametrize("overrides,key", [({"engram_layer_ids": [1, 1]}, "engram_layer_ids"),
+                                           ({"engram_n_heads": None}, "engram_n_heads"),
+                                           ({"engram_vocab_size": "50"}, "engram_vocab_size")])
+def test_engram_config_errors_name_the_key(overrides, key):
+    with pytest.raises(UnsupportedModelError, match=rf"text_config\.{key}"):
+        engram_primes(tiny_text(**overrides))
+
+
 def test_engram_rows_agree_with_the_reference_harness():
     v41 = pytest.importorskip("v41_reference")
     text = v41.tiny_config()["text_config"]
