@@ -268,8 +268,8 @@ class LinearInputs(Sites):
         return linear(x, w)
 
 
-def capture_linear_inputs(weights: dict, cfg: Any, tokens: jax.Array, lengths: jax.Array,
-                          values: bool = False) -> tuple[jax.Array, dict]:
+def smoothquant_inputs(weights: dict, cfg: Any, tokens: jax.Array, lengths: jax.Array,
+                       values: bool = False) -> tuple[jax.Array, dict]:
     """The model's teacher-forced pass, returning the final hidden states and, per layer,
     the per-channel max |x| (over real tokens) at the inputs of the four projections
     (values=True: the inputs themselves, [L, B, T, C] each), through the family's hooks."""
@@ -287,7 +287,7 @@ def _check_calibration(params: Any, tokens: Any) -> tuple[ModelParams, np.ndarra
     return params, tokens
 
 
-_capture_jit = jax.jit(capture_linear_inputs, static_argnames=("cfg", "values"))
+_capture_jit = jax.jit(smoothquant_inputs, static_argnames=("cfg", "values"))
 
 
 def activation_absmax(params: ModelParams, tokens: Any, *, batch_size: int = 8) -> dict:
@@ -312,7 +312,8 @@ def activation_samples(params: ModelParams, tokens: Any) -> dict:
     """The inputs of qkv, o, gate_up and down themselves for calibration token ids
     [N, T] (full rows; Llama family, float params): {"qkv": [L, N*T, D], "o":
     [L, N*T, H*hd], "gate_up": [L, N*T, D], "down": [L, N*T, d_ff]} float32, for
-    layer-local searches (`gsm_jax.quant_quality.local_smoothquant_alphas`)."""
+    layer-local searches
+    (`gsm_jax.workflow.evidence.quant_quality.local_smoothquant_alphas`)."""
     params, tokens = _check_calibration(params, tokens)
     lengths = jnp.full((tokens.shape[0],), tokens.shape[1], jnp.int32)
     weights, _ = stacked_weights(params)
