@@ -215,3 +215,25 @@ def test_update_equals_nemo(model, token_map, specs, layer_id):
     pre = upd(jnp.asarray(h), jnp.asarray(q8[hash_ids]), jnp.asarray(sb[hash_ids]), None,
               **args)
     np.testing.assert_array_equal(np.asarray(pre), np.asarray(got))
+
+
+def test_token_map_byte_level_bpe_equals_nemo():
+    """A byte-level BPE (like the release's): lone bytes >= 0x80 decode to U+FFFD and are
+    keyed by their raw token; "Ġword" / "word" / "WORD" merge after decoding."""
+    from nemo_automodel.components.models.deepseek_v41.engram import _compressed_token_map
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    text = ["Café café CAFÉ cafe naïve Naive", "Hello hello HELLO world World",
+            "tab\there  two\n\nlines", "日本語 テキスト ｆｕｌｌ ﬁne"] * 20
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<s>", "</s>", "<pad>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(text, trainer)
+    want, n = _compressed_token_map(PreTrainedTokenizerFast(tokenizer_object=tok))
+    got = E.token_class_map(tok.to_str())
+    np.testing.assert_array_equal(got, want)
+    assert got.max() + 1 == n < len(got)  # ids did merge
+    assert any("\ufffd" in tok.decode([i]) for i in range(tok.get_vocab_size()))
