@@ -16,6 +16,7 @@ from v41_reference import (  # noqa: E402
     nemo_engram_hash,
     nemo_logits,
     nemo_model,
+    nemo_streams,
     released_state_dict,
     tiny_config,
     tiny_tokenizer,
@@ -68,6 +69,10 @@ def test_model_seeded_and_finite(model):
     short = nemo_logits(model, ids[1:, :7])
     np.testing.assert_allclose(logits[1, :7], short[0], atol=1e-5)  # right padding ignored
     assert nemo_engram_hash(model, ids).shape == (2, 12, 2, 6)
+    streams = nemo_streams(model, ids, mask)
+    assert len(streams) == 8 and streams[0].shape == (2, 12, 4, 64)
+    np.testing.assert_array_equal(streams[0][:, :, 0], streams[0][:, :, 3])  # embed x N
+    assert np.abs(streams[1] - streams[2]).max() > 0
 
 
 def test_released_state_dict_round_trip(model):

@@ -18,6 +18,8 @@ Provides
   fp32, `initialize_weights`, then non-identity sinks / router biases / norms / Engram q,k weights.
   Cached per (config, seed) for the pytest session; treat the result as read-only.
 - `nemo_logits(model, ids, attention_mask=None) -> np.ndarray[B, T, V]` (fp32).
+- `nemo_streams(model, ids, attention_mask=None) -> list[np.ndarray[B, T, hc_mult, D]]`: the
+  residual streams entering each decoder block.
 - `nemo_engram_hash(model, ids, attention_mask=None) -> np.ndarray[B, T, n_engram_layers, n_ids]`.
 - `nemo_engram_layer(model, layer_id)`: the layer's `DeepseekV41Engram` module (for unit parity).
 - `released_state_dict(model) -> dict[str, np.ndarray]`: float tensors under the released
@@ -245,6 +247,17 @@ def nemo_logits(model, ids, attention_mask=None) -> np.ndarray:
         mask = None if attention_mask is None else _ids_tensor(attention_mask)
         out = model(_ids_tensor(ids), attention_mask=mask)
     return out.logits.float().numpy()
+
+
+def nemo_streams(model, ids, attention_mask=None) -> list[np.ndarray]:
+    """The mHC residual streams entering each decoder block, [B, T, hc_mult, D] per layer
+    (fp32), for layer-by-layer debugging."""
+    import torch
+
+    with torch.no_grad():
+        mask = None if attention_mask is None else _ids_tensor(attention_mask)
+        out = model(_ids_tensor(ids), attention_mask=mask, output_hidden_states=True)
+    return [h.float().numpy() for h in out.hidden_states]
 
 
 def nemo_engram_hash(model, ids, attention_mask=None) -> np.ndarray:
