@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -319,7 +319,7 @@ def generate(
     top_p: float | None = None,
     seed: int = 0,
     stop: str | Sequence[str] | None = None,
-    chat: bool = False,
+    chat: bool | Mapping[str, Any] = False,
     gsm: Any = None,
     request_ids: Sequence[Any] | None = None,
     return_token_counts: bool = False,
@@ -328,7 +328,9 @@ def generate(
 
     A row ends at EOS, at `max_new_tokens`, or at the first `stop` string, which
     is cut from the returned text. `chat=True` wraps each prompt as one user
-    message through the model's chat template. `return_token_counts=True` also
+    message through the model's chat template; a dict instead of True holds the
+    template's options (DeepSeek-V4/V4.1: `thinking`, `reasoning_effort`).
+    `return_token_counts=True` also
     returns how many tokens each row generated (EOS included).
     """
     params = _check_params(params)
@@ -350,8 +352,10 @@ def generate(
             raise InvalidInputError(f"prompt {i} is not a string ({type(p).__name__})")
         if not p:
             raise InvalidInputError(f"prompt {i} is empty")
-        text = tok.apply_chat_template(p) if chat else p
-        rows.append(tok.encode(text))
+        if chat is not False:
+            rows.append(tok.encode_chat(p, **(dict(chat) if isinstance(chat, Mapping) else {})))
+        else:
+            rows.append(tok.encode(p))
     outs = generate_tokens(
         params, rows, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
         top_p=top_p, seed=seed, gsm=gsm, request_ids=request_ids,

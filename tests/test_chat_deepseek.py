@@ -221,3 +221,110 @@ def test_reasoning_splitter_streams_like_one_shot():
             r, c = r + dr, c + dc
         dr, dc = sp.feed("", final=True)
         assert (r + dr, c + dc) == cf.ReasoningSplitter(True).feed(s, final=True), (s, cuts)
+
+
+# ----------------------------------------------------------------------------- server
+
+
+def _swap_ids(root: Path, a: str, b_id: int) -> None:
+    """Give token `a` the id `b_id` and the token that had it `a`'s id (tokenizer.json)."""
+    data = json.loads((root / "tokenizer.json").read_text())
+    vocab = data["model"]["vocab"]
+    a_id = vocab[a]
+    b = next(t for t, i in vocab.items() if i == b_id)
+    vocab[a], vocab[b] = b_id, a_id
+    for t in data["added_tokens"]:
+        if t["content"] == a:
+            t["id"] = b_id
+    (root / "tokenizer.json").write_text(json.dumps(data, ensure_ascii=False))
+
+
+def test_server_splits_reasoning_and_stops_at_eos(tmp_path):
+    """A tiny random DeepSeek-V4 behind the real app. Its greedy continuation is found first;
+    then the tokenizer gives `</think>` the id it emits at step 3 and EOS a later one, so the
+    reply is reasoning, `</think>`, answer, EOS: one non-streamed and one streamed request
+    split it and stop at EOS."""
+    import jax
+    from fastapi.testclient import TestClient
+    from tiny_models import tiny_dsv4
+
+    from gsm_jax.generation import generate_tokens
+    from gsm_jax.models import deepseek_v4 as dv
+    from gsm_jax.params import ModelParams
+    from gsm_jax.serving.app import GSMServer, HTTPError, ServerOptions, build_app
+    from gsm_jax.serving.protocol import ChatRequest
+
+    root = _write_tokenizer(tmp_path / "tok", "deepseek_v4")
+    tok = Tokenizer.from_hf_dir(root)
+    cfg = dataclasses.replace(tiny_dsv4().config, vocab_size=tok.vocab_size, eos_token_ids=(1,))
+    params = ModelParams(dv.init_weights(cfg, jax.random.key(3)), cfg, tok, source="tiny")
+    messages = [{"role": "system", "content": "S"}, {"role": "user", "content": "Hi"}]
+    prompt = tok.encode_chat(messages, reasoning_effort="low")
+    out = [int(t) for t in generate_tokens(params, [prompt], max_new_tokens=10)[0]]
+    n_special = len(SPECIALS)
+    k = 3
+    assert all(t >= n_special for t in out[:k + 1]), out  # plain text up to the split
+    assert out[k] not in out[:k] and out[k] not in prompt, out
+    # and EOS the id of a later new token: the reply must end there
+    # (not after a cut UTF-8 sequence: the stream holds those back for bytes to come)
+    end = next(m for m in range(k + 2, len(out)) if out[m] not in out[:m]
+               and not tok.decode(out[k + 1:m]).endswith("\ufffd"))
+    _swap_ids(root, cf.THINK_END, out[k])
+    _swap_ids(root, cf.EOS, out[end])
+    config = json.loads((root / "config.json").read_text())
+    (root / "config.json").write_text(json.dumps({**config, "eos_token_id": out[end]}))
+    tok = Tokenizer.from_hf_dir(root)
+    assert tok.eos_ids == (out[end],)
+    assert tok.encode_chat(messages, reasoning_effort="low") == prompt
+    cfg = dataclasses.replace(cfg, eos_token_ids=tok.eos_ids)
+    params = dataclasses.replace(params, config=cfg, tokenizer=tok)
+    think_end = tok.backend.token_to_id(cf.THINK_END)
+
+    def text(ids):  # `</think>` is written out even though it is a special token
+        cuts = [-1, *(i for i, t in enumerate(ids) if t == think_end), len(ids)]
+        pairs = zip(cuts, cuts[1:], strict=False)
+        return cf.THINK_END.join(tok.decode(ids[a + 1:b]) for a, b in pairs)
+
+    want_reasoning = text(out[:k])
+    want_content = text(out[k + 1:end])
+
+    server = GSMServer(ServerOptions(model="tiny-dsv4", max_batch=2, max_len=64,
+                                     prefill_chunk=None, compile_gsm=False,
+                                     warmup_lengths=(), warmup_sampling=False), params=params)
+    body = {"model": "tiny-dsv4", "messages": messages, "max_tokens": 10, "temperature": 0,
+            "reasoning_effort": "low"}
+    with TestClient(build_app(server, load_in_background=False)) as client:
+        assert server.status == "ready", server.error
+        r = client.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert choice["message"] == {"role": "assistant", "content": want_content,
+                                     "reasoning_content": want_reasoning}
+        assert choice["finish_reason"] == "stop"
+        assert r.json()["usage"]["completion_tokens"] == end + 1  # EOS counted
+
+        reasoning = content = ""
+        with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as s:
+            for line in s.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                delta = json.loads(line[6:])["choices"][0]["delta"]
+                reasoning += delta.get("reasoning_content") or ""
+                content += delta.get("content") or ""
+        assert (reasoning, content) == (want_reasoning, want_content)
+
+        # thinking off: no split, all content
+        r = client.post("/v1/chat/completions", json={**body, "reasoning_effort": "none"})
+        assert r.json()["choices"][0]["message"]["reasoning_content"] is None
+        # invalid efforts: 400 naming the field
+        for bad in (30, "huge"):
+            r = client.post("/v1/chat/completions", json={**body, "reasoning_effort": bad})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning_effort"
+
+    # a model without a reasoning chat format refuses the field
+    plain = Tokenizer(tok.backend, bos_token=cf.BOS, eos_token=cf.EOS, chat_template="x")
+    other = GSMServer(ServerOptions(model="m"), params=ModelParams(None, cfg, plain, "m"))
+    with pytest.raises(HTTPError) as e:
+        other._chat_options(ChatRequest.model_validate(
+            {"model": "m", "messages": messages, "reasoning_effort": "high"}))
+    assert e.value.status == 400 and e.value.param == "reasoning_effort"

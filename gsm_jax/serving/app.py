@@ -2,7 +2,9 @@
 
     gsm-jax serve --model smollm2-135m --port 8000 --max-batch 16 --gsm cal/gsm.yaml
 
-Endpoints: `/v1/completions`, `/v1/chat/completions` (the model's chat template),
+Endpoints: `/v1/completions`, `/v1/chat/completions` (the model's chat template; for
+DeepSeek-V4/V4.1 their own format, `reasoning_effort`, thinking on by default and the
+answer split at `</think>` into `reasoning_content` and `content`, as vLLM does),
 `/v1/models`, `/health` (503 while loading or draining), `/ready`, `/metrics`
 (Prometheus), and, with `--admin-token`, `GET/PUT /admin/gsm`,
 `POST /admin/gsm/rollout`, `POST /admin/gsm/rollback`, `GET /admin/stats`.
@@ -94,8 +96,10 @@ class TextStream:
     text of new tokens is the decode of a short tail minus its already-read prefix;
     a tail ending in an incomplete UTF-8 sequence waits for the next token."""
 
-    def __init__(self, tokenizer: Any, stops: list[str], eos_ids: frozenset[int]) -> None:
+    def __init__(self, tokenizer: Any, stops: list[str], eos_ids: frozenset[int],
+                 literal: dict[int, str] | None = None) -> None:
         self.tok, self.stops, self.eos = tokenizer, stops, eos_ids
+        self.literal = literal or {}  # ids written as their text even if special (</think>)
         self.ids: list[int] = []
         self.text = ""
         self.sent = 0  # characters handed to the client
@@ -108,12 +112,19 @@ class TextStream:
         """Take one token; True if a stop string matched (the text is cut before it)."""
         if token in self.eos or self.stopped:
             return False
-        self.ids.append(token)
-        before = self.tok.decode(self.ids[self._prefix:self._read])
-        after = self.tok.decode(self.ids[self._prefix:])
-        if len(after) > len(before) and not after.endswith("\ufffd"):
-            self.text += after[len(before):]
-            self._prefix, self._read = self._read, len(self.ids)
+        if token in self.literal:  # the bytes before it decode on their own, as one-shot
+            before = self.tok.decode(self.ids[self._prefix:self._read])
+            after = self.tok.decode(self.ids[self._prefix:])
+            self.text += after[len(before):] + self.literal[token]
+            self.ids.append(token)
+            self._prefix = self._read = len(self.ids)
+        else:
+            self.ids.append(token)
+            before = self.tok.decode(self.ids[self._prefix:self._read])
+            after = self.tok.decode(self.ids[self._prefix:])
+            if len(after) > len(before) and not after.endswith("\ufffd"):
+                self.text += after[len(before):]
+                self._prefix, self._read = self._read, len(self.ids)
         if self.stops:
             start = max(0, len(self.text) - len(after) - self.hold - 1)
             cut = min((i for i in (self.text.find(s, start) for s in self.stops) if i >= 0),
@@ -250,14 +261,42 @@ class GSMServer:
             raise HTTPError(503, f"the engine is not running: {self.error or self.loop.error}",
                             type="server_error", code="engine_dead")
 
+    def _chat_options(self, body: ChatRequest) -> tuple[dict[str, Any], bool | None]:
+        """The chat template's options of `body`, and whether the prompt opens thinking
+        (None: the model has no reasoning chat format, its output is not split)."""
+        tok = self.params.tokenizer
+        kwargs = dict(body.chat_template_kwargs or {})
+        for key in ("messages", "add_generation_prompt"):
+            if key in kwargs:
+                raise HTTPError(400, f"chat_template_kwargs may not set {key!r}",
+                                param="chat_template_kwargs")
+        fmt = getattr(tok, "chat_format", None)
+        if fmt is None:
+            if body.reasoning_effort is not None:
+                raise HTTPError(400, f"reasoning_effort is not supported by {self.name!r}: "
+                                "only models with a reasoning chat format (DeepSeek-V4, V4.1) "
+                                "take it", param="reasoning_effort", code="unsupported")
+            return kwargs, None
+        from gsm_jax.chat_formats import resolve_options
+
+        if body.reasoning_effort is not None:
+            kwargs["reasoning_effort"] = body.reasoning_effort
+        thinking = kwargs.get("thinking", kwargs.get("enable_thinking"))
+        try:
+            thinking, _ = resolve_options(fmt, thinking, kwargs.get("reasoning_effort"))
+        except InvalidInputError as e:
+            raise HTTPError(400, str(e), param=getattr(e, "param", None),
+                            code="invalid_value") from e
+        return kwargs, thinking
+
     def _prompt_ids(self, body: CompletionRequest | ChatRequest) -> list[list[int]]:
         tok = self.params.tokenizer
         if isinstance(body, ChatRequest):
+            kwargs, _ = self._chat_options(body)
             try:
-                text = tok.apply_chat_template([m.model_dump() for m in body.messages])
+                return [tok.encode_chat([m.model_dump() for m in body.messages], **kwargs)]
             except GSMJaxError as e:
-                raise HTTPError(400, str(e), param="messages") from e
-            return [tok.encode(text)]
+                raise HTTPError(400, str(e), param=getattr(e, "param", "messages")) from e
         p = body.prompt
         if isinstance(p, str):
             prompts: list[Any] = [p]
@@ -372,7 +411,19 @@ class _Call:
         self.events: asyncio.Queue = asyncio.Queue()
         eos = server.engine.eos_ids
         tok = server.params.tokenizer
-        self.texts = {i: TextStream(tok, stops, eos) for i, _ in specs}
+        # reasoning split (DeepSeek-V4/V4.1 chat): None, or whether the prompt opened thinking
+        self.thinking = server._chat_options(body)[1] if kind == "chat" else None
+        literal = {}
+        if self.thinking is not None:
+            from gsm_jax.chat_formats import THINK, THINK_END
+
+            literal = {tok.backend.token_to_id(t): t for t in (THINK, THINK_END)}
+        self.texts = {i: TextStream(tok, stops, eos, literal) for i, _ in specs}
+        self.splits = {}
+        if self.thinking is not None:
+            from gsm_jax.chat_formats import ReasoningSplitter
+
+            self.splits = {i: ReasoningSplitter(self.thinking) for i, _ in specs}
         self.tickets: list[Ticket] = []
         for i, req in specs:
             self.tickets.append(Ticket(req, on_token=self._token, on_finish=self._finish,
@@ -434,16 +485,27 @@ class _Call:
             return "chat.completion.chunk" if chunk else "chat.completion"
         return "text_completion"
 
+    def _split(self, i: int, text: str, final: bool) -> tuple[str | None, str]:
+        """(reasoning, content) of new text; reasoning None where the output is not split."""
+        split = self.splits.get(i)
+        if split is None:
+            return None, text
+        return split.feed(text, final)
+
     def _choice(self, i: int, text: str, finish: str | None, *, chunk: bool,
-                first: bool = False) -> dict[str, Any]:
+                first: bool = False, reasoning: str | None = None) -> dict[str, Any]:
         if self.kind == "chat":
             if chunk:
                 delta: dict[str, Any] = {"role": "assistant"} if first else {}
+                if reasoning:
+                    delta["reasoning_content"] = reasoning
                 if text:
                     delta["content"] = text
                 return {"index": i, "delta": delta, "finish_reason": finish, "logprobs": None}
-            return {"index": i, "message": {"role": "assistant", "content": text},
-                    "finish_reason": finish, "logprobs": None}
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if self.thinking is not None:
+                message["reasoning_content"] = reasoning if self.thinking else None
+            return {"index": i, "message": message, "finish_reason": finish, "logprobs": None}
         return {"index": i, "text": text, "finish_reason": finish, "logprobs": None}
 
     def _envelope(self, choices: list[dict], *, chunk: bool) -> dict[str, Any]:
@@ -473,8 +535,9 @@ class _Call:
             if "error" in t.meta:
                 raise HTTPError(500, f"request {self.rid} failed: {t.meta['error']}",
                                 type="server_error")
-            choices.append(self._choice(i, self.texts[i].pending(final=True),
-                                        self._finish_reason(t), chunk=False))
+            reasoning, text = self._split(i, self.texts[i].pending(final=True), True)
+            choices.append(self._choice(i, text, self._finish_reason(t), chunk=False,
+                                        reasoning=reasoning))
         out = self._envelope(choices, chunk=False)
         out["usage"] = self._usage()
         return out
@@ -492,14 +555,14 @@ class _Call:
                 final = kind == "finish"
                 if final:
                     self.open -= 1
-                text = self.texts[i].pending(final=final)
+                reasoning, text = self._split(i, self.texts[i].pending(final=final), final)
                 first = i not in started
-                if not text and not final and not (first and self.kind == "chat"):
+                if not (text or reasoning) and not final and not (first and self.kind == "chat"):
                     continue
                 started.add(i)
                 finish = self._finish_reason(ticket) if final else None
-                chunk = self._envelope([self._choice(i, text, finish, chunk=True, first=first)],
-                                       chunk=True)
+                chunk = self._envelope([self._choice(i, text, finish, chunk=True, first=first,
+                                                     reasoning=reasoning)], chunk=True)
                 if include_usage:
                     chunk["usage"] = None
                 yield _sse(chunk)

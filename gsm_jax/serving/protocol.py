@@ -61,6 +61,11 @@ class ChatMessage(BaseModel):
 class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
+    # models with a reasoning chat format (DeepSeek-V4: low/high/xhigh/max, V4.1: also 1-100;
+    # "none" turns thinking off); a 400 for other models
+    reasoning_effort: str | int | None = None
+    # vLLM's: options of the chat template (DeepSeek-V4/V4.1: `thinking` / `enable_thinking`)
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 def error_body(message: str, *, type: str = "invalid_request_error", param: str | None = None,
