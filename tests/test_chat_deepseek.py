@@ -248,6 +248,7 @@ def test_server_splits_reasoning_and_stops_at_eos(tmp_path):
     from fastapi.testclient import TestClient
     from tiny_models import tiny_dsv4
 
+    import gsm_jax
     from gsm_jax.generation import generate_tokens
     from gsm_jax.models import deepseek_v4 as dv
     from gsm_jax.params import ModelParams
@@ -261,6 +262,10 @@ def test_server_splits_reasoning_and_stops_at_eos(tmp_path):
     messages = [{"role": "system", "content": "S"}, {"role": "user", "content": "Hi"}]
     prompt = tok.encode_chat(messages, reasoning_effort="low")
     out = [int(t) for t in generate_tokens(params, [prompt], max_new_tokens=10)[0]]
+    # generate(chat=...) renders the same prompt (one user message, no system)
+    user_only = tok.encode_chat(messages[1:], reasoning_effort="low")
+    assert gsm_jax.generate(params, "Hi", chat={"reasoning_effort": "low"}, max_new_tokens=4) \
+        == [tok.decode(generate_tokens(params, [user_only], max_new_tokens=4)[0])]
     n_special = len(SPECIALS)
     k = 3
     assert all(t >= n_special for t in out[:k + 1]), out  # plain text up to the split
@@ -314,8 +319,9 @@ def test_server_splits_reasoning_and_stops_at_eos(tmp_path):
         assert (reasoning, content) == (want_reasoning, want_content)
 
         # thinking off: no split, all content
-        r = client.post("/v1/chat/completions", json={**body, "reasoning_effort": "none"})
-        assert r.json()["choices"][0]["message"]["reasoning_content"] is None
+        for off in ({"reasoning_effort": "none"}, {"chat_template_kwargs": {"thinking": False}}):
+            r = client.post("/v1/chat/completions", json={**body, **off})
+            assert r.json()["choices"][0]["message"]["reasoning_content"] is None
         # invalid efforts: 400 naming the field
         for bad in (30, "huge"):
             r = client.post("/v1/chat/completions", json={**body, "reasoning_effort": bad})
