@@ -480,9 +480,14 @@ class Tokenizer:
         model_config = read_json("config.json")
         if not eos_ids:
             eos_ids = _as_id_tuple(model_config.get("eos_token_id"))
-        from gsm_jax.chat_formats import chat_format_for
+        from gsm_jax.chat_formats import chat_format_for, special_tokens
 
+        # the model type's built-in chat format, if the vocabulary has its special tokens (a
+        # tiny test tokenizer may not: it then has no chat format, as it has no template)
         chat_format = chat_format_for(model_config.get("model_type"))
+        if chat_format and any(backend.token_to_id(t) is None
+                               for t in special_tokens(chat_format)):
+            chat_format = None
         return cls(
             backend,
             bos_token=bos,

@@ -206,6 +206,19 @@ def test_eos_is_a_stop_id_and_pickle_keeps_the_format(fmt):
     assert again.encode_chat(WORKED) == tok.encode_chat(WORKED)
 
 
+def test_a_vocabulary_without_the_format_tokens_has_no_chat_format(tmp_path):
+    from tokenizers import Tokenizer as Raw
+
+    raw = Raw(models.WordLevel(vocab={"<s>": 0, "</s>": 1, "a": 2}, unk_token="a"))
+    raw.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    raw.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>",
+                                                                "eos_token": "</s>"}))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "deepseek_v41"}))
+    tok = Tokenizer.from_hf_dir(tmp_path)
+    assert tok.chat_format is None and tok.eos_ids == (1,)
+
+
 def test_reasoning_splitter_streams_like_one_shot():
     text = "<think>2 plus 2 is 4.</think>2 + 2 = 4."
     assert cf.ReasoningSplitter(True).feed(text, final=True) == ("2 plus 2 is 4.", "2 + 2 = 4.")
