@@ -34,7 +34,9 @@ def _check_result(r: dict, claim: int) -> None:
 
 def _originals_restored() -> None:
     """Nothing in a model module was replaced (the tools pass hooks instead)."""
-    assert llama.linear is linear_mod.linear and "linear" not in vars(gsm_sites)
+    from gsm_jax.models import sites
+
+    assert sites.linear is linear_mod.linear and "linear" not in vars(llama)
     assert gsm_sites.wants_int8_input is linear_mod.wants_int8_input
 
 

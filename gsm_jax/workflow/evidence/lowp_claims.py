@@ -345,10 +345,17 @@ class Recorder:
 
 
 class _Identity:
-    """A static hook field compared by identity (a recorder, a trace counter)."""
+    """A static hook field compared by the identity of what it holds (a recorder, a trace
+    counter): hooks around the same object hit the same compiled program."""
 
     def __init__(self, obj: Any) -> None:
         self.obj = obj
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Identity) and other.obj is self.obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
 
 
 @struct.dataclass
