@@ -48,31 +48,24 @@ COMMANDS: tuple[Subcommand, ...] = (
     Subcommand("generate", "generate text for prompts, with or without a GSM config",
                "gsm_jax.cli:_add_generate_args", "gsm_jax.cli:_run_generate"),
     Subcommand("profile", "activation statistics per (layer, site) -> profile.json",
-               f"{_WF}:_add_profile", f"{_WF}:_run_profile"),
+               f"{_WF}:add_profile", f"{_WF}:run_profile"),
     Subcommand("calibrate", "search strength, window and protect_first within a quality "
-               "budget -> gsm.yaml", f"{_WF}:_add_calibrate", f"{_WF}:_run_calibrate"),
+               "budget -> gsm.yaml", f"{_WF}:add_calibrate", f"{_WF}:run_calibrate"),
     Subcommand("eval", "quality of a GSM config against the unsmoothed model",
-               f"{_WF}:_add_eval", f"{_WF}:_run_eval"),
+               f"{_WF}:add_eval", f"{_WF}:run_eval"),
     Subcommand("report", "profile, calibrate, evaluate and benchmark one model -> a report",
-               f"{_WF}:_add_report", f"{_WF}:_run_report"),
+               f"{_WF}:add_report", f"{_WF}:run_report"),
     Subcommand("evidence", "measure the source document's claims on models -> a report",
-               f"{_WF}:_add_evidence", f"{_WF}:_run_evidence"),
+               f"{_WF}:add_evidence", f"{_WF}:run_evidence"),
     Subcommand("bench", "concurrent requests through the engine, GSM on and off",
                "gsm_jax.workflow.bench:add_arguments", "gsm_jax.workflow.bench:run"),
     Subcommand("plan", "per-device memory of a model on a mesh: will it fit?",
-               "gsm_jax.planner:_add_plan_args", "gsm_jax.planner:_run_plan"),
+               "gsm_jax.planner:add_plan_args", "gsm_jax.planner:run_plan"),
     Subcommand("serve", "the OpenAI-compatible HTTP server, with a live GSM config",
-               f"{_SERVING}:_add_serve_args", f"{_SERVING}:_run_serve"),
+               f"{_SERVING}:add_serve_args", f"{_SERVING}:run_serve"),
     Subcommand("bench-serve", "load test of a running server over HTTP",
-               f"{_SERVING}:_add_bench_serve_args", f"{_SERVING}:_run_bench_serve"),
+               f"{_SERVING}:add_bench_serve_args", f"{_SERVING}:run_bench_serve"),
 )
-
-# Registrations that a module still makes on import (gsm_jax/planner.py calls
-# `SUBCOMMANDS["plan"] = ...`) land here and are not read: `COMMANDS` is the list.
-# Remove this once no module registers itself.
-SUBCOMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None],
-                             Callable[[argparse.Namespace], int]]] = {}
-
 
 def _add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompts", nargs="*", help="prompt texts (or use --prompts-file)")

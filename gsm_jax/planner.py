@@ -334,7 +334,7 @@ def _compile_child(args: Any) -> int:
     return 0
 
 
-def _add_plan_args(p: Any) -> None:
+def add_plan_args(p: Any) -> None:
     p.add_argument("--model", required=True,
                    help=f"config.json path, model directory, or one of {sorted(KNOWN_CONFIGS)}")
     p.add_argument("--devices", type=int, default=None, help="devices in all (model axis)")
@@ -352,7 +352,7 @@ def _add_plan_args(p: Any) -> None:
     p.add_argument("--compile-prompt-tokens", type=int, default=128)
 
 
-def _run_plan(args: Any) -> int:
+def run_plan(args: Any) -> int:
     if args.mesh:
         try:
             data, tp = (int(x) for x in args.mesh.lower().split("x"))
@@ -372,12 +372,3 @@ def _run_plan(args: Any) -> int:
         if rc:
             return rc
     return 0 if p.fits else 3
-
-
-def _register_cli() -> None:
-    from gsm_jax.cli import SUBCOMMANDS
-
-    SUBCOMMANDS["plan"] = (_add_plan_args, _run_plan)
-
-
-_register_cli()

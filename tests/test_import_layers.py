@@ -65,6 +65,7 @@ LAYERS: dict[str, int] = {
     "gsm_jax.models": 2,
     "gsm_jax.params": 2,
     "gsm_jax.tokenizer": 2,
+    "gsm_jax.chat_formats": 2,  # the tokenizer renders DeepSeek chats with it (no jax)
     # 3 runtime
     "gsm_jax.gsm_runtime": 3,
     "gsm_jax.generation": 3,

@@ -9,7 +9,7 @@ import argparse
 import logging
 
 
-def _add_serve_args(p: argparse.ArgumentParser) -> None:
+def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m",
                    help="registered name, .gguf file, HF directory or gsm_jax.save directory")
     p.add_argument("--served-model-name", default=None, help="the name clients use "
@@ -43,7 +43,7 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="info")
 
 
-def _run_serve(args: argparse.Namespace) -> int:
+def run_serve(args: argparse.Namespace) -> int:
     from gsm_jax.errors import InvalidInputError
     from gsm_jax.serving.app import ServerOptions, serve
 
@@ -74,7 +74,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_bench_serve_args(p: argparse.ArgumentParser) -> None:
+def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", default="http://127.0.0.1:8000")
     p.add_argument("--model", default=None, help="default: the server's (GET /v1/models)")
     p.add_argument("--clients", type=int, default=16, help="closed loop: concurrent clients")
@@ -95,7 +95,7 @@ def _add_bench_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="runs/bench_serve", help="results.json + results.png here")
 
 
-def _run_bench_serve(args: argparse.Namespace) -> int:
+def run_bench_serve(args: argparse.Namespace) -> int:
     import json
     from pathlib import Path
 

@@ -101,7 +101,7 @@ def _window(item: str):
 # ----------------------------------------------------------------------------- profile
 
 
-def _add_profile(p: argparse.ArgumentParser) -> None:
+def add_profile(p: argparse.ArgumentParser) -> None:
     _model_args(p)
     p.add_argument("--samples", type=int, default=512,
                    help="calibration_samples: sequences to stream (default 512)")
@@ -115,7 +115,7 @@ def _add_profile(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, required=True, help="output directory")
 
 
-def _run_profile(args: argparse.Namespace) -> int:
+def run_profile(args: argparse.Namespace) -> int:
     from gsm_jax.workflow.profile import profile
 
     params = _load(args)
@@ -132,7 +132,7 @@ def _run_profile(args: argparse.Namespace) -> int:
 # ----------------------------------------------------------------------------- calibrate
 
 
-def _add_calibrate(p: argparse.ArgumentParser) -> None:
+def add_calibrate(p: argparse.ArgumentParser) -> None:
     from gsm_jax.workflow.calibrate import (
         DEFAULT_PROTECT_FIRST_VALUES,
         DEFAULT_STRENGTHS,
@@ -163,7 +163,7 @@ def _add_calibrate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, required=True, help="output directory")
 
 
-def _run_calibrate(args: argparse.Namespace) -> int:
+def run_calibrate(args: argparse.Namespace) -> int:
     from gsm_jax.workflow.calibrate import (
         BudgetNotMetError,
         CalibrationSpec,
@@ -199,7 +199,7 @@ def _run_calibrate(args: argparse.Namespace) -> int:
 # ----------------------------------------------------------------------------- eval
 
 
-def _add_eval(p: argparse.ArgumentParser) -> None:
+def add_eval(p: argparse.ArgumentParser) -> None:
     _model_args(p)
     _lambada_args(p, None)
     p.add_argument("--gsm", required=True,
@@ -208,7 +208,7 @@ def _add_eval(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, default=None, help="write the result JSON here")
 
 
-def _run_eval(args: argparse.Namespace) -> int:
+def run_eval(args: argparse.Namespace) -> int:
     import gsm_jax
     from gsm_jax.workflow.evaluate import evaluate
 
@@ -230,7 +230,7 @@ def _run_eval(args: argparse.Namespace) -> int:
 # ----------------------------------------------------------------------------- report
 
 
-def _add_report(p: argparse.ArgumentParser) -> None:
+def add_report(p: argparse.ArgumentParser) -> None:
     from gsm_jax.workflow.report import ReportSizes
 
     d = ReportSizes()
@@ -258,7 +258,7 @@ def _add_report(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true")
 
 
-def _run_report(args: argparse.Namespace) -> int:
+def run_report(args: argparse.Namespace) -> int:
     import dataclasses
 
     from gsm_jax.workflow.report import ReportSizes, render_report, run_report
@@ -284,7 +284,7 @@ def _run_report(args: argparse.Namespace) -> int:
 # ----------------------------------------------------------------------------- evidence
 
 
-def _add_evidence(p: argparse.ArgumentParser) -> None:
+def add_evidence(p: argparse.ArgumentParser) -> None:
     p.add_argument("--models", default="smollm2-135m,gemma3-270m",
                    help="comma-separated models (default smollm2-135m,gemma3-270m)")
     p.add_argument("--out", type=Path, default=Path("reports"))
@@ -296,7 +296,7 @@ def _add_evidence(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true")
 
 
-def _run_evidence(args: argparse.Namespace) -> int:
+def run_evidence(args: argparse.Namespace) -> int:
     from gsm_jax.workflow.evidence.render import render_evidence
     from gsm_jax.workflow.evidence.runner import (
         EvidenceSizes,
