@@ -96,7 +96,7 @@ def _batch_inputs(mesh: Any, *arrays: np.ndarray) -> list[jax.Array]:
     return [place(a, batch_sharding(mesh, np.ndim(a))) for a in arrays]
 
 
-def _on_mesh(mesh: Any) -> Any:
+def on_mesh(mesh: Any) -> Any:
     """The params' mesh as the context mesh while tracing (`jax.set_mesh`): model code
     that partitions by hand (DeepSeek-V4's expert-parallel dispatch) reads it."""
     return contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
@@ -176,7 +176,7 @@ def _forward_jit(weights, tokens, lengths, gsm, *, config):
 # ----------------------------------------------------------------------------- validation
 
 
-def _check_params(params: Any) -> ModelParams:
+def check_params(params: Any) -> ModelParams:
     if not isinstance(params, ModelParams):
         raise InvalidInputError(
             f"params must be what gsm_jax.load returns (ModelParams), got {type(params).__name__}"
@@ -184,7 +184,7 @@ def _check_params(params: Any) -> ModelParams:
     return params
 
 
-def _as_token_rows(token_ids: Any, vocab_size: int) -> list[np.ndarray]:
+def as_token_rows(token_ids: Any, vocab_size: int) -> list[np.ndarray]:
     if isinstance(token_ids, np.ndarray | jax.Array):
         arr = np.asarray(token_ids)
         if arr.ndim == 1:
@@ -253,9 +253,9 @@ def generate_tokens(
     `max_new_tokens`. With `return_logits=True` also returns, per row, the f32
     logits [n, V] each new token was chosen from.
     """
-    params = _check_params(params)
+    params = check_params(params)
     cfg = params.config
-    rows = _as_token_rows(token_ids, cfg.vocab_size)
+    rows = as_token_rows(token_ids, cfg.vocab_size)
     if not isinstance(max_new_tokens, int | np.integer) or max_new_tokens < 1:
         raise InvalidInputError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
     if temperature is None or temperature < 0:
@@ -293,7 +293,7 @@ def generate_tokens(
                             np.full((batch,), temperature, np.float32),
                             np.full((batch,), top_k or 0, np.int32),
                             np.full((batch,), 1.0 if top_p is None else top_p, np.float32))
-    with _on_mesh(mesh):
+    with on_mesh(mesh):
         out, n_out, logits = _generate_loop(
             params.weights, *rows_in[:3], jax.random.key(seed), *rows_in[3:],
             jnp.asarray(eos), gsm_inputs,
@@ -333,7 +333,7 @@ def generate(
     `return_token_counts=True` also
     returns how many tokens each row generated (EOS included).
     """
-    params = _check_params(params)
+    params = check_params(params)
     tok = params.tokenizer
     if tok is None:
         raise InvalidInputError(
@@ -384,9 +384,9 @@ def forward(params: ModelParams, token_ids: Any, *, lengths: Any = None,
     length; default all T) or a list of ragged token lists. Positions past a
     row's length hold padding logits and should be ignored.
     """
-    params = _check_params(params)
+    params = check_params(params)
     cfg = params.config
-    rows = _as_token_rows(token_ids, cfg.vocab_size)
+    rows = as_token_rows(token_ids, cfg.vocab_size)
     t = max(r.size for r in rows)
     if lengths is not None:
         lens = _per_row(lengths, len(rows), "lengths", np.int32)
@@ -409,7 +409,7 @@ def forward(params: ModelParams, token_ids: Any, *, lengths: Any = None,
         gsm_inputs = gsm_inputs_for_batch(gsm, cfg.num_layers, tokens.shape[0],
                                           [int(r.size) for r in rows], request_ids,
                                           fit_ring=True)
-    with _on_mesh(mesh):
+    with on_mesh(mesh):
         logits = _forward_jit(params.weights, *_batch_inputs(mesh, tokens, lens), gsm_inputs,
                               config=cfg)
     if not logits.is_fully_addressable:  # several processes: every one gets the values

@@ -37,7 +37,7 @@ import numpy as np
 
 from gsm_jax.errors import InvalidInputError
 from gsm_jax.families import family_module
-from gsm_jax.generation import MIN_PROMPT_BUCKET, _as_token_rows, _check_params, bucket
+from gsm_jax.generation import MIN_PROMPT_BUCKET, as_token_rows, bucket, check_params
 from gsm_jax.models.gsm_sites import GSMInputs
 from gsm_jax.params import ModelParams
 
@@ -259,14 +259,14 @@ def _check_int(name: str, value: Any, lo: int, hi: int | None = None) -> int:
 def _prompt_rows(prompt_ids: Any, vocab_size: int) -> list[np.ndarray]:
     """A flat prompt -> [it]; a 2-D array or list of lists is taken as rows."""
     if isinstance(prompt_ids, np.ndarray | jax.Array):
-        return _as_token_rows(prompt_ids, vocab_size)  # 1-D: one row
+        return as_token_rows(prompt_ids, vocab_size)  # 1-D: one row
     if isinstance(prompt_ids, str) or not isinstance(prompt_ids, Sequence):
         raise InvalidInputError("prompt_ids must be a list or 1-D array of token ids")
     if len(prompt_ids) == 0:
         raise InvalidInputError("the prompt is empty (0 tokens)")
     if isinstance(prompt_ids[0], Sequence | np.ndarray):
-        return _as_token_rows(prompt_ids, vocab_size)
-    return _as_token_rows([prompt_ids], vocab_size)
+        return as_token_rows(prompt_ids, vocab_size)
+    return as_token_rows([prompt_ids], vocab_size)
 
 
 def speculative_generate(
@@ -291,7 +291,7 @@ def speculative_generate(
     float rounding of a chunked forward, which could only flip an exact argmax tie.
     """
     start = time.perf_counter()
-    params = _check_params(params)
+    params = check_params(params)
     cfg = params.config
     rows = _prompt_rows(prompt_ids, cfg.vocab_size)
     if len(rows) != 1:

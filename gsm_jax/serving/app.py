@@ -381,7 +381,7 @@ class GSMServer:
                                     top_k=top_k, top_p=body.top_p, seed=seed, gsm=cfg,
                                     ignore_eos=body.ignore_eos)
                 try:
-                    self.engine._check(req)
+                    self.engine.check_request(req)
                 except GSMJaxError as e:
                     raise HTTPError(400, str(e)) from e
                 specs.append((pi * body.n + j, req))

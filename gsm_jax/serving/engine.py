@@ -64,7 +64,7 @@ import numpy as np
 
 from gsm_jax.errors import GSMConfigError, InvalidInputError
 from gsm_jax.families import family_module
-from gsm_jax.generation import MIN_PROMPT_BUCKET, _on_mesh, bucket, sample_tokens
+from gsm_jax.generation import MIN_PROMPT_BUCKET, bucket, on_mesh, sample_tokens
 from gsm_jax.models.gsm_sites import GSMInputs
 from gsm_jax.params import ModelParams
 from gsm_jax.sharding import mesh_of
@@ -558,7 +558,7 @@ class Engine:
 
     # ------------------------------------------------------------------ requests
 
-    def _check(self, req: Request) -> np.ndarray:
+    def check_request(self, req: Request) -> np.ndarray:
         prompt = np.asarray(req.prompt)
         if prompt.ndim != 1 or prompt.size == 0:
             raise InvalidInputError("a request's prompt must be a non-empty flat list of ids")
@@ -593,7 +593,7 @@ class Engine:
     def submit(self, request: Request, arrival: float | None = None,
                index: int | None = None) -> RequestRecord:
         """Queue a request (arrived at `arrival`, default now); it joins at the next step."""
-        prompt = self._check(request)
+        prompt = self.check_request(request)
         rid = request.request_id if request.request_id is not None else self._submitted
         record = RequestRecord(
             index=self._submitted if index is None else index, request_id=rid, tag=request.tag,
@@ -719,7 +719,7 @@ class Engine:
         gsm = self._one_row_gsm(cfg)
         sampling = self._sampling_args([s], [0])
         kw = dict(config=self.config, max_len=self.max_len)
-        with _on_mesh(self._mesh):
+        with on_mesh(self._mesh):
             if first == prompt.size:
                 logits, self._cache = _prefill_insert(
                     self.params.weights, jnp.asarray(tokens), jnp.asarray([first], jnp.int32),
@@ -744,7 +744,7 @@ class Engine:
         tokens = np.zeros((1, chunk), np.int32)
         tokens[0, :n] = prompt[p.done: p.done + n]
         t = clock()
-        with _on_mesh(self._mesh):
+        with on_mesh(self._mesh):
             logits, rows = _extend(self.params.weights, jnp.asarray(tokens),
                                    jnp.asarray([n], jnp.int32), p.rows,
                                    self._one_row_gsm(p.cfg), config=self.config)
@@ -771,7 +771,7 @@ class Engine:
                     jnp.asarray(counts, jnp.int32))
         sample = bool((self._temps[active] > 0).any())
         t = clock()
-        with _on_mesh(self._mesh):
+        with on_mesh(self._mesh):
             logits, self._cache = _decode(
                 self.params.weights, jnp.asarray(self._last), self._cache, gsm,
                 jnp.asarray(active), config=self.config,
@@ -868,7 +868,7 @@ class Engine:
             raise InvalidInputError("run needs an idle engine")
         n = len(requests)
         for r in requests:
-            self._check(r)
+            self.check_request(r)
         if arrival_times is not None and clients is not None:
             raise InvalidInputError("give arrival_times (open loop) or clients (closed loop)")
         if arrival_times is not None:
