@@ -72,7 +72,7 @@ def sample_tokens(logits: jax.Array, key: jax.Array, temperature: jax.Array,
         return jnp.where(temperature > 0, sampled.astype(jnp.int32), greedy)
 
     # An all-greedy batch skips the sampler: its Gumbel noise over the whole vocabulary is
-    # not free (Gemma 3's 262k entries x 16 rows: ~20 ms of a ~200 ms decode step on CPU).
+    # not free (docs/performance_notes.md, "Greedy batches skip the sampler").
     # Under vmap the cond becomes a select and both run, as before.
     return jax.lax.cond(jnp.any(temperature > 0), sample, lambda: greedy)
 

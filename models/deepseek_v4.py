@@ -596,9 +596,10 @@ class HyperConnection(nn.Module):
 def weighted_streams(w: jax.Array, h: jax.Array) -> jax.Array:
     """sum_j w[..., j] * h[..., j, :] for w [..., N], h [..., N, D] -> [..., D] in h's dtype.
 
-    Unrolled over the few streams (N = hc_mult <= 4): as a reduction over the
-    stream axis XLA:CPU ran it at ~0.2 ms per call at decode (11% of a batch-8
-    step over 32 calls); as N fused multiply-adds it is an elementwise loop.
+    Unrolled over the few streams (N = hc_mult <= 4): as N fused multiply-adds it is an
+    elementwise loop, where a reduction over the stream axis cost XLA:CPU a visible share
+    of a decode step (docs/performance_notes.md, "DeepSeek-V4: hyper-connection stream
+    sums unrolled").
     """
     acc = w[..., 0, None] * h[..., 0, :]  # in the promoted dtype (f32 weights: f32)
     for j in range(1, h.shape[-2]):
@@ -830,7 +831,8 @@ class Attention(nn.Module):
         flat = step.site(self.layer, ATTN_OUT, attn.reshape(b, t, -1))  # GSM site attn_out
         grouped = flat.reshape(b * t, cfg.o_groups, -1)
         # per group g: [B*T, I] @ o_a[g]; as a dot_general with g as the batch dimension
-        # of both operands XLA:CPU ran it 2.8x faster at batch-8 decode than the einsum
+        # of both operands (docs/performance_notes.md, "DeepSeek-V4: grouped output
+        # projection as a batched dot_general")
         low = jax.lax.dot_general(grouped, self.o_a.astype(flat.dtype),
                                   (((2,), (1,)), ((1,), (0,))))  # [G, B*T, O]
         low = jnp.swapaxes(low, 0, 1).reshape(b, t, -1)
@@ -1169,8 +1171,9 @@ def init_weights(cfg: DeepseekV4Config, rng: jax.Array, dtype: Any = jnp.float32
     """Random weights (tests, benchmarks): the same tree `weights_from_hf` produces."""
     shapes = _param_shapes(cfg)
     # Values are drawn with numpy by each parameter's role (the same distributions as
-    # the initializers declared in setup): jit-compiling a hundred threefry
-    # initializers costs ~15 s of CPU, numpy takes milliseconds.
+    # the initializers declared in setup), far cheaper than jit-compiling a hundred
+    # threefry initializers (docs/performance_notes.md, "DeepSeek-V4: random weights drawn
+    # with numpy").
     gen = np.random.default_rng(np.asarray(jax.random.key_data(rng)).ravel().tolist())
 
     def draw(path, sds):

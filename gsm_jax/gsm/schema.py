@@ -28,8 +28,8 @@ import yaml
 from gsm_jax.errors import GSMConfigError
 
 SITES: tuple[str, ...] = ("attn_out", "ffn_mid")
-# filter arithmetic; "auto": f32 on CPU (XLA:CPU's bf16 filter measured slower: a
-# SmolLM2 batch-16 generate +17% with GSM in bf16 vs +6.6% in f32), bf16 on GPU / TPU
+# filter arithmetic; "auto": f32 on CPU (XLA:CPU's bf16 filter measured slower:
+# docs/performance_notes.md, "GSM filter precision 'auto'"), bf16 on GPU / TPU
 PRECISIONS: tuple[str, ...] = ("auto", "bf16", "f32")
 TARGET_KEYWORDS: tuple[str, ...] = ("high_kurtosis", "all")
 ADAPTIVE = "adaptive"
