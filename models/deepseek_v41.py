@@ -1,0 +1,863 @@
+"""DeepSeek-V4.1-Flash decoder (`DeepseekV41ForCausalLM`, HF model_type "deepseek_v41").
+
+Facts: /work/shared/research/deepseek_v41.md (section numbers below refer to it). The
+pieces V4.1 shares with V4 are imported from `models/deepseek_v4.py` (interleaved RoPE with
+frequency-only YaRN `RopeSpec`, sink attention, the stream mixing helpers, RMSNorm, the
+sqrtsoftplus score); what differs is written here:
+
+- Single-pass mHC (§3): 4 residual streams; a sublayer collapses the streams with the
+  `pre` its *previous* sublayer's mix computed (one-hot on stream 0 before layer 0), its
+  own mix gives its `post`/`comb` and the next sublayer's `pre`; the final collapse uses
+  the last FFN mix's `pre`; no hyper head.
+- CSA2 attention (§4): every layer has its own window K=V (FP8 QDQ, RoPE tail included)
+  and queries without a per-head q norm. Layer roles come from the config's source lists:
+  SWA-only (ratio 0); Full (a KV source: compressor, indexer keys, its own top-k); Reindex
+  (an index source that is not a KV source: re-scores the latest Full layer's index keys,
+  candidate-masked, publishes its own top-k); Reuse (nothing owned: the latest compressed
+  KV and the latest published top-k). Compressed KV is FP4 (E4M3 scale per 16) QDQ'd, the
+  index q/k MXFP4 (power-of-two scale per 32) QDQ'd.
+- MoE (§5): sqrtsoftplus routing with `bias` (text tokens; `bias_vl` is loaded for image
+  tokens, which this text-only model never sees), SwiGLU with clamp, one shared expert.
+
+The layer threads, besides the streams, the collapse weights `pre` and the CSA2 state
+the later layers read (compressed KV, index keys, published top-k mask, candidates)
+through `common.run_layers`' x. Hooks (`models/sites.py`): GSM site `attn_out` is the
+input of the grouped output projection (after the inverse RoPE), `ffn_mid` the shared
+expert's down-projection input; plain projections go through `step.linear` under their
+leaf names ("q_a", "q_b", "kv", "o_b", "router", "shared_gate_up", "shared_down",
+"compressor.wkv", "compressor.wgate", "indexer.q_b", "indexer.weights_proj",
+"indexer.wk").
+
+Engram layers (§6) are not implemented here: a config with `engram_layer_ids` is refused
+until `models/engram.py` exists. Decode / chunked prefill caches are not written yet:
+`forward` / `hidden_states` (teacher forcing) only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from gsm_jax.errors import ModelLoadError, UnsupportedModelError
+from gsm_jax.models import common
+from gsm_jax.models.deepseek_v4 import (
+    RopeSpec,
+    apply_rope,
+    hc_expand,
+    rms_norm,
+    rope_cos_sin,
+    score_fn,
+    sink_attention,
+    weighted_streams,
+)
+from gsm_jax.models.moe import routed_experts, swiglu
+from gsm_jax.models.sites import ATTN_OUT, FFN_MID, Sites
+
+SWA, FULL, REINDEX, REUSE = "swa", "full", "reindex", "reuse"
+
+
+# ----------------------------------------------------------------------------- config
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerPlan:
+    """What one layer's attention owns and reads (derived from the config's lists)."""
+
+    role: str  # SWA | FULL | REINDEX | REUSE
+    ratio: int  # compress ratio (0: SWA-only)
+    kv_source: int  # the Full layer whose compressed KV / index keys it reads (-1: none)
+    topk_source: int  # the layer whose top-k it uses (itself when it selects; -1: none)
+    candidate_source: bool  # publishes the candidate blocks
+    uses_candidates: bool  # masks its scores to the candidate blocks
+
+
+@dataclasses.dataclass(frozen=True)
+class DeepseekV41Config:
+    """Static model configuration (hashable: a static argument under jit)."""
+
+    family = "deepseek_v41"
+
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    head_dim: int
+    rope_dim: int
+    q_lora_rank: int
+    o_groups: int
+    o_lora_rank: int
+    n_routed_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    compress_ratios: tuple[int, ...]  # one per backbone layer (the DSpark stages cut off)
+    kv_source_layer_ids: tuple[int, ...]
+    index_source_layer_ids: tuple[int, ...]
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
+    candidate_source_layer_id: int = -1
+    candidate_topk_blocks: int = 0
+    candidate_block_size: int = 0
+    sliding_window: int = 128
+    rope_theta: float = 10000.0
+    compress_rope_theta: float = 160000.0
+    yarn_factor: float = 1.0  # 1: no YaRN on the compressed layers
+    yarn_original_max_position: int = 0
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    rms_norm_eps: float = 1e-20
+    scoring_func: str = "sqrtsoftplus"
+    routed_scaling_factor: float = 1.5
+    swiglu_limit: float = 10.0
+    hc_mult: int = 4
+    hc_sinkhorn_iters: int = 20
+    hc_eps: float = 1e-6
+    engram_layer_ids: tuple[int, ...] = ()
+    num_nextn_predict_layers: int = 0
+    image_token_id: int = -1
+    weight_block_size: tuple[int, int] = (32, 32)
+    max_position_embeddings: int = 1048576
+    tie_word_embeddings: bool = False
+    expert_dispatch: str = "auto"
+
+    def __post_init__(self) -> None:
+        _plan(self)  # validates the schedule
+
+    @property
+    def num_hidden_layers(self) -> int:
+        return self.num_layers
+
+    @property
+    def site_sizes(self) -> tuple[int, int]:
+        """Channels of the GSM sites (attn_out, ffn_mid)."""
+        return (self.num_heads * self.head_dim, self.moe_intermediate_size)
+
+    def plan(self, layer: int) -> LayerPlan:
+        return _plan(self)[layer]
+
+    def rope(self, layer: int) -> RopeSpec:
+        """Theta 1e4 without YaRN on ratio-0 layers; compress_rope_theta with
+        frequency-only YaRN (no attention factor) on the compressed ones (§1, §4.2)."""
+        if self.compress_ratios[layer] == 0:
+            return RopeSpec(theta=self.rope_theta, dim=self.rope_dim)
+        return self.compress_rope
+
+    @property
+    def compress_rope(self) -> RopeSpec:
+        if self.yarn_factor == 1.0 or self.yarn_original_max_position <= 0:
+            return RopeSpec(theta=self.compress_rope_theta, dim=self.rope_dim)
+        return RopeSpec(theta=self.compress_rope_theta, dim=self.rope_dim, rope_type="yarn",
+                        factor=self.yarn_factor,
+                        original_max_position_embeddings=self.yarn_original_max_position,
+                        beta_fast=self.yarn_beta_fast, beta_slow=self.yarn_beta_slow,
+                        attention_factor=1.0)
+
+    @classmethod
+    def from_hf_config(cls, hf: dict[str, Any]) -> DeepseekV41Config:
+        """From a Hugging Face config.json dict: the nested release form (`text_config`,
+        `quantization_config`) or a flat text config; the reference's key names
+        (rope_head_dim, window_size, kv_source_layers, route_scale, n_mtp_layers) too."""
+        text = dict(hf.get("text_config") or hf)
+        quant = hf.get("quantization_config") or text.get("quantization_config")
+
+        def get(key: str, *aliases: str, default: Any = KeyError) -> Any:
+            for k in (key, *aliases):
+                if k in text and text[k] is not None:
+                    return text[k]
+            if default is KeyError:
+                raise ModelLoadError(f"deepseek_v41 config: missing key {key!r}")
+            return default
+
+        num_layers = int(get("num_hidden_layers", "n_layers"))
+        ratios = [int(r) for r in get("compress_ratios")]
+        if len(ratios) < num_layers:
+            raise ModelLoadError(
+                f"deepseek_v41 config: compress_ratios has {len(ratios)} entries for "
+                f"num_hidden_layers={num_layers}")
+        if int(get("num_key_value_heads", default=1)) != 1:
+            raise UnsupportedModelError("deepseek_v41 config: num_key_value_heads must be 1 "
+                                        "(one shared K=V latent)")
+        if int(get("n_shared_experts", default=1)) != 1:
+            raise UnsupportedModelError("deepseek_v41 config: n_shared_experts must be 1")
+        if get("num_hash_layers", default=0):
+            raise UnsupportedModelError("deepseek_v41 config: num_hash_layers (hash routing) "
+                                        "is not part of V4.1")
+        scaling = get("rope_scaling", default=None) or {}
+        if scaling and scaling.get("type", scaling.get("rope_type")) not in ("yarn", None):
+            raise UnsupportedModelError(
+                f"deepseek_v41 config: rope_scaling type {scaling.get('type')!r} "
+                "(only yarn)")
+        block = (32, 32)
+        if quant:
+            if quant.get("quant_method", "fp8") != "fp8":
+                raise UnsupportedModelError(
+                    f"deepseek_v41 config: quantization_config.quant_method "
+                    f"{quant.get('quant_method')!r} (only fp8)")
+            block = tuple(int(b) for b in quant.get("weight_block_size", block))
+            if len(block) != 2:
+                raise ModelLoadError("deepseek_v41 config: quantization_config."
+                                     f"weight_block_size must be [out, in], got {block}")
+        engram = tuple(int(i) for i in get("engram_layer_ids", default=()))
+        return cls(
+            vocab_size=int(get("vocab_size")),
+            hidden_size=int(get("hidden_size", "dim")),
+            num_layers=num_layers,
+            num_heads=int(get("num_attention_heads", "n_heads")),
+            head_dim=int(get("head_dim")),
+            rope_dim=int(get("qk_rope_head_dim", "rope_head_dim")),
+            q_lora_rank=int(get("q_lora_rank")),
+            o_groups=int(get("o_groups")),
+            o_lora_rank=int(get("o_lora_rank")),
+            n_routed_experts=int(get("n_routed_experts")),
+            num_experts_per_tok=int(get("num_experts_per_tok", "n_activated_experts")),
+            moe_intermediate_size=int(get("moe_intermediate_size", "moe_inter_dim")),
+            compress_ratios=tuple(ratios[:num_layers]),
+            kv_source_layer_ids=tuple(int(i) for i in get("kv_source_layer_ids",
+                                                          "kv_source_layers", default=())),
+            index_source_layer_ids=tuple(int(i) for i in get("index_source_layer_ids",
+                                                             "index_source_layers",
+                                                             default=())),
+            index_n_heads=int(get("index_n_heads")),
+            index_head_dim=int(get("index_head_dim")),
+            index_topk=int(get("index_topk")),
+            candidate_source_layer_id=int(get("candidate_source_layer_id", default=-1)),
+            candidate_topk_blocks=int(get("candidate_topk_blocks", default=0)),
+            candidate_block_size=int(get("candidate_block_size", default=0)),
+            sliding_window=int(get("sliding_window", "window_size")),
+            rope_theta=float(get("rope_theta", default=10000.0)),
+            compress_rope_theta=float(get("compress_rope_theta", default=160000.0)),
+            yarn_factor=float(scaling.get("factor", 1.0)),
+            yarn_original_max_position=int(scaling.get("original_max_position_embeddings", 0)),
+            yarn_beta_fast=float(scaling.get("beta_fast", 32)),
+            yarn_beta_slow=float(scaling.get("beta_slow", 1)),
+            rms_norm_eps=float(get("rms_norm_eps", "norm_eps", default=1e-20)),
+            scoring_func=str(get("scoring_func", "score_func", default="sqrtsoftplus")),
+            routed_scaling_factor=float(get("routed_scaling_factor", "route_scale",
+                                            default=1.5)),
+            swiglu_limit=float(get("swiglu_limit", default=10.0)),
+            hc_mult=int(get("hc_mult", default=4)),
+            hc_sinkhorn_iters=int(get("hc_sinkhorn_iters", default=20)),
+            hc_eps=float(get("hc_eps", default=1e-6)),
+            engram_layer_ids=engram,
+            num_nextn_predict_layers=int(get("num_nextn_predict_layers", "n_mtp_layers",
+                                             default=0)),
+            image_token_id=int(hf.get("image_token_id", text.get("image_token_id", -1))),
+            weight_block_size=block,
+            max_position_embeddings=int(get("max_position_embeddings", default=1048576)),
+            tie_word_embeddings=bool(get("tie_word_embeddings", default=False)),
+        )
+
+
+@functools.lru_cache(maxsize=64)
+def _plan(cfg: DeepseekV41Config) -> tuple[LayerPlan, ...]:
+    """Each layer's CSA2 role; raises ModelLoadError naming the key of a bad schedule."""
+    def bad(key: str, msg: str) -> ModelLoadError:
+        return ModelLoadError(f"deepseek_v41 config: {key}: {msg}")
+
+    n, ratios = cfg.num_layers, cfg.compress_ratios
+    if len(ratios) != n:
+        raise bad("compress_ratios", f"{len(ratios)} entries for {n} layers")
+    if any(r < 0 for r in ratios):
+        raise bad("compress_ratios", f"negative ratio in {list(ratios)}")
+    for key in ("kv_source_layer_ids", "index_source_layer_ids", "engram_layer_ids"):
+        ids = getattr(cfg, key)
+        if list(ids) != sorted(set(ids)) or any(not 0 <= i < n for i in ids):
+            raise bad(key, f"{list(ids)} must be increasing layer ids below {n}")
+    kv, idx, cand = set(cfg.kv_source_layer_ids), set(cfg.index_source_layer_ids), \
+        cfg.candidate_source_layer_id
+    if not kv <= idx:
+        raise bad("index_source_layer_ids",
+                  f"every KV source must be an index source; missing {sorted(kv - idx)}")
+    if cand >= 0:
+        if cand not in kv:
+            raise bad("candidate_source_layer_id",
+                      f"layer {cand} is not a Full layer (kv_source_layer_ids)")
+        if cfg.candidate_topk_blocks <= 0 or cfg.candidate_block_size <= 0:
+            raise bad("candidate_topk_blocks",
+                      "candidate_topk_blocks and candidate_block_size must be positive")
+        if cfg.candidate_topk_blocks * cfg.candidate_block_size < cfg.index_topk:
+            # the reference and NeMo disagree on -inf picks then (§4.4 trap 2)
+            raise bad("candidate_topk_blocks", "candidate_topk_blocks * candidate_block_size "
+                      f"must be >= index_topk ({cfg.index_topk})")
+    if cfg.rope_dim <= 0 or cfg.rope_dim % 2 or cfg.rope_dim > min(cfg.head_dim,
+                                                                   cfg.index_head_dim):
+        raise bad("qk_rope_head_dim", f"{cfg.rope_dim} must be even and fit head_dim "
+                  f"{cfg.head_dim} and index_head_dim {cfg.index_head_dim}")
+    if cfg.num_heads % cfg.o_groups:
+        raise bad("o_groups", f"{cfg.o_groups} must divide num_attention_heads "
+                  f"{cfg.num_heads}")
+    plans: list[LayerPlan] = []
+    full = -1  # the latest Full layer (its compressed KV is the current state)
+    publisher = -1  # the latest layer that selected a top-k
+    for layer, r in enumerate(ratios):
+        if r == 0:
+            if layer in kv or layer in idx:
+                raise bad("kv_source_layer_ids" if layer in kv else "index_source_layer_ids",
+                          f"SWA-only layer {layer} (compress_ratios[{layer}] = 0) cannot be "
+                          "a source")
+            plans.append(LayerPlan(SWA, 0, -1, -1, False, False))
+            continue
+        uses_cand = layer in idx and 0 <= cand < layer
+        if uses_cand and ratios[cand] != r:
+            raise bad("candidate_source_layer_id",
+                      f"index source {layer} (ratio {r}) after candidate source {cand} "
+                      f"(ratio {ratios[cand]}) needs the same ratio")
+        if layer in kv:
+            full = publisher = layer
+            plans.append(LayerPlan(FULL, r, layer, layer, layer == cand, uses_cand))
+            continue
+        if full < 0 or ratios[full] != r:
+            kind = "Reindex" if layer in idx else "Reuse"
+            raise bad("compress_ratios",
+                      f"{kind} layer {layer} (ratio {r}) has no earlier Full layer "
+                      f"(kv_source_layer_ids) of ratio {r}")
+        if layer in idx:
+            if not uses_cand:
+                raise bad("candidate_source_layer_id",
+                          f"Reindex layer {layer} has no candidate source before it "
+                          f"(candidate_source_layer_id={cand})")
+            publisher = layer
+            plans.append(LayerPlan(REINDEX, r, full, layer, False, True))
+        else:
+            plans.append(LayerPlan(REUSE, r, full, publisher, False, False))
+    return tuple(plans)
+
+
+CONFIG_CLASS = DeepseekV41Config
+
+
+# ----------------------------------------------------------------------------- cache QDQ
+# The cache roundings the reference applies (quantise then dequantise, §4.2-4.4), on the
+# last axis in blocks; f32 inside, the input dtype out.
+
+_FP4_LEVELS = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+_FP4_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+
+
+def pow2_ceil(v: jax.Array) -> jax.Array:
+    """The smallest power of two >= v, for positive normal f32 v (exponent bits: exact)."""
+    bits = jax.lax.bitcast_convert_type(v.astype(jnp.float32), jnp.int32)
+    exponent = (bits >> 23) & 255
+    exponent = exponent + ((bits & 0x7FFFFF) != 0).astype(jnp.int32)
+    return jax.lax.bitcast_convert_type(exponent << 23, jnp.float32)
+
+
+def _blocks(x: jax.Array, block: int) -> tuple[jax.Array, int]:
+    c = x.shape[-1]
+    g = x.astype(jnp.float32)
+    if c % block:
+        g = jnp.pad(g, [(0, 0)] * (x.ndim - 1) + [(0, -c % block)])
+    return g.reshape(g.shape[:-1] + (-1, block)), c
+
+
+def _unblock(g: jax.Array, c: int, dtype: Any) -> jax.Array:
+    return g.reshape(g.shape[:-2] + (-1,))[..., :c].astype(dtype)
+
+
+def fp8_qdq(x: jax.Array, block: int = 32) -> jax.Array:
+    """FP8 e4m3 with one power-of-two (E8M0) scale per `block` channels: the window KV."""
+    g, c = _blocks(x, block)
+    amax = jnp.max(jnp.abs(g), axis=-1, keepdims=True)
+    scale = pow2_ceil(jnp.maximum(amax, 1e-4) * np.float32(1 / 448))
+    q = jnp.clip(g / scale, -448, 448).astype(jnp.float8_e4m3fn).astype(jnp.float32)
+    return _unblock(q * scale, c, x.dtype)
+
+
+def _e2m1_round(v: jax.Array) -> jax.Array:
+    """Round to the nearest e2m1 level (|v| <= 6), ties to the even level."""
+    mag = jnp.abs(v)
+    mids = jnp.asarray(_FP4_MIDPOINTS, jnp.float32)
+    lower = jnp.sum(mag[..., None] > mids, axis=-1)  # bucket: mids[i-1] < mag <= mids[i]
+    tie = mag == mids[jnp.minimum(lower, 6)]
+    sel = lower + (tie & (lower % 2 == 1)).astype(lower.dtype)
+    out = jnp.asarray(_FP4_LEVELS, jnp.float32)[sel]
+    return jnp.where(v < 0, -out, out)
+
+
+def nvfp4_qdq(x: jax.Array, block: int = 16) -> jax.Array:
+    """FP4 e2m1 with one E4M3 scale (amax / 6) per `block` channels: the compressed KV."""
+    g, c = _blocks(x, block)
+    amax = jnp.max(jnp.abs(g), axis=-1, keepdims=True)
+    scale = (jnp.maximum(amax, 6 * 2.0**-9) / 6).astype(jnp.float8_e4m3fn).astype(jnp.float32)
+    return _unblock(_e2m1_round(jnp.clip(g / scale, -6, 6)) * scale, c, x.dtype)
+
+
+def mxfp4_qdq(x: jax.Array, block: int = 32) -> jax.Array:
+    """FP4 e2m1 with one power-of-two scale per `block` channels: the index q and k."""
+    g, c = _blocks(x, block)
+    amax = jnp.max(jnp.abs(g), axis=-1, keepdims=True)
+    scale = pow2_ceil(jnp.maximum(amax, 6 * 2.0**-126) * np.float32(1 / 6))
+    return _unblock(_e2m1_round(jnp.clip(g / scale, -6, 6)) * scale, c, x.dtype)
+
+
+# ----------------------------------------------------------------------------- numerics
+
+
+def hc_mix(w: dict, h: jax.Array, cfg: DeepseekV41Config):
+    """One mix projection of the streams h [B,T,N,D] (f32): pre [B,T,N] (the *next*
+    sublayer's collapse weights), post [B,T,N] and comb [B,T,N,N] (this sublayer's expand)."""
+    n = cfg.hc_mult
+    flat = h.reshape(h.shape[:2] + (-1,)).astype(jnp.float32)
+    rs = jax.lax.rsqrt(jnp.mean(flat * flat, axis=-1, keepdims=True) + cfg.rms_norm_eps)
+    m = (flat @ w["fn"].astype(jnp.float32)) * rs
+    s, base = w["scale"].astype(jnp.float32), w["base"].astype(jnp.float32)
+    pre = jax.nn.sigmoid(m[..., :n] * s[0] + base[:n]) + cfg.hc_eps
+    post = 2 * jax.nn.sigmoid(m[..., n:2 * n] * s[1] + base[n:2 * n])
+    comb = (m[..., 2 * n:] * s[2] + base[2 * n:]).reshape(m.shape[:-1] + (n, n))
+    comb = jax.nn.softmax(comb, axis=-1) + cfg.hc_eps
+    comb = comb / (jnp.sum(comb, axis=-2, keepdims=True) + cfg.hc_eps)
+    for _ in range(cfg.hc_sinkhorn_iters - 1):
+        comb = comb / (jnp.sum(comb, axis=-1, keepdims=True) + cfg.hc_eps)
+        comb = comb / (jnp.sum(comb, axis=-2, keepdims=True) + cfg.hc_eps)
+    return pre, post, comb
+
+
+def _rope(x: jax.Array, spec: RopeSpec, positions: jax.Array, inverse: bool = False):
+    """Interleaved RoPE on the trailing spec.dim channels; x [B, T, (H,) C], positions [B, T]."""
+    cos, sin = rope_cos_sin(spec, positions)
+    if x.ndim == 4:
+        cos, sin = cos[:, :, None], sin[:, :, None]
+    return apply_rope(x, cos, -sin if inverse else sin)
+
+
+def compress_latent(cfg: DeepseekV41Config, w: dict, x: jax.Array, ratio: int, lin) -> jax.Array:
+    """The Full layer's compressor (§4.3): x [B,T,D] -> latents [B, T // ratio, hd], before
+    RoPE. Ratio > 1: per channel softmax pooling over each group of `ratio` tokens (f32);
+    ratio 1: the projection. Then RMSNorm."""
+    if ratio == 1:
+        return rms_norm(lin("compressor.wkv", x, w["wkv"]), w["norm"], cfg.rms_norm_eps)
+    b, t, _ = x.shape
+    n = t // ratio
+    xs = x[:, :n * ratio].astype(jnp.float32)
+    kv = lin("compressor.wkv", xs, w["wkv"]).reshape(b, n, ratio, -1)
+    gate = lin("compressor.wgate", xs, w["wgate"]).reshape(b, n, ratio, -1)
+    pooled = jnp.sum(kv * jax.nn.softmax(gate, axis=2), axis=2).astype(x.dtype)
+    return rms_norm(pooled, w["norm"], cfg.rms_norm_eps)
+
+
+def index_scores(cfg: DeepseekV41Config, w: dict, x, q_res, positions, keys, spec, lin):
+    """Indexer scores (§4.4): x [B,T,D], q_res [B,T,q_lora], keys [B,n,ci] -> [B,T,n] f32."""
+    hi, ci = cfg.index_n_heads, cfg.index_head_dim
+    q = lin("indexer.q_b", q_res, w["q_b"]).reshape(q_res.shape[:2] + (hi, ci))
+    q = mxfp4_qdq(_rope(q, spec, positions))
+    head_w = lin("indexer.weights_proj", x, w["weights_proj"]) * (ci**-0.5 * hi**-0.5)
+    dots = jnp.einsum("bthc,bnc->bthn", q, keys.astype(q.dtype))
+    return jnp.einsum("bthn,bth->btn", jax.nn.relu(dots), head_w).astype(jnp.float32)
+
+
+def candidate_blocks(cfg: DeepseekV41Config, scores: jax.Array, visible: jax.Array,
+                     n_visible: jax.Array) -> jax.Array:
+    """The candidate source's slot mask [B,T,n]: blocks of `candidate_block_size` slots
+    scored by their max, the block of the newest visible slot forced in, the best
+    `candidate_topk_blocks` kept (those with a finite score)."""
+    bs = cfg.candidate_block_size
+    n = scores.shape[-1]
+    s = jnp.where(visible, scores, -jnp.inf)
+    s = jnp.pad(s, [(0, 0), (0, 0), (0, -n % bs)], constant_values=-jnp.inf)
+    block = jnp.max(s.reshape(s.shape[:-1] + (-1, bs)), axis=-1)
+    nb = block.shape[-1]
+    last = jnp.floor_divide(n_visible - 1, bs)
+    block = jnp.where(jnp.arange(nb) == last[..., None], jnp.inf, block)
+    vals, idx = jax.lax.top_k(block, min(cfg.candidate_topk_blocks, nb))
+    keep = jnp.any((idx[..., None] == jnp.arange(nb)) & (vals > -jnp.inf)[..., None], axis=-2)
+    return jnp.repeat(keep, bs, axis=-1)[..., :n] & visible
+
+
+def select_topk(scores: jax.Array, allowed: jax.Array, k: int) -> jax.Array:
+    """[B,T,n] bool: the top min(k, n) allowed slots (ties: the lower index, as
+    `jax.lax.top_k`; the reference's order of ties is unspecified, §4.4 trap 1)."""
+    n = scores.shape[-1]
+    s = jnp.where(allowed, scores, -jnp.inf)
+    vals, idx = jax.lax.top_k(s, min(k, n))
+    return jnp.any((idx[..., None] == jnp.arange(n)) & (vals > -jnp.inf)[..., None], axis=-2)
+
+
+# ----------------------------------------------------------------------------- layer
+
+
+def attention(cfg: DeepseekV41Config, w: dict, layer: int, x: jax.Array, state: dict,
+              step: common.Step):
+    """CSA2 attention, teacher forced: x [B,T,D] -> (out [B,T,D], the new CSA2 state)."""
+    plan = cfg.plan(layer)
+    spec = cfg.rope(layer)
+    eps = cfg.rms_norm_eps
+    b, t, _ = x.shape
+
+    def lin(name, a, wt):
+        return step.linear(layer, name, a, wt)
+
+    positions = step.start[:, None] + jnp.arange(t)[None, :]
+    q_res = rms_norm(lin("q_a", x, w["q_a"]), w["q_norm"], eps)
+    q = lin("q_b", q_res, w["q_b"]).reshape(b, t, cfg.num_heads, cfg.head_dim)
+    q = _rope(q, spec, positions)
+    kv = rms_norm(lin("kv", x, w["kv"]), w["kv_norm"], eps)
+    kv = fp8_qdq(_rope(kv, spec, positions))
+    steps = jnp.arange(t)
+    band = ((steps[None, :] <= steps[:, None])
+            & (steps[None, :] > steps[:, None] - cfg.sliding_window))
+    keys, mask = kv, jnp.broadcast_to(band, (b, t, t)) & step.valid[:, None, :]
+    if plan.role != SWA:
+        r = plan.ratio
+        if plan.role == FULL:
+            latent = compress_latent(cfg, w["compressor"], x, r, lin)  # [B, n, hd]
+            n = latent.shape[1]
+            cpos = jnp.broadcast_to(jnp.arange(n) * r, (b, n))
+            ik = rms_norm(lin("indexer.wk", latent, w["indexer"]["wk"]),
+                          w["indexer"]["k_norm"], eps)
+            state = {**state, "comp": nvfp4_qdq(_rope(latent, spec, cpos)),
+                     "index_keys": mxfp4_qdq(_rope(ik, spec, cpos))}
+        comp = state["comp"]
+        n = comp.shape[1]
+        n_visible = (positions + 1) // r  # [B, T]
+        visible = jnp.arange(n)[None, None, :] < n_visible[..., None]
+        if plan.role in (FULL, REINDEX):
+            scores = index_scores(cfg, w["indexer"], x, q_res, positions,
+                                  state["index_keys"], spec, lin)
+            allowed = visible
+            if plan.candidate_source:
+                state = {**state,
+                         "candidates": candidate_blocks(cfg, scores, visible, n_visible)}
+            elif plan.uses_candidates:
+                allowed = visible & state["candidates"]
+            state = {**state, "selected": select_topk(scores, allowed, cfg.index_topk)}
+        keys = jnp.concatenate([keys, comp.astype(kv.dtype)], axis=1)
+        mask = jnp.concatenate([mask, state["selected"]], axis=2)
+    with jax.named_scope("attention"):
+        attn = sink_attention(q, keys, mask, w["sinks"], cfg.head_dim**-0.5)
+    attn = _rope(attn, spec, positions, inverse=True)
+    flat = step.site(layer, ATTN_OUT, attn.reshape(b, t, -1))  # GSM site attn_out
+    grouped = flat.reshape(b * t, cfg.o_groups, -1)
+    low = jax.lax.dot_general(grouped, w["o_a"].astype(flat.dtype),
+                              (((2,), (1,)), ((1,), (0,))))  # [G, B*T, O]
+    low = jnp.swapaxes(low, 0, 1).reshape(b, t, -1)
+    return lin("o_b", low, w["o_b"]), state
+
+
+def moe(cfg: DeepseekV41Config, w: dict, layer: int, x: jax.Array, step: common.Step):
+    """Routed experts (sqrtsoftplus + text bias) + the shared expert: x [B,T,D] -> [B,T,D]."""
+    b, t, d = x.shape
+    flat = x.reshape(b * t, d)
+    with jax.named_scope("router"):
+        logits = step.linear(layer, "router", flat.astype(jnp.float32), w["router"])
+        scores = score_fn(cfg.scoring_func, logits.astype(jnp.float32))
+        # bias_vl would replace bias for image-span tokens; this model is text-only
+        _, idx = jax.lax.top_k(scores + w["bias"].astype(jnp.float32), cfg.num_experts_per_tok)
+        wts = jnp.take_along_axis(scores, idx, axis=-1)
+        wts = wts / (jnp.sum(wts, axis=-1, keepdims=True) + 1e-20) * cfg.routed_scaling_factor
+    with jax.named_scope("routed_experts"):
+        routed = routed_experts(flat, idx, wts, w["experts_gate_up"], w["experts_down"],
+                                cfg.swiglu_limit, dispatch=cfg.expert_dispatch)
+    with jax.named_scope("shared_expert"):
+        mid = swiglu(step.linear(layer, "shared_gate_up", x, w["shared_gate_up"]),
+                     cfg.swiglu_limit)
+        mid = step.site(layer, FFN_MID, mid, w["shared_down"])  # GSM site ffn_mid
+        shared = step.linear(layer, "shared_down", mid, w["shared_down"])
+    return routed.reshape(b, t, d).astype(x.dtype) + shared
+
+
+def layer(cfg: DeepseekV41Config, w: dict, index: int, x, cache, step: common.Step):
+    """`common.run_layers`' layer_fn. x = (streams [B,T,N,D], pre [B,T,N], CSA2 state)."""
+    h, pre, state = x
+    eps = cfg.rms_norm_eps
+    a_pre, a_post, a_comb = hc_mix(w["hc_attn"], h, cfg)
+    out, state = attention(cfg, w["attn"], index, rms_norm(weighted_streams(pre, h),
+                                                           w["attn_norm"], eps), state, step)
+    h = hc_expand(a_post, a_comb, out, h)
+    f_pre, f_post, f_comb = hc_mix(w["hc_ffn"], h, cfg)
+    out = moe(cfg, w["moe"], index, rms_norm(weighted_streams(a_pre, h), w["ffn_norm"], eps),
+              step)
+    h = hc_expand(f_post, f_comb, out, h)
+    return (h, f_pre, state), cache
+
+
+# ----------------------------------------------------------------------------- weights
+
+
+def weight_shapes(cfg: DeepseekV41Config, dtype: Any = jnp.float32) -> dict:
+    """The float weight tree ([in, out] projections) as ShapeDtypeStructs."""
+    f32 = jnp.float32
+    d, h, hd, n = cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.hc_mult
+    e, i, g = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.o_groups
+    hi, ci = cfg.index_n_heads, cfg.index_head_dim
+
+    def s(shape, dt=dtype):
+        return jax.ShapeDtypeStruct(tuple(shape), dt)
+
+    def hc():
+        return {"fn": s((n * d, (2 + n) * n), f32), "base": s(((2 + n) * n,), f32),
+                "scale": s((3,), f32)}
+
+    layers = []
+    for li in range(cfg.num_layers):
+        plan = cfg.plan(li)
+        attn = {"q_a": s((d, cfg.q_lora_rank)), "q_norm": s((cfg.q_lora_rank,), f32),
+                "q_b": s((cfg.q_lora_rank, h * hd)), "kv": s((d, hd)), "kv_norm": s((hd,), f32),
+                "o_a": s((g, h * hd // g, cfg.o_lora_rank)),
+                "o_b": s((g * cfg.o_lora_rank, d)), "sinks": s((h,), f32)}
+        if plan.role == FULL:
+            attn["compressor"] = {"wkv": s((d, hd), f32), "norm": s((hd,), f32)}
+            if plan.ratio > 1:
+                attn["compressor"]["wgate"] = s((d, hd), f32)
+        if plan.role in (FULL, REINDEX):
+            attn["indexer"] = {"q_b": s((cfg.q_lora_rank, hi * ci)),
+                               "weights_proj": s((d, hi))}
+            if plan.role == FULL:
+                attn["indexer"].update(wk=s((hd, ci)), k_norm=s((ci,), f32))
+        layers.append({
+            "attn_norm": s((d,), f32), "ffn_norm": s((d,), f32),
+            "hc_attn": hc(), "hc_ffn": hc(), "attn": attn,
+            "moe": {"router": s((d, e), f32), "bias": s((e,), f32), "bias_vl": s((e,), f32),
+                    "experts_gate_up": s((e, d, 2 * i)), "experts_down": s((e, i, d)),
+                    "shared_gate_up": s((d, 2 * i)), "shared_down": s((i, d))},
+        })
+    return {"embed": s((cfg.vocab_size, d)), "lm_head": s((d, cfg.vocab_size)),
+            "final_norm": s((d,), f32), "layers": tuple(layers)}
+
+
+_SMALL_INIT = {"sinks", "base", "bias", "bias_vl"}
+
+
+def init_weights(cfg: DeepseekV41Config, rng: jax.Array, dtype: Any = jnp.float32) -> dict:
+    """Random weights (tests): the tree `weights_from_hf` produces; sinks and biases random."""
+    gen = np.random.default_rng(np.asarray(jax.random.key_data(rng)).ravel().tolist())
+
+    def draw(path, sds):
+        name = path[-1].key
+        if name.endswith("norm") or name == "scale":
+            return jnp.asarray(1 + 0.1 * gen.standard_normal(sds.shape), sds.dtype)
+        std = 0.5 if name in _SMALL_INIT else 0.02
+        return jnp.asarray(std * gen.standard_normal(sds.shape), sds.dtype)
+
+    return jax.tree_util.tree_map_with_path(draw, weight_shapes(cfg, dtype))
+
+
+_VISION = re.compile(r"^(vision\.|aligner\.|image_(start|end|newline)\b)")
+_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
+_EXPERT = re.compile(r"^ffn\.experts\.(\d+)\.(w[123])\.weight$")
+# released name (after "layers.{i}.") -> path in the layer tree, transposed?
+_LAYER_NAMES = {
+    "attn_norm.weight": (("attn_norm",), False),
+    "ffn_norm.weight": (("ffn_norm",), False),
+    "hc_attn_fn": (("hc_attn", "fn"), True),
+    "hc_attn_base": (("hc_attn", "base"), False),
+    "hc_attn_scale": (("hc_attn", "scale"), False),
+    "hc_ffn_fn": (("hc_ffn", "fn"), True),
+    "hc_ffn_base": (("hc_ffn", "base"), False),
+    "hc_ffn_scale": (("hc_ffn", "scale"), False),
+    "attn.attn_sink": (("attn", "sinks"), False),
+    "attn.wq_a.weight": (("attn", "q_a"), True),
+    "attn.q_norm.weight": (("attn", "q_norm"), False),
+    "attn.wq_b.weight": (("attn", "q_b"), True),
+    "attn.wkv.weight": (("attn", "kv"), True),
+    "attn.kv_norm.weight": (("attn", "kv_norm"), False),
+    "attn.wo_b.weight": (("attn", "o_b"), True),
+    "attn.compressor.wkv.weight": (("attn", "compressor", "wkv"), True),
+    "attn.compressor.wgate.weight": (("attn", "compressor", "wgate"), True),
+    "attn.compressor.norm.weight": (("attn", "compressor", "norm"), False),
+    "attn.indexer.wq_b.weight": (("attn", "indexer", "q_b"), True),
+    "attn.indexer.weights_proj.weight": (("attn", "indexer", "weights_proj"), True),
+    "attn.indexer.wk.weight": (("attn", "indexer", "wk"), True),
+    "attn.indexer.k_norm.weight": (("attn", "indexer", "k_norm"), False),
+    "ffn.gate.weight": (("moe", "router"), True),
+    "ffn.gate.bias": (("moe", "bias"), False),
+    "ffn.gate.bias_vl": (("moe", "bias_vl"), False),
+}
+
+
+def weights_from_hf(cfg: DeepseekV41Config, tensors: dict[str, Any], dtype: Any = jnp.float32,
+                    *, mtp: dict | None = None) -> dict:
+    """The weight tree from the released tensor names (§9.2), float tensors ([out, in]).
+
+    `mtp.*` (the DSpark stages) are not part of the backbone: they go into `mtp` (a dict the
+    caller passes) when given, else are dropped. Vision / aligner tensors are refused
+    (text-only), as are Engram tensors (not implemented yet)."""
+    if cfg.engram_layer_ids:
+        raise UnsupportedModelError("deepseek_v41: Engram layers are not supported yet "
+                                    f"(engram_layer_ids={list(cfg.engram_layer_ids)})")
+    want = weight_shapes(cfg, dtype)
+    layers: list[dict] = [{} for _ in range(cfg.num_layers)]
+    experts: list[dict] = [{} for _ in range(cfg.num_layers)]
+    top: dict[str, Any] = {}
+    unknown = []
+    for name, value in tensors.items():
+        if name.startswith("mtp."):
+            if mtp is not None:
+                mtp[name] = value
+            continue
+        if _VISION.match(name):
+            raise UnsupportedModelError(f"deepseek_v41: vision tensor {name!r}: this model "
+                                        "is text-only")
+        if name.endswith(".scale"):
+            raise UnsupportedModelError(f"deepseek_v41: block-quantized tensor {name!r}: "
+                                        "only float checkpoints are read so far")
+        a = np.asarray(value, dtype=np.float32)
+        if name == "embed.weight":
+            top["embed"] = a
+            continue
+        if name == "head.weight":
+            top["lm_head"] = a.T
+            continue
+        if name == "norm.weight":
+            top["final_norm"] = a
+            continue
+        m = _LAYER.match(name)
+        if not m or int(m.group(1)) >= cfg.num_layers:
+            unknown.append(name)
+            continue
+        li, rest = int(m.group(1)), m.group(2)
+        if ".engram." in f".{rest}":
+            raise UnsupportedModelError(f"deepseek_v41: Engram tensor {name!r} is not "
+                                        "supported yet")
+        em = _EXPERT.match(rest)
+        if em:
+            experts[li][(int(em.group(1)), em.group(2))] = a.T
+            continue
+        sm = re.match(r"^ffn\.shared_experts\.(w[123])\.weight$", rest)
+        if sm:
+            experts[li][("shared", sm.group(1))] = a.T
+            continue
+        if rest == "attn.wo_a.weight":  # [G * O, H * hd / G] -> [G, H * hd / G, O]
+            g = cfg.o_groups
+            layers[li].setdefault("attn", {})["o_a"] = np.transpose(
+                a.reshape(g, -1, a.shape[-1]), (0, 2, 1))
+            continue
+        if rest not in _LAYER_NAMES:
+            unknown.append(name)
+            continue
+        path, transpose = _LAYER_NAMES[rest]
+        node = layers[li]
+        for p in path[:-1]:
+            node = node.setdefault(p, {})
+        node[path[-1]] = a.T if transpose else a
+    if unknown:
+        raise ModelLoadError(f"deepseek_v41: unexpected tensors {sorted(unknown)[:8]}"
+                             f"{' ...' if len(unknown) > 8 else ''}")
+    for li in range(cfg.num_layers):
+        ex, e = experts[li], cfg.n_routed_experts
+        moe_w = layers[li].setdefault("moe", {})
+        try:
+            moe_w["experts_gate_up"] = np.stack(
+                [np.concatenate([ex[(k, "w1")], ex[(k, "w3")]], axis=-1) for k in range(e)])
+            moe_w["experts_down"] = np.stack([ex[(k, "w2")] for k in range(e)])
+            moe_w["shared_gate_up"] = np.concatenate([ex[("shared", "w1")],
+                                                      ex[("shared", "w3")]], axis=-1)
+            moe_w["shared_down"] = ex[("shared", "w2")]
+        except KeyError as err:
+            raise ModelLoadError(f"deepseek_v41: layer {li}: missing expert tensor "
+                                 f"{err.args[0]}") from None
+    out = {**top, "layers": tuple(layers)}
+    _check(out, want, "")
+    return jax.tree.map(lambda a, s: jnp.asarray(a, s.dtype), out, want)
+
+
+def _check(tree: Any, want: Any, where: str) -> None:
+    if isinstance(want, dict):
+        if not isinstance(tree, dict):
+            raise ModelLoadError(f"deepseek_v41: {where} is not a subtree")
+        missing, extra = set(want) - set(tree), set(tree) - set(want)
+        if missing or extra:
+            raise ModelLoadError(f"deepseek_v41: {where or 'top'}: missing {sorted(missing)}, "
+                                 f"unexpected {sorted(extra)}")
+        for k in want:
+            _check(tree[k], want[k], f"{where}.{k}" if where else k)
+    elif isinstance(want, tuple):
+        for i, (a, s) in enumerate(zip(tree, want, strict=True)):
+            _check(a, s, f"{where}.{i}")
+    elif tuple(tree.shape) != tuple(want.shape):
+        raise ModelLoadError(f"deepseek_v41: {where} has shape {tuple(tree.shape)}, "
+                             f"expected {tuple(want.shape)}")
+
+
+# ----------------------------------------------------------------------------- entry points
+
+
+def embed(weights: dict, cfg: DeepseekV41Config, tokens: jax.Array):
+    """Tokens [B, T] -> (streams [B,T,N,D] (copies of the embedding), pre (one-hot on 0))."""
+    x = jnp.take(weights["embed"], tokens, axis=0)
+    h = jnp.broadcast_to(x[..., None, :], x.shape[:-1] + (cfg.hc_mult, cfg.hidden_size))
+    pre = jnp.broadcast_to(jax.nn.one_hot(0, cfg.hc_mult, dtype=jnp.float32),
+                           tokens.shape + (cfg.hc_mult,))
+    return h, pre
+
+
+def logits(weights: dict, cfg: DeepseekV41Config, h: jax.Array, pre: jax.Array) -> jax.Array:
+    """Collapse with the last FFN mix's pre -> final norm -> LM head (f32)."""
+    x = rms_norm(weighted_streams(pre, h), weights["final_norm"], cfg.rms_norm_eps)
+    with jax.named_scope("lm_head"):
+        return jnp.einsum("...d,dv->...v", x.astype(jnp.float32),
+                          weights["lm_head"].astype(jnp.float32))
+
+
+def _check_supported(cfg: DeepseekV41Config) -> None:
+    if cfg.engram_layer_ids:
+        raise UnsupportedModelError("deepseek_v41: Engram layers are not supported yet "
+                                    f"(engram_layer_ids={list(cfg.engram_layer_ids)})")
+
+
+def _run(weights: dict, cfg: DeepseekV41Config, tokens: jax.Array, step: common.Step):
+    _check_supported(cfg)
+    h, pre = embed(weights, cfg, tokens)
+    layers = common.layer_weights(weights, cfg.num_layers, scan_ok=False)
+    (h, pre, _), _, sown = common.run_layers(layer, cfg, layers, (h, pre, {}), None, step)
+    return h, pre, sown
+
+
+def hidden_states(weights: dict, cfg: DeepseekV41Config, tokens: jax.Array, lengths: jax.Array,
+                  sites: Sites | None = None) -> tuple[jax.Array, dict]:
+    """Teacher-forced final hidden states [B, T, D] (collapsed, final-normed) over
+    right-padded rows of `lengths` tokens, and what the hooks sowed {name: [L, ...]}."""
+    h, pre, sown = _run(weights, cfg, tokens, common.forward_step(lengths, tokens.shape[1],
+                                                                  sites))
+    return rms_norm(weighted_streams(pre, h), weights["final_norm"], cfg.rms_norm_eps), sown
+
+
+def forward(weights: dict, cfg: DeepseekV41Config, tokens: jax.Array, lengths: jax.Array,
+            gsm: Sites | None = None) -> jax.Array:
+    """Teacher-forced logits [B, T, V] (f32) over right-padded rows of `lengths` tokens."""
+    h, pre, _ = _run(weights, cfg, tokens, common.forward_step(lengths, tokens.shape[1], gsm))
+    return logits(weights, cfg, h, pre)
+
+
+# ----------------------------------------------------------------------------- family contract
+# What the runtime reads from this module beside its entry points (docs/adding_a_family.md).
+# Not registered in gsm_jax/families.py until the decode entry points exist.
+
+FAMILY = "deepseek_v41"
+TITLE = "DeepSeek-V4.1"
+HF_MODEL_TYPES = ("deepseek_v41",)
+
+# Logical axes of the float layout ([..., in, out]) by leaf name; unlisted leaves replicate
+# (norms, router, hyper-connections, the single K=V head, q_a, compressor and indexer).
+LOGICAL_AXES = {
+    "embed": ("vocab", None),
+    "lm_head": (None, "vocab"),
+    "q_b": (None, "heads"),
+    "o_a": ("heads", None, None),
+    "o_b": ("heads", None),
+    "sinks": ("heads",),
+    "experts_gate_up": ("experts", None, None),
+    "experts_down": ("experts", None, None),
+    "shared_gate_up": (None, "mlp"),
+    "shared_down": ("mlp", None),
+}
+REPLICATED_UNDER = ("indexer", "compressor")
+
+
+def logical_axes(names: list[str], ndim: int) -> tuple[str | None, ...]:
+    """By leaf name, except everything under REPLICATED_UNDER (the indexer's q_b too)."""
+    from gsm_jax.models.partitioning import table_axes
+
+    if any(n in REPLICATED_UNDER for n in names[:-1]):
+        return (None,) * ndim
+    return table_axes(LOGICAL_AXES, names[-1], ndim)
+
+
+def model_axis_sizes(cfg: DeepseekV41Config) -> dict[str, int]:
+    return {"experts": cfg.n_routed_experts, "heads": cfg.num_heads,
+            "output_groups": cfg.o_groups}

@@ -1,0 +1,288 @@
+"""DeepSeek-V4.1 family: config and schedule, the cache roundings, weight loading, and
+teacher-forced parity with NeMo AutoModel's V4.1 port (tests/v41_reference.py) on tiny
+random configs (fp32, CPU).
+
+Tolerance: 1e-4 of the logit scale (max |ref|) and the same top-1 everywhere. Both sides run
+fp32 and differ by rounding order only (~5e-7 here); but the cache QDQs (FP8 / FP4) and the
+two top-k selections are discontinuous, so an ulp upstream can flip a rounding level or a
+near-tied pick. The indexer's ReLU makes exact-zero score ties common with few index heads
+(the reference's `topk(sorted=False)` orders ties unspecifiedly, research note §4.4 trap 1),
+so the "must choose" config uses 8 index heads and a model seed without such a tie.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from gsm_jax.errors import ModelLoadError, UnsupportedModelError
+from gsm_jax.models import deepseek_v41 as dv
+
+REL_TOL = 1e-4
+
+
+def released_hf_config() -> dict:
+    """The released config.json's shape (research note §1), nested."""
+    text = dict(
+        model_type="deepseek_v41_text", num_hidden_layers=40, hidden_size=5120,
+        vocab_size=129280, num_attention_heads=64, num_key_value_heads=1, head_dim=512,
+        qk_rope_head_dim=64, q_lora_rank=1280, o_groups=8, o_lora_rank=1024,
+        n_routed_experts=384, num_experts_per_tok=6, n_shared_experts=1,
+        moe_intermediate_size=2304, scoring_func="sqrtsoftplus", topk_method="noaux_tc",
+        norm_topk_prob=True, routed_scaling_factor=1.5, swiglu_limit=10.0, rms_norm_eps=1e-20,
+        sliding_window=128, rope_theta=10000.0, compress_rope_theta=160000.0,
+        rope_scaling={"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536,
+                      "beta_fast": 32, "beta_slow": 1},
+        max_position_embeddings=1048576,
+        compress_ratios=[0, 0] + [2] * 18 + [1] * 20 + [0, 0, 0],
+        kv_source_layer_ids=[2, 8, 14, 20],
+        index_source_layer_ids=[2, 8, 14, 20, 24, 28, 32, 36],
+        index_n_heads=32, index_head_dim=128, index_topk=512,
+        candidate_source_layer_id=20, candidate_topk_blocks=2048, candidate_block_size=8,
+        hc_mult=4, hc_sinkhorn_iters=20, hc_eps=1e-6,
+        engram_layer_ids=[1, 14], num_nextn_predict_layers=3,
+    )
+    return {"model_type": "deepseek_v41", "architectures": ["DeepseekV41ForCausalLM"],
+            "text_config": text, "vision_config": {"model_type": "deepseek_v41_vision"},
+            "image_token_id": 129264,
+            "quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                    "weight_block_size": [32, 32], "scale_fmt": "ue8m0",
+                                    "expert_dtype": "fp4"}}
+
+
+def small_hf_config(**text) -> dict:
+    base = dict(
+        vocab_size=128, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=8,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=64, qk_rope_head_dim=16,
+        q_lora_rank=32, o_groups=2, o_lora_rank=16, n_routed_experts=8, num_experts_per_tok=2,
+        sliding_window=8, compress_ratios=[0, 0, 2, 2, 2, 1, 1, 1],
+        kv_source_layer_ids=[2, 5], index_source_layer_ids=[2, 5, 7], index_n_heads=4,
+        index_head_dim=32, index_topk=4, candidate_source_layer_id=5,
+        candidate_topk_blocks=2, candidate_block_size=4,
+        rope_scaling={"rope_type": "yarn", "factor": 16, "beta_fast": 32, "beta_slow": 1,
+                      "original_max_position_embeddings": 65536},
+    )
+    base.update(text)
+    return {"model_type": "deepseek_v41", "text_config": base}
+
+
+# ----------------------------------------------------------------------------- config
+
+
+def test_released_config_roles_rope_and_keys():
+    cfg = dv.DeepseekV41Config.from_hf_config(released_hf_config())
+    assert cfg.num_layers == 40 and len(cfg.compress_ratios) == 40  # DSpark stages cut
+    assert cfg.rms_norm_eps == 1e-20 and cfg.weight_block_size == (32, 32)
+    assert cfg.rope_dim == 64 and cfg.sliding_window == 128 and cfg.routed_scaling_factor == 1.5
+    assert cfg.num_nextn_predict_layers == 3 and cfg.image_token_id == 129264
+    roles = [cfg.plan(i).role for i in range(40)]
+    assert roles[:2] == [dv.SWA] * 2
+    for i in (2, 8, 14, 20):
+        assert roles[i] == dv.FULL
+    for i in (24, 28, 32, 36):
+        p = cfg.plan(i)
+        assert (p.role, p.kv_source, p.topk_source, p.uses_candidates) == (dv.REINDEX, 20, i, True)
+    assert cfg.plan(20).candidate_source and cfg.plan(20).ratio == 1
+    assert cfg.plan(2).ratio == 2 and not cfg.plan(2).uses_candidates
+    reuse = {i: (cfg.plan(i).kv_source, cfg.plan(i).topk_source) for i in range(40)
+             if roles[i] == dv.REUSE}
+    assert sorted(reuse) == [i for i in range(3, 40) if i not in (8, 14, 20, 24, 28, 32, 36)]
+    assert reuse[3] == (2, 2) and reuse[19] == (14, 14) and reuse[21] == (20, 20)
+    assert reuse[27] == (20, 24) and reuse[39] == (20, 36)
+    # RoPE: ratio-0 layers theta 1e4 plain; compressed ones 1.6e5 with frequency-only YaRN
+    plain, comp = cfg.rope(0), cfg.rope(2)
+    assert (plain.theta, plain.rope_type) == (10000.0, "default")
+    assert (comp.theta, comp.rope_type, comp.attention_factor) == (160000.0, "yarn", 1.0)
+    assert cfg.rope(20) == comp
+    base = 1.0 / 160000.0 ** (np.arange(0, 64, 2) / 64)
+    inv = comp.inv_freq()
+    np.testing.assert_allclose(inv[:16], base[:16], rtol=1e-6)  # i <= 15 kept
+    np.testing.assert_allclose(inv[25:], base[25:] / 16, rtol=1e-6)  # i >= 25 divided by 16
+    ramp = (np.arange(16, 25) - 15) / 10
+    np.testing.assert_allclose(inv[16:25], base[16:25] * (1 - ramp) + base[16:25] / 16 * ramp,
+                               rtol=1e-5)
+
+
+def test_reference_key_names():
+    hf = small_hf_config()
+    t = hf["text_config"]
+    t["rope_head_dim"] = t.pop("qk_rope_head_dim")
+    t["window_size"] = t.pop("sliding_window")
+    t["kv_source_layers"] = t.pop("kv_source_layer_ids")
+    t["route_scale"] = 2.5
+    cfg = dv.DeepseekV41Config.from_hf_config(hf)
+    assert (cfg.rope_dim, cfg.sliding_window, cfg.kv_source_layer_ids) == (16, 8, (2, 5))
+    assert cfg.routed_scaling_factor == 2.5
+
+
+@pytest.mark.parametrize("text, key", [
+    (dict(compress_ratios=[0, 0, 2, 2, 2, 1, 1, 1], kv_source_layer_ids=[5],
+          index_source_layer_ids=[5, 7]), "compress_ratios"),  # Reuse 2 without a Full 2
+    (dict(compress_ratios=[0, 0, 2, 2, 2, 1, 1, 1], kv_source_layer_ids=[2],
+          index_source_layer_ids=[2], candidate_source_layer_id=-1),
+     "compress_ratios"),  # ratio-1 Reuse layers after a ratio-2 Full
+    (dict(candidate_source_layer_id=-1), "candidate_source_layer_id"),  # Reindex 7
+    (dict(candidate_source_layer_id=6), "candidate_source_layer_id"),  # not a Full layer
+    (dict(kv_source_layer_ids=[1, 2, 5], index_source_layer_ids=[1, 2, 5, 7]),
+     "kv_source_layer_ids"),  # SWA-only source
+    (dict(index_source_layer_ids=[5, 7]), "index_source_layer_ids"),  # KV source not indexed
+    (dict(compress_ratios=[0, 0, 2]), "compress_ratios"),  # too short
+    (dict(candidate_topk_blocks=1, index_topk=8), "candidate_topk_blocks"),
+])
+def test_bad_schedules_name_the_key(text, key):
+    with pytest.raises(ModelLoadError, match=key):
+        dv.DeepseekV41Config.from_hf_config(small_hf_config(**text))
+
+
+def test_unsupported_config_keys():
+    with pytest.raises(UnsupportedModelError, match="num_key_value_heads"):
+        dv.DeepseekV41Config.from_hf_config(small_hf_config(num_key_value_heads=2))
+    hf = small_hf_config()
+    hf["quantization_config"] = {"quant_method": "gptq"}
+    with pytest.raises(UnsupportedModelError, match="quant_method"):
+        dv.DeepseekV41Config.from_hf_config(hf)
+
+
+# ----------------------------------------------------------------------------- cache QDQ
+
+
+def test_qdq_hand_values():
+    # FP8: one block with amax 448 -> scale 1 -> e4m3 values kept; amax 449 -> scale 2
+    x = jnp.asarray([[448.0, 1.0, -3.0, 0.1] + [0.0] * 28], jnp.float32)
+    y = np.asarray(dv.fp8_qdq(x))
+    assert y[0, 0] == 448 and y[0, 1] == 1 and y[0, 2] == -3 and abs(y[0, 3] - 0.1) < 0.004
+    assert float(dv.pow2_ceil(jnp.float32(449 / 448))) == 2.0
+    assert float(dv.pow2_ceil(jnp.float32(1.0))) == 1.0
+    # MXFP4: amax 6 -> scale 1; ties go to the even level
+    v = [6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -2.5, 0.3]
+    x = jnp.asarray([v + [0.0] * 22], jnp.float32)
+    y = np.asarray(dv.mxfp4_qdq(x))[0, :10]
+    np.testing.assert_array_equal(y, [6, 0, 1, 1, 2, 2, 4, 4, -2, 0.5])
+    # NVFP4: E4M3 scale amax / 6 (amax 12 -> 2), per 16 channels
+    x = jnp.asarray([[12.0, 5.0, 3.0] + [0.0] * 13 + [0.6] + [0.0] * 15], jnp.float32)
+    y = np.asarray(dv.nvfp4_qdq(x))
+    np.testing.assert_allclose(y[0, :3], [12, 4, 3])
+    assert y[0, 16] == 6 * 0.1015625  # its own block: scale e4m3(0.1) = 0.1015625
+
+
+def test_qdq_bitwise_against_reference():
+    torch = pytest.importorskip("torch")
+    quant = pytest.importorskip("nemo_automodel.components.models.deepseek_v41.quantization")
+    rng = np.random.default_rng(0)
+    for scale in (1e-3, 1.0, 30.0, 400.0):
+        x = (rng.standard_normal((64, 96)) * scale * rng.random((64, 1))).astype(np.float32)
+        for fmt, block, fn in (("fp8", 32, dv.fp8_qdq), ("nvfp4", 16, dv.nvfp4_qdq),
+                               ("mxfp4", 32, dv.mxfp4_qdq)):
+            ref = quant.quantize_cache(torch.from_numpy(x), format=fmt, block_size=block)
+            np.testing.assert_array_equal(np.asarray(fn(jnp.asarray(x), block)), ref.numpy(),
+                                          err_msg=f"{fmt} scale {scale}")
+
+
+# ----------------------------------------------------------------------------- weights
+
+
+def _released_names(cfg: dv.DeepseekV41Config, rng: np.random.Generator) -> dict:
+    """Random float tensors under the released names (§9.2), [out, in]."""
+    w = dv.weight_shapes(cfg)
+    out = {"embed.weight": w["embed"].shape, "head.weight": w["lm_head"].shape[::-1],
+           "norm.weight": w["final_norm"].shape}
+    d, i = cfg.hidden_size, cfg.moe_intermediate_size
+    for li, lw in enumerate(w["layers"]):
+        p = f"layers.{li}."
+        out.update({p + "attn_norm.weight": (d,), p + "ffn_norm.weight": (d,)})
+        for sub in ("attn", "ffn"):
+            hc = lw[f"hc_{sub}"]
+            out.update({p + f"hc_{sub}_fn": hc["fn"].shape[::-1],
+                        p + f"hc_{sub}_base": hc["base"].shape,
+                        p + f"hc_{sub}_scale": hc["scale"].shape})
+        a = lw["attn"]
+        out.update({p + "attn.attn_sink": a["sinks"].shape,
+                    p + "attn.wq_a.weight": a["q_a"].shape[::-1],
+                    p + "attn.q_norm.weight": a["q_norm"].shape,
+                    p + "attn.wq_b.weight": a["q_b"].shape[::-1],
+                    p + "attn.wkv.weight": a["kv"].shape[::-1],
+                    p + "attn.kv_norm.weight": a["kv_norm"].shape,
+                    p + "attn.wo_a.weight": (cfg.o_groups * cfg.o_lora_rank,
+                                             a["o_a"].shape[1]),
+                    p + "attn.wo_b.weight": a["o_b"].shape[::-1]})
+        for k, v in a.get("compressor", {}).items():
+            out[p + f"attn.compressor.{k}.weight"] = v.shape[::-1]
+        for k, v in a.get("indexer", {}).items():
+            out[p + f"attn.indexer.{'wq_b' if k == 'q_b' else k}.weight"] = v.shape[::-1]
+        out.update({p + "ffn.gate.weight": (cfg.n_routed_experts, d),
+                    p + "ffn.gate.bias": (cfg.n_routed_experts,),
+                    p + "ffn.gate.bias_vl": (cfg.n_routed_experts,)})
+        for e in range(cfg.n_routed_experts):
+            out.update({p + f"ffn.experts.{e}.w1.weight": (i, d),
+                        p + f"ffn.experts.{e}.w3.weight": (i, d),
+                        p + f"ffn.experts.{e}.w2.weight": (d, i)})
+        out.update({p + "ffn.shared_experts.w1.weight": (i, d),
+                    p + "ffn.shared_experts.w3.weight": (i, d),
+                    p + "ffn.shared_experts.w2.weight": (d, i)})
+    return {k: rng.standard_normal(s).astype(np.float32) for k, s in out.items()}
+
+
+def test_weights_from_hf_layout_mtp_and_vision():
+    cfg = dv.DeepseekV41Config.from_hf_config(small_hf_config())
+    tensors = _released_names(cfg, np.random.default_rng(0))
+    tensors["mtp.0.main_norm.weight"] = np.ones(4, np.float32)
+    mtp: dict = {}
+    w = dv.weights_from_hf(cfg, tensors, mtp=mtp)
+    assert list(mtp) == ["mtp.0.main_norm.weight"]
+    want = dv.weight_shapes(cfg)
+    assert jax.tree.map(lambda a: a.shape, w) == jax.tree.map(lambda s: s.shape, want)
+    np.testing.assert_array_equal(w["lm_head"], tensors["head.weight"].T)
+    wo_a = tensors["layers.3.attn.wo_a.weight"].reshape(2, 16, -1)  # [G, O, in]
+    np.testing.assert_array_equal(w["layers"][3]["attn"]["o_a"][1], wo_a[1].T)
+    gate_up = w["layers"][0]["moe"]["experts_gate_up"]
+    np.testing.assert_array_equal(gate_up[5, :, 32:], tensors["layers.0.ffn.experts.5.w3.weight"].T)
+    assert "wgate" not in w["layers"][5]["attn"]["compressor"]  # ratio 1
+    assert set(w["layers"][7]["attn"]["indexer"]) == {"q_b", "weights_proj"}  # Reindex
+    assert "indexer" not in w["layers"][6]["attn"]  # Reuse
+    with pytest.raises(UnsupportedModelError, match="vision"):
+        dv.weights_from_hf(cfg, {**tensors, "vision.norm.weight": np.ones(4, np.float32)})
+    with pytest.raises(UnsupportedModelError, match="block-quantized"):
+        dv.weights_from_hf(cfg, {**tensors, "layers.0.attn.wq_a.scale": np.ones(4, np.float32)})
+    del tensors["layers.2.attn.compressor.wgate.weight"]
+    with pytest.raises(ModelLoadError, match="wgate"):
+        dv.weights_from_hf(cfg, tensors)
+
+
+def test_engram_config_refused_until_engram_exists():
+    cfg = dv.DeepseekV41Config.from_hf_config(small_hf_config(engram_layer_ids=[1]))
+    with pytest.raises(UnsupportedModelError, match="Engram"):
+        dv.forward(dv.init_weights(cfg, jax.random.key(0)), cfg, jnp.zeros((1, 4), jnp.int32),
+                   jnp.array([4]))
+
+
+# ----------------------------------------------------------------------------- parity
+
+
+PARITY = {
+    # index_topk keeps every visible entry (topk 64 >= 32 // 1): every role, no choice
+    "keeps_all": (dict(index_topk=64, candidate_topk_blocks=16), 0, (0, 1)),
+    # index_topk 4 must choose among up to 32 entries; candidates (2 blocks x 4) bind too
+    "must_choose": (dict(index_n_heads=8), 1, (1, 2)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PARITY))
+def test_forward_matches_nemo(name):
+    pytest.importorskip("torch")
+    pytest.importorskip("nemo_automodel")
+    ref_mod = pytest.importorskip("v41_reference")
+    overrides, seed, input_seeds = PARITY[name]
+    hf = ref_mod.tiny_config(engram_layer_ids=[], **overrides)
+    model = ref_mod.nemo_model(hf, seed=seed)
+    cfg = dv.DeepseekV41Config.from_hf_config(hf)
+    weights = dv.weights_from_hf(cfg, ref_mod.released_state_dict(model))
+    fwd = jax.jit(lambda w, ids, n: dv.forward(w, cfg, ids, n))
+    for s in input_seeds:
+        ids = np.random.default_rng(s).integers(3, 128, size=(2, 32))
+        ref = ref_mod.nemo_logits(model, ids)
+        out = np.asarray(fwd(weights, jnp.asarray(ids), jnp.array([32, 32])))
+        err = np.abs(out - ref).max() / np.abs(ref).max()
+        assert err < REL_TOL, f"{name} inputs {s}: max logit error {err:.2e} of the scale"
+        np.testing.assert_array_equal(out.argmax(-1), ref.argmax(-1))
