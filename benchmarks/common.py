@@ -130,8 +130,10 @@ def _scope_of(hlo_text: str) -> Callable[[str], str]:
     for m in re.finditer(r"^\s*%?([\w.\-]+) = [^\n]*?op_name=\"([^\"]*)\"", hlo_text, re.M):
         path = re.sub(r"^jit\([^)]*\)/", "", m.group(2))
         path = re.sub(r"(^|/)layer_\d+(?=/)", r"\1", path)
-        parts = [p for p in path.split("/")[:-1]  # the last part names the primitive
-                 if p and not re.match(r"^([A-Z]\w*\.\w+|jit\(.*\))$", p)]
+        # the last part names the primitive; the layer loop's "layer" scope and Flax module
+        # names (a bare class, or class.method) carry no information once layers merge
+        parts = [p for p in path.split("/")[:-1]
+                 if p and not re.match(r"^([A-Z]\w*(\.\w+)?|layer|jit\(.*\))$", p)]
         scopes[m.group(1)] = "/".join(parts[:2]) or "(top level)"
     return lambda name: scopes.get(name, "(events not matched to a scope)")
 

@@ -32,7 +32,9 @@ def test_bench_deepseek_v4_smoke(tmp_path: Path) -> None:
         assert entry["prefill_logits_max_rel_diff"] < 1e-4
         assert entry["decode_speedup"] > 0
         scopes = entry["gsm_jax"]["decode_profile_ms"]
-        assert scopes["moe/routed_experts"] > 0 and scopes["attn.decode/attention"] > 0
+        # flax module scopes ("<module>/<named_scope>"): the routed experts and the attention
+        assert sum(v for k, v in scopes.items() if k.endswith("routed_experts")) > 0
+        assert sum(v for k, v in scopes.items() if k.endswith("/attention")) > 0
         assert entry["gsm_jax"]["decode_profile_kind_ms"]["matmul (dot / library fusion)"] > 0
     md = (out / "results.md").read_text()
     assert "decode step by named scope" in md and "by kind of op" in md
