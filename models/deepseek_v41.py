@@ -29,8 +29,8 @@ leaf names ("q_a", "q_b", "kv", "o_b", "router", "shared_gate_up", "shared_down"
 "indexer.wk").
 
 Engram layers (§6) are not implemented here: a config with `engram_layer_ids` is refused
-until `models/engram.py` exists. Decode / chunked prefill caches are not written yet:
-`forward` / `hidden_states` (teacher forcing) only.
+until `models/engram.py` exists. Prefill, extend (chunked prefill) and decode share one
+cached attention path (`attention` with a `LayerCache`).
 """
 
 from __future__ import annotations
@@ -43,11 +43,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 
 from gsm_jax.errors import ModelLoadError, UnsupportedModelError
 from gsm_jax.models import common
 from gsm_jax.models.deepseek_v4 import (
     RopeSpec,
+    _ring_after,
+    _ring_history,
     apply_rope,
     hc_expand,
     rms_norm,
@@ -332,6 +335,71 @@ def _plan(cfg: DeepseekV41Config) -> tuple[LayerPlan, ...]:
 CONFIG_CLASS = DeepseekV41Config
 
 
+# ----------------------------------------------------------------------------- cache
+
+
+@struct.dataclass
+class LayerCache:
+    """One layer's decode state (rows = batch; slots are functions of positions).
+
+    window:     [B, Wc, hd] FP8-QDQ'd RoPE'd K=V of the last Wc = min(sliding_window,
+                max_len) tokens, position p in slot p % Wc (every layer).
+    comp:       [B, Nc, hd] the Full layer's FP4-QDQ'd compressed KV, group w in slot w,
+                Nc = max_len // ratio (Reuse / Reindex layers read their Full layer's).
+    index_keys: [B, Nc, ci] the Full layer's MXFP4-QDQ'd index keys.
+    comp_ring:  [B, ratio, 2 hd] f32 raw kv|gate projections of the group being
+                compressed, position p in slot p % ratio (ratio > 1 only).
+    The published top-k and candidates are per query: recomputed, nothing cached.
+    """
+
+    window: jax.Array
+    comp: jax.Array | None = None
+    index_keys: jax.Array | None = None
+    comp_ring: jax.Array | None = None
+
+
+@struct.dataclass
+class DeepseekV41Cache:
+    """Per-layer caches, per-row lengths (= the next position), the GSM rings."""
+
+    layers: tuple[LayerCache, ...]
+    lengths: jax.Array
+    rings: tuple[jax.Array, jax.Array] | None = None
+    max_len: int | None = struct.field(pytree_node=False, default=None)
+
+
+def _layer_cache_shapes(cfg: DeepseekV41Config, layer: int, batch: int, max_len: int) -> dict:
+    plan = cfg.plan(layer)
+    shapes = {"window": ((batch, min(cfg.sliding_window, max_len), cfg.head_dim), None)}
+    if plan.role == FULL:
+        n = max_len // plan.ratio
+        shapes["comp"] = ((batch, n, cfg.head_dim), None)
+        shapes["index_keys"] = ((batch, n, cfg.index_head_dim), None)
+        if plan.ratio > 1:
+            shapes["comp_ring"] = ((batch, plan.ratio, 2 * cfg.head_dim), jnp.float32)
+    return shapes
+
+
+def init_cache(cfg: DeepseekV41Config, batch_size: int, max_len: int, *,
+               dtype: Any = jnp.float32, gsm_max_window: int | None = None) -> DeepseekV41Cache:
+    layers = tuple(
+        LayerCache(**{k: jnp.zeros(s, dt or dtype) for k, (s, dt)
+                      in _layer_cache_shapes(cfg, i, batch_size, max_len).items()})
+        for i in range(cfg.num_layers))
+    rings = None
+    if gsm_max_window is not None:
+        rings = tuple(jnp.zeros((cfg.num_layers, batch_size, gsm_max_window, c), dtype)
+                      for c in cfg.site_sizes)
+    return DeepseekV41Cache(layers=layers, lengths=jnp.zeros((batch_size,), jnp.int32),
+                            rings=rings, max_len=max_len)
+
+
+def cache_insert(cache: DeepseekV41Cache, rows: DeepseekV41Cache,
+                 slots: jax.Array) -> DeepseekV41Cache:
+    """Copy the rows of `rows` (same max_len) into `cache` at batch indices `slots` [b]."""
+    return common.insert_rows(cache, rows, slots)
+
+
 # ----------------------------------------------------------------------------- cache QDQ
 # The cache roundings the reference applies (quantise then dequantise, §4.2-4.4), on the
 # last axis in blocks; f32 inside, the input dtype out.
@@ -441,6 +509,39 @@ def compress_latent(cfg: DeepseekV41Config, w: dict, x: jax.Array, ratio: int, l
     return rms_norm(pooled, w["norm"], cfg.rms_norm_eps)
 
 
+def _cached_latents(cfg: DeepseekV41Config, w: dict, x: jax.Array, ratio: int, positions,
+                    start, end, ring, lin):
+    """The groups a chunk x [B,C,D] (positions start..) completes: (latents [B, n, hd]
+    before RoPE, their group ids w [B, n], done [B, n]) and the advanced ring. A group may
+    start before the chunk: its raw projections then come from the ring."""
+    c = x.shape[1]
+    if ratio == 1:
+        lat = rms_norm(lin("compressor.wkv", x, w["wkv"]), w["norm"], cfg.rms_norm_eps)
+        return lat, positions, positions < end[:, None], ring
+    xs = x.astype(jnp.float32)
+    raw = jnp.concatenate([lin("compressor.wkv", xs, w["wkv"]),
+                           lin("compressor.wgate", xs, w["wgate"])], axis=-1)
+    hist, _ = _ring_history(ring, start)
+    seq = jnp.concatenate([hist, raw.astype(ring.dtype)], axis=1)  # from start - ratio
+    g = start[:, None] // ratio + jnp.arange(c // ratio + 1)[None, :]  # [B, n]
+    last = (g + 1) * ratio - 1
+    done = (last >= start[:, None]) & (last < end[:, None])
+    idx = g[..., None] * ratio + jnp.arange(ratio) - (start - ratio)[:, None, None]
+    rows = jnp.arange(x.shape[0])[:, None, None]
+    grp = seq[rows, jnp.clip(idx, 0, seq.shape[1] - 1)]  # [B, n, ratio, 2hd]
+    hd = cfg.head_dim
+    pooled = jnp.sum(grp[..., :hd] * jax.nn.softmax(grp[..., hd:], axis=2), axis=2)
+    lat = rms_norm(pooled.astype(x.dtype), w["norm"], cfg.rms_norm_eps)
+    return lat, g, done, _ring_after(seq, start - ratio, end, ratio)
+
+
+def _write_slots(buf: jax.Array, slot: jax.Array, value: jax.Array, done: jax.Array):
+    """buf[b, slot[b, j]] = value[b, j] where done (others dropped)."""
+    slot = jnp.where(done, slot, buf.shape[1])
+    rows = jnp.arange(buf.shape[0])[:, None]
+    return buf.at[rows, slot].set(value.astype(buf.dtype), mode="drop")
+
+
 def index_scores(cfg: DeepseekV41Config, w: dict, x, q_res, positions, keys, spec, lin):
     """Indexer scores (§4.4): x [B,T,D], q_res [B,T,q_lora], keys [B,n,ci] -> [B,T,n] f32."""
     hi, ci = cfg.index_n_heads, cfg.index_head_dim
@@ -482,8 +583,14 @@ def select_topk(scores: jax.Array, allowed: jax.Array, k: int) -> jax.Array:
 
 
 def attention(cfg: DeepseekV41Config, w: dict, layer: int, x: jax.Array, state: dict,
-              step: common.Step):
-    """CSA2 attention, teacher forced: x [B,T,D] -> (out [B,T,D], the new CSA2 state)."""
+              cache: LayerCache | None, step: common.Step):
+    """CSA2 attention: x [B,T,D] -> (out [B,T,D], the new CSA2 state, the new LayerCache).
+
+    Without a cache (forward) the keys are the call's own tokens; with one (prefill,
+    extend, decode: one code path) the window ring's then the chunk's, and the Full
+    layer's compressed KV / index keys are the cache's with the groups the chunk completes
+    written first (a group split by chunks pools the ring's and the chunk's projections).
+    Masks go by position, so a chunk equals the same tokens in one call."""
     plan = cfg.plan(layer)
     spec = cfg.rope(layer)
     eps = cfg.rms_norm_eps
@@ -498,24 +605,47 @@ def attention(cfg: DeepseekV41Config, w: dict, layer: int, x: jax.Array, state: 
     q = _rope(q, spec, positions)
     kv = rms_norm(lin("kv", x, w["kv"]), w["kv_norm"], eps)
     kv = fp8_qdq(_rope(kv, spec, positions))
-    steps = jnp.arange(t)
-    band = ((steps[None, :] <= steps[:, None])
-            & (steps[None, :] > steps[:, None] - cfg.sliding_window))
-    keys, mask = kv, jnp.broadcast_to(band, (b, t, t)) & step.valid[:, None, :]
+    valid = step.valid
+    new = None
+    if cache is None:  # forward: the call's own tokens
+        steps = jnp.arange(t)
+        band = ((steps[None, :] <= steps[:, None])
+                & (steps[None, :] > steps[:, None] - cfg.sliding_window))
+        keys, mask = kv, jnp.broadcast_to(band, (b, t, t)) & valid[:, None, :]
+    else:  # the window ring's positions start - Wc .. start - 1, then the chunk
+        start, end = step.start, step.start + step.n_new
+        size = cache.window.shape[1]
+        hist, hist_pos = _ring_history(cache.window, start)
+        keys = jnp.concatenate([hist, kv.astype(hist.dtype)], axis=1)
+        key_pos = jnp.concatenate([jnp.where(hist_pos >= 0, hist_pos, -1),
+                                   jnp.where(valid, positions, -1)], axis=1)
+        qp, kp = positions[:, :, None], key_pos[:, None, :]
+        mask = valid[:, :, None] & (kp >= 0) & (kp <= qp) & (kp > qp - cfg.sliding_window)
+        new = {"window": _ring_after(keys, start - size, end, size)}
     if plan.role != SWA:
         r = plan.ratio
         if plan.role == FULL:
-            latent = compress_latent(cfg, w["compressor"], x, r, lin)  # [B, n, hd]
-            n = latent.shape[1]
-            cpos = jnp.broadcast_to(jnp.arange(n) * r, (b, n))
+            if cache is None:
+                latent = compress_latent(cfg, w["compressor"], x, r, lin)  # [B, n, hd]
+                g = jnp.broadcast_to(jnp.arange(latent.shape[1]), latent.shape[:2])
+            else:
+                latent, g, done, ring = _cached_latents(cfg, w["compressor"], x, r, positions,
+                                                        start, end, cache.comp_ring, lin)
             ik = rms_norm(lin("indexer.wk", latent, w["indexer"]["wk"]),
                           w["indexer"]["k_norm"], eps)
-            state = {**state, "comp": nvfp4_qdq(_rope(latent, spec, cpos)),
-                     "index_keys": mxfp4_qdq(_rope(ik, spec, cpos))}
+            comp = nvfp4_qdq(_rope(latent, spec, g * r))
+            ikeys = mxfp4_qdq(_rope(ik, spec, g * r))
+            if cache is not None:
+                comp = _write_slots(cache.comp, g, comp, done)
+                ikeys = _write_slots(cache.index_keys, g, ikeys, done)
+                new.update(comp=comp, index_keys=ikeys)
+                if ring is not None:
+                    new["comp_ring"] = ring
+            state = {**state, "comp": comp, "index_keys": ikeys}
         comp = state["comp"]
         n = comp.shape[1]
         n_visible = (positions + 1) // r  # [B, T]
-        visible = jnp.arange(n)[None, None, :] < n_visible[..., None]
+        visible = (jnp.arange(n)[None, None, :] < n_visible[..., None]) & valid[..., None]
         if plan.role in (FULL, REINDEX):
             scores = index_scores(cfg, w["indexer"], x, q_res, positions,
                                   state["index_keys"], spec, lin)
@@ -536,7 +666,8 @@ def attention(cfg: DeepseekV41Config, w: dict, layer: int, x: jax.Array, state: 
     low = jax.lax.dot_general(grouped, w["o_a"].astype(flat.dtype),
                               (((2,), (1,)), ((1,), (0,))))  # [G, B*T, O]
     low = jnp.swapaxes(low, 0, 1).reshape(b, t, -1)
-    return lin("o_b", low, w["o_b"]), state
+    out = lin("o_b", low, w["o_b"])
+    return out, state, None if new is None else LayerCache(**new)
 
 
 def moe(cfg: DeepseekV41Config, w: dict, layer: int, x: jax.Array, step: common.Step):
@@ -566,8 +697,9 @@ def layer(cfg: DeepseekV41Config, w: dict, index: int, x, cache, step: common.St
     h, pre, state = x
     eps = cfg.rms_norm_eps
     a_pre, a_post, a_comb = hc_mix(w["hc_attn"], h, cfg)
-    out, state = attention(cfg, w["attn"], index, rms_norm(weighted_streams(pre, h),
-                                                           w["attn_norm"], eps), state, step)
+    out, state, cache = attention(cfg, w["attn"], index,
+                                  rms_norm(weighted_streams(pre, h), w["attn_norm"], eps),
+                                  state, cache, step)
     h = hc_expand(a_post, a_comb, out, h)
     f_pre, f_post, f_comb = hc_mix(w["hc_ffn"], h, cfg)
     out = moe(cfg, w["moe"], index, rms_norm(weighted_streams(a_pre, h), w["ffn_norm"], eps),
@@ -800,28 +932,68 @@ def _check_supported(cfg: DeepseekV41Config) -> None:
                                     f"(engram_layer_ids={list(cfg.engram_layer_ids)})")
 
 
-def _run(weights: dict, cfg: DeepseekV41Config, tokens: jax.Array, step: common.Step):
+def _run(weights: dict, cfg: DeepseekV41Config, tokens: jax.Array, step: common.Step,
+         cache: DeepseekV41Cache | None = None):
     _check_supported(cfg)
     h, pre = embed(weights, cfg, tokens)
     layers = common.layer_weights(weights, cfg.num_layers, scan_ok=False)
-    (h, pre, _), _, sown = common.run_layers(layer, cfg, layers, (h, pre, {}), None, step)
-    return h, pre, sown
+    pieces = None if cache is None else tuple(cache.layers)
+    (h, pre, _), pieces, sown = common.run_layers(layer, cfg, layers, (h, pre, {}), pieces,
+                                                  step)
+    if cache is not None:
+        cache = cache.replace(layers=pieces,
+                              lengths=common.new_lengths(step).astype(jnp.int32),
+                              rings=common.rings_out(step, cache))
+    return h, pre, sown, cache
 
 
 def hidden_states(weights: dict, cfg: DeepseekV41Config, tokens: jax.Array, lengths: jax.Array,
                   sites: Sites | None = None) -> tuple[jax.Array, dict]:
     """Teacher-forced final hidden states [B, T, D] (collapsed, final-normed) over
     right-padded rows of `lengths` tokens, and what the hooks sowed {name: [L, ...]}."""
-    h, pre, sown = _run(weights, cfg, tokens, common.forward_step(lengths, tokens.shape[1],
-                                                                  sites))
+    h, pre, sown, _ = _run(weights, cfg, tokens,
+                           common.forward_step(lengths, tokens.shape[1], sites))
     return rms_norm(weighted_streams(pre, h), weights["final_norm"], cfg.rms_norm_eps), sown
 
 
 def forward(weights: dict, cfg: DeepseekV41Config, tokens: jax.Array, lengths: jax.Array,
             gsm: Sites | None = None) -> jax.Array:
     """Teacher-forced logits [B, T, V] (f32) over right-padded rows of `lengths` tokens."""
-    h, pre, _ = _run(weights, cfg, tokens, common.forward_step(lengths, tokens.shape[1], gsm))
+    h, pre, _, _ = _run(weights, cfg, tokens, common.forward_step(lengths, tokens.shape[1], gsm))
     return logits(weights, cfg, h, pre)
+
+
+def prefill(weights: dict, cfg: DeepseekV41Config, tokens: jax.Array, lengths: jax.Array,
+            cache: DeepseekV41Cache, gsm: Sites | None = None
+            ) -> tuple[jax.Array, DeepseekV41Cache]:
+    """Right-padded prompts into a fresh cache; each row's last-token logits [B, V]."""
+    step = common.prefill_step(lengths, tokens.shape[1], cache, gsm)
+    h, pre, _, cache = _run(weights, cfg, tokens, step, cache)
+    return logits(weights, cfg, common.last_token(h, lengths),
+                  common.last_token(pre, lengths)), cache
+
+
+def extend(weights: dict, cfg: DeepseekV41Config, tokens: jax.Array, n_new: jax.Array,
+           cache: DeepseekV41Cache, gsm: Sites | None = None, *,
+           all_logits: bool = False) -> tuple[jax.Array, DeepseekV41Cache]:
+    """A chunk [B, C] (the first n_new [B] real) after each row's cache.lengths tokens:
+    chunked prefill; logits of each row's last new token [B, V] (all_logits: [B, C, V])."""
+    step = common.extend_step(n_new, tokens.shape[1], cache, gsm)
+    h, pre, _, cache = _run(weights, cfg, tokens, step, cache)
+    if all_logits:
+        return logits(weights, cfg, h, pre), cache
+    return logits(weights, cfg, common.last_token(h, n_new),
+                  common.last_token(pre, n_new)), cache
+
+
+def decode_step(weights: dict, cfg: DeepseekV41Config, tokens: jax.Array,
+                cache: DeepseekV41Cache, gsm: Sites | None = None,
+                active: jax.Array | None = None) -> tuple[jax.Array, DeepseekV41Cache]:
+    """One token per row at position cache.lengths -> logits [B, V] and the new cache.
+    Inactive rows compute but neither advance nor write."""
+    step = common.decode_step_ctx(cache, active, gsm)
+    h, pre, _, cache = _run(weights, cfg, tokens[:, None], step, cache)
+    return logits(weights, cfg, h[:, 0], pre[:, 0]), cache
 
 
 # ----------------------------------------------------------------------------- family contract

@@ -286,3 +286,114 @@ def test_forward_matches_nemo(name):
         err = np.abs(out - ref).max() / np.abs(ref).max()
         assert err < REL_TOL, f"{name} inputs {s}: max logit error {err:.2e} of the scale"
         np.testing.assert_array_equal(out.argmax(-1), ref.argmax(-1))
+
+
+# ----------------------------------------------------------------------------- decode
+
+
+BATCH, CACHE_LEN = 3, 40
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """Every role (SWA, Full r2, Reuse r2, Full r1 + candidates, Reuse r1, Reindex), top-k
+    choosing, window 8 shorter than the rows; init_weights (random sinks, biases, norms)."""
+    cfg = dv.DeepseekV41Config.from_hf_config(small_hf_config(index_n_heads=8))
+    return cfg, dv.init_weights(cfg, jax.random.key(3))
+
+
+def _rows(seed, lengths):
+    rng = np.random.default_rng(seed)
+    rows = [rng.integers(3, 128, n) for n in lengths]
+    tokens = np.zeros((BATCH, max(lengths)), np.int32)
+    for i, r in enumerate(rows):
+        tokens[i, : len(r)] = r
+    return jnp.asarray(tokens), jnp.asarray(lengths, jnp.int32)
+
+
+def _close(a, b, what):
+    a, b = np.asarray(a), np.asarray(b)
+    err = np.abs(a - b).max() / np.abs(b).max()
+    assert err < 2e-5, f"{what}: {err:.2e} of the logit scale"
+
+
+def _gsm(cfg, strength, max_window=8):
+    from gsm_jax.models.gsm_sites import GSMInputs
+
+    return GSMInputs(strength=jnp.full((cfg.num_layers, 2), strength, jnp.float32),
+                     row_enabled=jnp.ones((BATCH,), jnp.float32),
+                     window=jnp.asarray(0, jnp.int32), protect_first=jnp.asarray(1, jnp.int32),
+                     max_window=max_window, precision="f32", impl="xla")
+
+
+def _prefill_decode(cfg, w, tokens, lengths, prompt, gsm=None, inactive=()):
+    """Prefill `prompt` tokens of each row, then decode the rest one per step (row i
+    paused at the steps in `inactive`); logits [B, T - prompt + 1, V] per position."""
+    cache = dv.init_cache(cfg, BATCH, CACHE_LEN,
+                          gsm_max_window=None if gsm is None else gsm.max_window)
+    prefill = jax.jit(lambda w, t, n, c, g: dv.prefill(w, cfg, t, n, c, g))
+    decode = jax.jit(lambda w, t, c, g, a: dv.decode_step(w, cfg, t, c, g, a))
+    lg, cache = prefill(w, tokens[:, :prompt], jnp.full((BATCH,), prompt, jnp.int32), cache, gsm)
+    got = [[np.asarray(lg[i])] for i in range(BATCH)]
+    done = np.full(BATCH, prompt)
+    step = 0
+    while (done < np.asarray(lengths)).any():
+        active = (done < np.asarray(lengths)) & np.array(
+            [(step, i) not in inactive for i in range(BATCH)])
+        toks = jnp.asarray(np.asarray(tokens)[np.arange(BATCH), np.minimum(done,
+                                                                          tokens.shape[1] - 1)])
+        lg, cache = decode(w, toks, cache, gsm, jnp.asarray(active))
+        for i in np.flatnonzero(active):
+            got[i].append(np.asarray(lg[i]))
+        done += active
+        step += 1
+    np.testing.assert_array_equal(np.asarray(cache.lengths), np.asarray(lengths))
+    return got
+
+
+def test_decode_equals_teacher_forcing(tiny):
+    cfg, w = tiny
+    tokens, lengths = _rows(0, (27, 21, 24))
+    tf = np.asarray(dv.forward(w, cfg, tokens, lengths))
+    got = _prefill_decode(cfg, w, tokens, lengths, 5, inactive={(1, 0), (2, 0), (4, 2)})
+    for i, n in enumerate(np.asarray(lengths)):
+        _close(np.stack(got[i]), tf[i, 4:n], f"row {i}")
+        np.testing.assert_array_equal(np.stack(got[i]).argmax(-1), tf[i, 4:n].argmax(-1))
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 7])
+def test_chunked_extend_equals_prefill(tiny, chunk):
+    cfg, w = tiny
+    tokens, lengths = _rows(1, (26, 13, 19))
+    tf = np.asarray(dv.forward(w, cfg, tokens, lengths))
+    cache = dv.init_cache(cfg, BATCH, CACHE_LEN)
+    ext = jax.jit(lambda w, t, n, c: dv.extend(w, cfg, t, n, c, all_logits=True))
+    t = tokens.shape[1]
+    out = np.zeros_like(tf)
+    for s in range(0, t, chunk):
+        n_new = jnp.clip(lengths - s, 0, chunk)
+        piece = tokens[:, s:s + chunk]
+        piece = jnp.pad(piece, ((0, 0), (0, chunk - piece.shape[1])))
+        lg, cache = ext(w, piece, n_new, cache)
+        out[:, s:s + chunk] = np.asarray(lg)[:, : min(chunk, t - s)]
+    for i, n in enumerate(np.asarray(lengths)):
+        _close(out[i, :n], tf[i, :n], f"chunk {chunk} row {i}")
+    full = dv.init_cache(cfg, BATCH, CACHE_LEN)
+    last, full = dv.prefill(w, cfg, tokens, lengths, full)
+    _close(last, tf[np.arange(BATCH), np.asarray(lengths) - 1], "prefill last")
+    for a, b in zip(jax.tree.leaves(cache), jax.tree.leaves(full), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5)
+
+
+def test_gsm_strength_zero_equals_off(tiny):
+    cfg, w = tiny
+    tokens, lengths = _rows(2, (22, 17, 12))
+    off = np.asarray(dv.forward(w, cfg, tokens, lengths))
+    gsm = _gsm(cfg, 0.0)
+    np.testing.assert_array_equal(np.asarray(dv.forward(w, cfg, tokens, lengths, gsm)), off)
+    got_on = _prefill_decode(cfg, w, tokens, lengths, 6, gsm=gsm)
+    got_off = _prefill_decode(cfg, w, tokens, lengths, 6)
+    for a, b in zip(got_on, got_off, strict=True):
+        np.testing.assert_array_equal(np.stack(a), np.stack(b))
+    on = np.asarray(dv.forward(w, cfg, tokens, lengths, _gsm(cfg, 0.6)))
+    assert np.abs(on - off).max() > 1e-4  # the filter does act
