@@ -27,6 +27,7 @@ FAMILY_MODULES = (
     "gsm_jax.models.llama",
     "gsm_jax.models.gemma3",
     "gsm_jax.models.deepseek_v4",
+    "gsm_jax.models.deepseek_v41",
 )
 
 

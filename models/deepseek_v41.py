@@ -127,6 +127,7 @@ class DeepseekV41Config:
     weight_block_size: tuple[int, int] = (32, 32)
     max_position_embeddings: int = 1048576
     tie_word_embeddings: bool = False
+    eos_token_ids: tuple[int, ...] = (1,)
     expert_dispatch: str = "auto"
 
     def __post_init__(self) -> None:
@@ -207,6 +208,8 @@ class DeepseekV41Config:
                 raise ModelLoadError("deepseek_v41 config: quantization_config."
                                      f"weight_block_size must be [out, in], got {block}")
         engram = tuple(int(i) for i in get("engram_layer_ids", default=()))
+        eos = hf.get("eos_token_id", text.get("eos_token_id", 1))
+        eos = tuple(int(e) for e in (eos if isinstance(eos, list | tuple) else [eos]))
         return cls(
             vocab_size=int(get("vocab_size")),
             hidden_size=int(get("hidden_size", "dim")),
@@ -254,6 +257,7 @@ class DeepseekV41Config:
             weight_block_size=block,
             max_position_embeddings=int(get("max_position_embeddings", default=1048576)),
             tie_word_embeddings=bool(get("tie_word_embeddings", default=False)),
+            eos_token_ids=eos,
         )
 
 
@@ -1033,3 +1037,23 @@ def logical_axes(names: list[str], ndim: int) -> tuple[str | None, ...]:
 def model_axis_sizes(cfg: DeepseekV41Config) -> dict[str, int]:
     return {"experts": cfg.n_routed_experts, "heads": cfg.num_heads,
             "output_groups": cfg.o_groups}
+
+
+# Quantization (`gsm_jax.quantize`): the dense attention projections and the shared expert
+# (routed experts on request). Router, compressor, indexer, hyper-connections and o_a (a
+# grouped product) stay float: they select, pool or mix.
+QUANT_ATTN_LINEARS = ("q_a", "q_b", "kv", "o_b")
+
+
+def quantize_weights(weights: dict, q: Any, routed_experts: bool) -> dict:
+    """`weights` with every projection above passed through `q` (float -> container)."""
+    def one(lw):
+        attn, moe_w = dict(lw["attn"]), dict(lw["moe"])
+        for name in QUANT_ATTN_LINEARS:
+            attn[name] = q(attn[name])
+        for name in ("shared_gate_up", "shared_down") + (
+                ("experts_gate_up", "experts_down") if routed_experts else ()):
+            moe_w[name] = q(moe_w[name])
+        return {**lw, "attn": attn, "moe": moe_w}
+
+    return {**weights, "layers": tuple(one(lw) for lw in weights["layers"])}
