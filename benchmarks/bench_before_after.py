@@ -123,6 +123,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
              + ("" if res["comparable"] else " (NOT comparable: above 1.5)") + "\n",
              "| metric | before | after | after / before |", "|---|---|---|---|"]
     for k, v in table.items():
+        if "/values[" in k or k.startswith(("prompts/", "settings/", "machine/")):
+            continue  # inputs and per-repeat values: in results.json only
         ratio = v["after_over_before"]
         lines.append(f"| {k} | {v['before']:.6g} | {v['after']:.6g} | "
                      f"{'' if ratio is None else f'{ratio:.3f}'} |")
