@@ -55,10 +55,8 @@ def _group_size(line: str, devices: int) -> int:
 
 def _clean(path: str) -> str:
     # the last part names the primitive; Flax method scopes keep their method name
-    # (a bare class name is a Flax module applied on its own: each family's layer)
     parts = [re.sub(r"^[A-Z]\w*\.", "", p) for p in path.split("/")[:-1]
-             if p and not re.match(r"^(layer(_\d+)?|[A-Z]\w*|jit\(.*\)|.*shard_map.*|.*;.*)$",
-                                   p)]
+             if p and not re.match(r"^(layer(_\d+)?|jit\(.*\)|.*shard_map.*|.*;.*)$", p)]
     parts = [p for p in parts if p not in ("decode", "prefill")]  # V4's per-layer wrappers
     return "/".join(parts[:3]) or "(top level)"
 
