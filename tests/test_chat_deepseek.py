@@ -12,14 +12,13 @@ import json
 import random
 from pathlib import Path
 
+import deepseek_recipe as recipe  # noqa: E402  (a declared test dependency)
 import pytest
 from tokenizers import Tokenizer as Backend
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 import gsm_jax.chat_formats as cf
 from gsm_jax.tokenizer import Tokenizer
-
-recipe = pytest.importorskip("deepseek_recipe")
 
 SPECIALS = [cf.BOS, cf.EOS, "<｜▁pad▁｜>", cf.SYSTEM, cf.USER, cf.ASSISTANT, cf.THINK,
             cf.THINK_END, "｜DSML｜", "<｜latest_reminder｜>", "<｜deepseek_image｜>"]

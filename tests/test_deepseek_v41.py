@@ -168,8 +168,8 @@ def test_qdq_hand_values():
 
 
 def test_qdq_bitwise_against_reference():
-    torch = pytest.importorskip("torch")
-    quant = pytest.importorskip("nemo_automodel.components.models.deepseek_v41.quantization")
+    import torch
+    from nemo_automodel.components.models.deepseek_v41 import quantization as quant
     rng = np.random.default_rng(0)
     for scale in (1e-3, 1.0, 30.0, 400.0):
         x = (rng.standard_normal((64, 96)) * scale * rng.random((64, 1))).astype(np.float32)
@@ -270,9 +270,7 @@ PARITY = {
 
 @pytest.mark.parametrize("name", sorted(PARITY))
 def test_forward_matches_nemo(name):
-    pytest.importorskip("torch")
-    pytest.importorskip("nemo_automodel")
-    ref_mod = pytest.importorskip("v41_reference")
+    import v41_reference as ref_mod
     overrides, seed, input_seeds = PARITY[name]
     hf = ref_mod.tiny_config(engram_layer_ids=[], **overrides)
     model = ref_mod.nemo_model(hf, seed=seed)

@@ -329,7 +329,7 @@ def test_engram_primes_follow_the_release():
 def test_engram_primes_agree_with_models_engram():
     """models/engram.py (the hash, another implementation of the same rule) takes the
     same primes, for the released and the tiny configs."""
-    engram = pytest.importorskip("gsm_jax.models.engram")
+    from gsm_jax.models import engram
     released = dict(engram_layer_ids=[1, 14], engram_vocab_size=16000000,
                     engram_max_ngram_size=4, engram_n_heads=8,
                     engram_compressed_vocab_size=99092,
@@ -365,7 +365,7 @@ def test_engram_config_errors_name_the_key(overrides, key):
 
 
 def test_engram_rows_agree_with_the_reference_harness():
-    v41 = pytest.importorskip("v41_reference")
+    import v41_reference as v41
     text = v41.tiny_config()["text_config"]
     assert list(engram_rows(text).values()) == text["engram_num_embeddings"]
 
@@ -592,11 +592,10 @@ def test_writer_refuses_other_quantization_and_unknown_names(tmp_path):
 def test_nemo_from_hf_loads_our_checkpoint(tmp_path):
     """NeMo's adapter loads what we wrote from its own model's weights: 0 missing and 0
     unexpected keys, and each loaded tensor equals our reader's dequantization bitwise."""
-    torch = pytest.importorskip("torch")
-    pytest.importorskip("nemo_automodel")
-    v41 = pytest.importorskip("v41_reference")
     import copy
 
+    import torch
+    import v41_reference as v41
     from safetensors.torch import load_file
 
     config = v41.tiny_config()

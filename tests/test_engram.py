@@ -11,14 +11,11 @@
 
 from __future__ import annotations
 
-import numpy as np
-import pytest
-
-pytest.importorskip("nemo_automodel")
-torch = pytest.importorskip("torch")
-
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import numpy as np
+import pytest
+import torch  # noqa: E402
 from v41_reference import (  # noqa: E402
     TINY_ENGRAM_CLASSES,
     nemo_engram_hash,

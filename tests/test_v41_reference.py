@@ -7,10 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-pytest.importorskip("nemo_automodel")
-torch = pytest.importorskip("torch")
-
+import torch  # noqa: E402
 from v41_reference import (  # noqa: E402
     TINY_ENGRAM_CLASSES,
     nemo_engram_hash,
