@@ -749,7 +749,7 @@ class Indexer(nn.Module):
         return jnp.einsum("bthn,bth->btn", jax.nn.relu(dots) * ci**-0.5, head_w)
 
 
-def _ring_after(seq: jax.Array, seq_start: jax.Array, end: jax.Array, size: int) -> jax.Array:
+def ring_after(seq: jax.Array, seq_start: jax.Array, end: jax.Array, size: int) -> jax.Array:
     """A ring [B, size, F] after a chunk: slot s holds the last position q < end [B] with
     q % size == s (zeros where q < 0), read from seq [B, L, F] in which seq[b, i] is
     position seq_start[b] + i (it must hold positions end - size .. end - 1 that are >= 0)."""
@@ -760,7 +760,7 @@ def _ring_after(seq: jax.Array, seq_start: jax.Array, end: jax.Array, size: int)
     return jnp.where((q >= 0)[..., None], got, 0).astype(seq.dtype)
 
 
-def _ring_history(ring: jax.Array, start: jax.Array) -> tuple[jax.Array, jax.Array]:
+def ring_history(ring: jax.Array, start: jax.Array) -> tuple[jax.Array, jax.Array]:
     """A ring [B, R, F] (position p in slot p % R) as the sequence of positions
     start - R .. start - 1 [B, R, F], and those positions [B, R]."""
     size = ring.shape[1]
@@ -907,7 +907,7 @@ class Attention(nn.Module):
         blocks completed in the chunk written at their slots, and the ring advanced."""
         size, rate = ring.shape[1], module.rate
         start, end = step.start, step.start + step.n_new
-        hist, _ = _ring_history(ring, start)
+        hist, _ = ring_history(ring, start)
         seq = jnp.concatenate([hist, kvg.astype(ring.dtype)], axis=1)  # from start - size
         w = start[:, None] // rate + jnp.arange(kvg.shape[1] // rate + 1)[None, :]  # [B, n]
         done = w < (end // rate)[:, None]  # block w's last token is in the chunk
@@ -915,7 +915,7 @@ class Attention(nn.Module):
         slot = jnp.where(done, w, entries.shape[1])  # not completed: dropped
         rows = jnp.arange(entries.shape[0])[:, None]
         entries = entries.at[rows, slot].set(new.astype(entries.dtype), mode="drop")
-        return entries, _ring_after(seq, start - size, end, size)
+        return entries, ring_after(seq, start - size, end, size)
 
     def _extend_keys(self, x, q_res, positions, kv, cache: LayerCache, step, lin):
         """A chunk after each row's cache.lengths tokens: keys are the window ring's
@@ -928,14 +928,14 @@ class Attention(nn.Module):
         valid = step.valid
         start, end = step.start, step.start + step.n_new
         size = cache.window.shape[1]
-        hist, hist_pos = _ring_history(cache.window, start)
+        hist, hist_pos = ring_history(cache.window, start)
         seq = jnp.concatenate([hist, kv.astype(hist.dtype)], axis=1)
         key_pos = jnp.concatenate([jnp.where(hist_pos >= 0, hist_pos, -1),
                                    jnp.where(valid, positions, -1)], axis=1)
         qp, kp = positions[:, :, None], key_pos[:, None, :]
         mask = valid[:, :, None] & (kp >= 0) & (kp <= qp) & (kp > qp - cfg.sliding_window)
         keys = seq
-        new = {"window": _ring_after(seq, start - size, end, size)}
+        new = {"window": ring_after(seq, start - size, end, size)}
         if self.kind != SLIDING:
             rope, rate = cfg.compress_rope, cfg.compress_rate(self.layer)
             kvg = lin("compressor.kv_gate", x, self.compressor.kv_gate)

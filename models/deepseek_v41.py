@@ -49,10 +49,10 @@ from gsm_jax.errors import ModelLoadError, UnsupportedModelError
 from gsm_jax.models import common
 from gsm_jax.models.deepseek_v4 import (
     RopeSpec,
-    _ring_after,
-    _ring_history,
     apply_rope,
     hc_expand,
+    ring_after,
+    ring_history,
     rms_norm,
     rope_cos_sin,
     score_fn,
@@ -525,7 +525,7 @@ def _cached_latents(cfg: DeepseekV41Config, w: dict, x: jax.Array, ratio: int, p
     xs = x.astype(jnp.float32)
     raw = jnp.concatenate([lin("compressor.wkv", xs, w["wkv"]),
                            lin("compressor.wgate", xs, w["wgate"])], axis=-1)
-    hist, _ = _ring_history(ring, start)
+    hist, _ = ring_history(ring, start)
     seq = jnp.concatenate([hist, raw.astype(ring.dtype)], axis=1)  # from start - ratio
     g = start[:, None] // ratio + jnp.arange(c // ratio + 1)[None, :]  # [B, n]
     last = (g + 1) * ratio - 1
@@ -536,7 +536,7 @@ def _cached_latents(cfg: DeepseekV41Config, w: dict, x: jax.Array, ratio: int, p
     hd = cfg.head_dim
     pooled = jnp.sum(grp[..., :hd] * jax.nn.softmax(grp[..., hd:], axis=2), axis=2)
     lat = rms_norm(pooled.astype(x.dtype), w["norm"], cfg.rms_norm_eps)
-    return lat, g, done, _ring_after(seq, start - ratio, end, ratio)
+    return lat, g, done, ring_after(seq, start - ratio, end, ratio)
 
 
 def _write_slots(buf: jax.Array, slot: jax.Array, value: jax.Array, done: jax.Array):
@@ -619,13 +619,13 @@ def attention(cfg: DeepseekV41Config, w: dict, layer: int, x: jax.Array, state: 
     else:  # the window ring's positions start - Wc .. start - 1, then the chunk
         start, end = step.start, step.start + step.n_new
         size = cache.window.shape[1]
-        hist, hist_pos = _ring_history(cache.window, start)
+        hist, hist_pos = ring_history(cache.window, start)
         keys = jnp.concatenate([hist, kv.astype(hist.dtype)], axis=1)
         key_pos = jnp.concatenate([jnp.where(hist_pos >= 0, hist_pos, -1),
                                    jnp.where(valid, positions, -1)], axis=1)
         qp, kp = positions[:, :, None], key_pos[:, None, :]
         mask = valid[:, :, None] & (kp >= 0) & (kp <= qp) & (kp > qp - cfg.sliding_window)
-        new = {"window": _ring_after(keys, start - size, end, size)}
+        new = {"window": ring_after(keys, start - size, end, size)}
     if plan.role != SWA:
         r = plan.ratio
         if plan.role == FULL:
