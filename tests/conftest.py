@@ -104,3 +104,13 @@ def tiny_llama():
                             num_heads=4, num_kv_heads=2, head_dim=8,
                             max_position_embeddings=256, eos_token_ids=(3,))
     return ModelParams(llama.init_weights(cfg, jax.random.key(0)), cfg, None, "tiny")
+
+
+def pytest_runtest_logstart(nodeid, location):
+    """Write the running test's id to `$GSM_JAX_TEST_TRACE` (run_tests.sh sets it), so that a
+    crash of the whole process (a segfault in native code) is reported with the test that
+    was running, even when the interpreter's own dump is cut short."""
+    path = os.environ.get("GSM_JAX_TEST_TRACE")
+    if path:
+        with open(path, "w") as f:
+            f.write(nodeid + "\n")
