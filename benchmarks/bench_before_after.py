@@ -36,11 +36,13 @@ LOAD_LIMIT = 1.5
 
 def _source_tree(src: Path, dst: Path) -> Path:
     """A folder importable as `gsm_jax` from `src` (a checkout): gsm_jax/ with models and
-    pallas_kernels linked in, as the installed package maps them."""
+    pallas_kernels inside, as the installed package maps them. Copied, not linked: a snapshot
+    taken when the run starts, so edits made to the checkout while it runs are not measured."""
     pkg = dst / "gsm_jax"
-    shutil.copytree(src / "gsm_jax", pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    skip = shutil.ignore_patterns("__pycache__")
+    shutil.copytree(src / "gsm_jax", pkg, ignore=skip)
     for sub in ("models", "pallas_kernels"):
-        (pkg / sub).symlink_to(src / sub)
+        shutil.copytree(src / sub, pkg / sub, ignore=skip)
     return dst
 
 
