@@ -1,9 +1,13 @@
 """Dataset readers for the GSM workflow: WikiText-2 token sequences and LAMBADA examples.
 
-The evaluation data lives next to the repository, never inside it:
-``<repo>/../shared/data/wikitext2_test.txt`` and ``<repo>/../shared/data/lambada_dev.jsonl``
-(see `default_data_dir`). Every reader raises `InvalidInputError` naming the file
-and the problem for missing, empty or too small data.
+The evaluation data ships with the package (``gsm_jax/data/wikitext2_test.txt``, the
+WikiText-2 raw test split, and ``gsm_jax/data/lambada_dev.jsonl``, 2000 LAMBADA examples;
+source and licences in ``gsm_jax/data/README.md``), found with `importlib.resources`
+(see `default_data_dir`; the environment variable GSM_JAX_DATA_DIR points the defaults at
+another folder). A user's own file works everywhere a path is taken; a name ending in
+``.gz`` is read through gzip. Every reader raises `InvalidInputError` naming the file
+and the problem for missing, empty or too small data; `check_file_option` does the same
+for a command-line option before any model loads.
 
 WikiText-2 -> sequences: the whole file (lines joined with "\\n") is tokenized once
 without special tokens and cut into consecutive, non-overlapping chunks of
@@ -24,8 +28,12 @@ punctuation ('... said "'). The word-boundary rule for scoring is in
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import dataclasses
 import functools
+import gzip
+import importlib.resources
 import json
 import os
 import re
@@ -43,37 +51,86 @@ _LAST_WORD = re.compile(r"(\w+)\s*$")
 
 
 def repo_root() -> Path:
-    """The repository root (the directory holding `gsm_jax/`)."""
+    """The directory holding `gsm_jax/` (the repository root in a checkout)."""
     return Path(__file__).resolve().parents[2]
 
 
+_RESOURCE_FILES = contextlib.ExitStack()
+atexit.register(_RESOURCE_FILES.close)
+
+
+@functools.lru_cache(maxsize=1)
+def packaged_data_dir() -> Path:
+    """The folder of the package data (``gsm_jax/data``), as a real path.
+
+    Found with `importlib.resources`, so it works from a checkout, an editable install and
+    a wheel; a package imported from a zip file gets a temporary copy (kept until exit).
+    """
+    resource = importlib.resources.files("gsm_jax").joinpath("data")
+    return Path(_RESOURCE_FILES.enter_context(importlib.resources.as_file(resource)))
+
+
 def default_data_dir() -> Path:
-    """``<repo>/../shared/data``; override with the environment variable GSM_JAX_DATA_DIR."""
+    """The packaged data (`packaged_data_dir`), or the folder the environment variable
+    GSM_JAX_DATA_DIR names (it must hold files named like the packaged ones)."""
     env = os.environ.get("GSM_JAX_DATA_DIR")
     if env:
         return Path(env)
-    return repo_root().parent / "shared" / "data"
+    return packaged_data_dir()
 
 
 def default_wikitext_path() -> Path:
+    """The WikiText-2 raw test split the workflow uses by default."""
     return default_data_dir() / WIKITEXT_FILE
 
 
 def default_lambada_path() -> Path:
+    """The LAMBADA examples (jsonl) the workflow uses by default."""
     return default_data_dir() / LAMBADA_FILE
+
+
+def read_text(path: str | os.PathLike) -> str:
+    """A UTF-8 text file's contents; a name ending in ``.gz`` is decompressed."""
+    path = Path(path)
+    try:
+        if path.suffix == ".gz":
+            with gzip.open(path, "rt", encoding="utf-8") as f:
+                return f.read()
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError, EOFError) as e:
+        raise InvalidInputError(f"cannot read {path} as UTF-8 text: {e}") from e
 
 
 def _check_file(path: str | os.PathLike, what: str) -> Path:
     path = Path(path)
     if not path.exists():
-        raise InvalidInputError(
-            f"{what} file {path} does not exist (the shared evaluation data lives in "
-            f"{default_data_dir()}; pass the path explicitly or set GSM_JAX_DATA_DIR)"
-        )
+        hint = ("" if os.environ.get("GSM_JAX_DATA_DIR") is None else
+                f" (GSM_JAX_DATA_DIR={os.environ['GSM_JAX_DATA_DIR']} is set: unset it to "
+                f"use the packaged data)")
+        raise InvalidInputError(f"{what} file {path} does not exist{hint}")
     if not path.is_file():
         raise InvalidInputError(f"{what} path {path} is not a file")
     if path.stat().st_size == 0:
         raise InvalidInputError(f"{what} file {path} is empty")
+    return path
+
+
+def check_file_option(option: str, value: str | os.PathLike | None,
+                      special: Sequence[str] = ()) -> Path | None:
+    """Check a command-line file option before any slow work: ``value`` must name an
+    existing, non-empty file unless it is None or one of ``special`` (e.g. "none",
+    "random"; compared case-insensitively). The error names the option and the path."""
+    if value is None or str(value).lower() in {s.lower() for s in special}:
+        return None
+    path = Path(value)
+    if not path.exists():
+        raise InvalidInputError(f"{option} {path}: no such file")
+    if not path.is_file():
+        raise InvalidInputError(f"{option} {path}: not a file")
+    if path.stat().st_size == 0:
+        raise InvalidInputError(f"{option} {path}: the file is empty")
+    if not os.access(path, os.R_OK):
+        raise InvalidInputError(f"{option} {path}: not readable")
     return path
 
 
@@ -83,7 +140,7 @@ def _check_file(path: str | os.PathLike, what: str) -> Path:
 @functools.lru_cache(maxsize=4)
 def _tokenize_file(path: str, mtime_ns: int, size: int, tokenizer: Any) -> np.ndarray:
     del mtime_ns, size  # cache key only: a changed file is read again
-    text = Path(path).read_text(encoding="utf-8")
+    text = read_text(path)
     lines = [ln.rstrip() for ln in text.splitlines()]
     text = "\n".join(ln for ln in lines if ln.strip())
     if not text.strip():
@@ -210,22 +267,22 @@ def load_lambada(path: str | os.PathLike | None = None, *,
     """
     path = _check_file(path if path is not None else default_lambada_path(), "LAMBADA")
     examples = []
-    with path.open(encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise InvalidInputError(f"{path}:{n}: not valid JSON ({e})") from e
-            if not isinstance(row, dict) or not isinstance(row.get("text"), str):
-                raise InvalidInputError(f'{path}:{n}: expected an object with a "text" string')
-            try:
-                examples.append(split_last_word(row["text"]))
-            except InvalidInputError as e:
-                raise InvalidInputError(f"{path}:{n}: {e}") from e
-            if limit is not None and len(examples) >= limit:
-                break
+    # split at "\n" only: a JSON string may hold U+2028, which str.splitlines splits at
+    for n, line in enumerate(read_text(path).split("\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise InvalidInputError(f"{path}:{n}: not valid JSON ({e})") from e
+        if not isinstance(row, dict) or not isinstance(row.get("text"), str):
+            raise InvalidInputError(f'{path}:{n}: expected an object with a "text" string')
+        try:
+            examples.append(split_last_word(row["text"]))
+        except InvalidInputError as e:
+            raise InvalidInputError(f"{path}:{n}: {e}") from e
+        if limit is not None and len(examples) >= limit:
+            break
     if not examples:
         raise InvalidInputError(f"LAMBADA file {path} holds no examples")
     if limit is not None and len(examples) < limit:
