@@ -8,8 +8,13 @@
 Where a token's activations get smoothed: `models/gsm_sites.py` (called at the
 `attn_out` and `ffn_mid` sites of each model family's layer), running the filter
 of `gsm_jax/smoothing.py` or its Pallas kernels in `pallas_kernels/`.
+
+Compilation: ``gsm_jax.enable_compilation_cache()`` turns JAX's persistent compilation cache on
+(``~/.cache/gsm-jax/jax``; the `gsm-jax` command does it itself). Importing the package does
+not: the setting is process-wide (`gsm_jax/compile_cache.py`).
 """
 
+from gsm_jax.compile_cache import enable_compilation_cache
 from gsm_jax.config import ConfigWatcher, GSMConfig, describe
 from gsm_jax.errors import (
     GSMConfigError,
@@ -68,6 +73,7 @@ __all__ = [
     "ModelParams",
     "UnsupportedModelError",
     "describe",
+    "enable_compilation_cache",
     "forward",
     "generate",
     "generate_tokens",

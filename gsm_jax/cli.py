@@ -1,5 +1,13 @@
 """The `gsm-jax` command line: one subcommand per row of `COMMANDS`, which names each
-subcommand, its one-line help and the functions that add its arguments and run it."""
+subcommand, its one-line help and the functions that add its arguments and run it.
+
+Run as a program (``gsm-jax ...``, ``main()`` without arguments), it turns JAX's persistent
+compilation cache on before anything compiles (`gsm_jax.compile_cache`: a second identical
+command loads its programs instead of compiling them; ``GSM_JAX_COMPILATION_CACHE=0`` turns
+it off), prints one line on stderr when a compilation takes a while, and a one-line summary
+of compile time at the end. ``main([...])`` called from Python leaves JAX's configuration
+alone unless ``compile_cache=True``.
+"""
 
 from __future__ import annotations
 
@@ -38,7 +46,28 @@ def _function(ref: str) -> Callable[..., Any]:
 
 
 DESCRIPTION = ("GSM inference-time activation smoothing for LLMs, in JAX. "
-               "`gsm-jax COMMAND --help` describes a command.")
+               "`gsm-jax COMMAND --help` describes a command and its options.")
+EPILOG = ("The workflow (profile, calibrate, eval, report, bench) reads the WikiText-2 and "
+          "LAMBADA files shipped with the package unless --data / --lambada name your own. "
+          "Compiled programs are cached in ~/.cache/gsm-jax/jax "
+          "(GSM_JAX_COMPILATION_CACHE=0: off; =DIR: another folder).")
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Every option's help ends with its default, unless the default is None or False (an
+    unset option: its help says what that means) or the help names the default itself."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if ("%(default)" in text or not action.option_strings or default is None
+                or default is False or default is argparse.SUPPRESS):
+            return text
+        if isinstance(default, list | tuple):  # as it is typed: 4,8 or (nargs=2) 16 64
+            sep = "," if action.nargs is None else " "
+            shown = sep.join(str(v) for v in default).replace("%", "%%")
+            return f"{text} (default: {shown})"
+        return f"{text} (default: %(default)s)"
 
 _WF = "gsm_jax.workflow.cli"
 _SERVING = "gsm_jax.serving.cli"
@@ -73,32 +102,42 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
                    help="registered name, .gguf file, HF directory or gsm_jax.save directory")
     p.add_argument("--prompts-file", type=Path, help="a text file with one prompt per line")
     p.add_argument("--chat", action="store_true", help="apply the model's chat template")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--gsm", type=Path, default=None, help="GSM config file (YAML or JSON)")
+    p.add_argument("--max-new-tokens", type=int, default=64,
+                   help="new tokens per prompt at most (a row also ends at EOS or a stop)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature; 0 = greedy")
+    p.add_argument("--top-k", type=int, default=None,
+                   help="sample among the k most likely tokens (unset: all)")
+    p.add_argument("--top-p", type=float, default=None,
+                   help="nucleus sampling: the smallest set of tokens with this total "
+                        "probability (unset: all)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="sampling seed (the same seed gives the same output)")
+    p.add_argument("--stop", action="append", default=None,
+                   help="stop string, cut from the text (repeatable)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="weights and compute dtype")
+    p.add_argument("--gsm", type=Path, default=None,
+                   help="GSM config file (YAML or JSON; unset: no smoothing)")
 
 
 def _run_generate(args: argparse.Namespace) -> int:
     import gsm_jax
+    from gsm_jax.workflow.data import check_file_option, read_text
 
+    check_file_option("--prompts-file", args.prompts_file)
+    check_file_option("--gsm", args.gsm)
     prompts = list(args.prompts)
     if args.prompts_file is not None:
-        if not args.prompts_file.exists():
-            raise gsm_jax.InvalidInputError(f"prompts file {args.prompts_file} does not exist")
-        prompts += [ln for ln in args.prompts_file.read_text().splitlines() if ln.strip()]
+        prompts += [ln for ln in read_text(args.prompts_file).splitlines() if ln.strip()]
     if not prompts:
         raise gsm_jax.InvalidInputError("no prompts: give prompt texts or --prompts-file")
+    # a GSM config file is read (and validated) before the model loads
+    gsm = None if args.gsm is None else gsm_jax.GSMConfig.from_file(args.gsm)
     t0 = time.perf_counter()
     params = gsm_jax.load(args.model, dtype=args.dtype, progress=True)
     print(f"[gsm-jax] loaded {params} in {time.perf_counter() - t0:.1f}s", flush=True)
-    gsm = None
-    if args.gsm is not None:
-        gsm = gsm_jax.GSMConfig.from_file(args.gsm)
+    if gsm is not None:
         print(gsm_jax.describe(gsm, params.config.num_layers), flush=True)
     kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                   top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop,
@@ -119,19 +158,45 @@ def _run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="gsm-jax", description=DESCRIPTION)
-    sub = parser.add_subparsers(dest="command", required=True)
-    runs = {}
+def build_parser() -> argparse.ArgumentParser:
+    """The ``gsm-jax`` parser with every subcommand of `COMMANDS` (their modules imported)."""
+    from gsm_jax import __version__
+
+    parser = argparse.ArgumentParser(prog="gsm-jax", description=DESCRIPTION, epilog=EPILOG,
+                                     formatter_class=HelpFormatter)
+    parser.add_argument("--version", action="version", version=f"gsm-jax {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                title="commands")
     for command in COMMANDS:
-        add_arguments, runs[command.name] = command.resolve()
-        add_arguments(sub.add_parser(command.name, help=command.help))
+        add_arguments, _ = command.resolve()
+        add_arguments(sub.add_parser(command.name, help=command.help,
+                                     description=command.help[:1].upper() + command.help[1:]
+                                     + ".", formatter_class=HelpFormatter))
+    return parser
+
+
+def main(argv: list[str] | None = None, *, compile_cache: bool | None = None) -> int:
+    """Run one ``gsm-jax`` command; the exit code. ``compile_cache``: turn JAX's persistent
+    compilation cache on first (default: when run as a program, i.e. ``argv`` is None)."""
+    parser = build_parser()
+    runs = {c.name: c.resolve()[1] for c in COMMANDS}
     args = parser.parse_args(argv)
+    if compile_cache if compile_cache is not None else argv is None:
+        from gsm_jax import compile_cache as cc
+
+        cc.enable_compilation_cache()
+        cc.announce_compilation()
     try:
         return runs[args.command](args)
     except GSMJaxError as e:
         print(f"gsm-jax {args.command}: error: {e}", file=sys.stderr)
         return 2
+    finally:
+        from gsm_jax import compile_cache as cc
+
+        summary = cc.compilation_summary()
+        if summary is not None:
+            print(summary, file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

@@ -53,17 +53,45 @@ KNOWN_CONFIGS = {"deepseek-v4-flash": DATA_DIR / "deepseek_v4_flash_config.json"
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
+_MEMORY = re.compile(r"\s*((?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?)\s*([KMGT]i?B?|B)?\s*",
+                     re.IGNORECASE)
+_UNITS = {"": 1e9, "B": 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12,
+          "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}
+MIN_DEVICE_MEMORY = 2**20  # below 1 MiB a "device memory" is a typo, not a device
+
+
 def parse_bytes(text: Any) -> int:
-    """'141GB', '139GiB', '80e9' or a number -> bytes."""
-    if isinstance(text, int | float):
-        return int(text)
-    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([KMGT]i?B?|B)?\s*", str(text))
-    if not m:
+    """Device memory -> bytes: '141GB', '139GiB', '1.5TB', '512MiB', '80e9B', or a bare
+    number of **GB** in a string ('141' = 141 GB, as H200s are sold); a Python int or float
+    is bytes. Units are case-insensitive, with or without the B (G = GB, Gi = GiB). Refused
+    with an error naming the value: anything else, zero or negative, under 1 MiB, or a bare
+    number over 100 000 (GB: a byte count written without its B)."""
+    if isinstance(text, bool):
         raise InvalidInputError(f"device memory {text!r}: expected e.g. 141GB or 139GiB")
-    unit = (m.group(2) or "B").upper().removesuffix("B")
-    scale = {"": 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12,
-             "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}[unit]
-    return int(float(m.group(1)) * scale)
+    if isinstance(text, int | float):
+        value = float(text)
+        if not math.isfinite(value) or value < MIN_DEVICE_MEMORY:
+            raise InvalidInputError(
+                f"device memory {text!r} bytes: expected at least 1 MiB (a number is bytes; "
+                "a string such as '141GB' or '141' (GB) takes units)")
+        return int(value)
+    m = _MEMORY.fullmatch(str(text))
+    if not m:
+        raise InvalidInputError(
+            f"device memory {text!r}: expected a size such as 141GB, 80GiB or 141 (GB)")
+    number, unit = float(m.group(1)), (m.group(2) or "").upper().removesuffix("B")
+    if not unit and (m.group(2) or "").upper() == "B":
+        unit = "B"
+    if not unit and number > 1e5:
+        raise InvalidInputError(
+            f"device memory {text!r}: a bare number is GB, and {number:g} GB is not a device; "
+            f"write the unit ({number:g}B for bytes)")
+    value = number * _UNITS[unit]
+    if not math.isfinite(value) or value < MIN_DEVICE_MEMORY:
+        raise InvalidInputError(
+            f"device memory {text!r} is {value:g} bytes: expected at least 1 MiB "
+            "(e.g. 141GB, 80GiB, or 141 for GB)")
+    return int(value)
 
 
 def load_config(model: Any) -> Any:
@@ -118,7 +146,15 @@ class Plan:
         rows.append(f"  {'total':<38} {self.total / 1e9:>10.2f}   of "
                     f"{self.device_memory / 1e9:.2f} GB: {verdict} "
                     f"({100 * self.total / self.device_memory:.0f}%)")
+        rows.append(ACTIVATIONS_NOTE)
         return "\n".join(rows)
+
+
+ACTIVATIONS_NOTE = (
+    "activations (estimate): the tensors live at once in the larger of one decode step of the "
+    "whole batch\nand the prefill of one prompt (the engine prefills prompts one at a time); "
+    "XLA's own temporaries\n(fusion scratch, copies, per-block dequantized weights) are not "
+    "modelled: `--compile` measures them.")
 
 
 def _shard_factor(family: str, path: tuple, ndim: int, mesh: dict[str, int]) -> int:
@@ -265,7 +301,8 @@ def compile_check(model: Any, mesh_shape: tuple[int, int], batch: int, context: 
     rows2 = NamedSharding(mesh, PartitionSpec("data", None))
     cache = jax.eval_shape(lambda: family.init_cache(cfg, batch, context,
                                                      dtype=jnp.dtype(dtype)))
-    out: dict[str, Any] = {"mesh": [data, tp], "batch": batch, "context": context}
+    out: dict[str, Any] = {"mesh": [data, tp], "batch": batch, "context": context,
+                           "prompt_tokens": prompt_tokens}
     with jax.set_mesh(mesh):  # as generate does: the expert-parallel dispatch reads it
         t = time.perf_counter()
         prefill = jax.jit(family.prefill, static_argnums=1).lower(
@@ -307,6 +344,15 @@ def compile_report(r: dict) -> str:
                  f"{r['plan']['activations'] / gb:8.2f}")
     arg = r["decode"]["argument_size_in_bytes"]
     lines.append(f"  decode arguments / planner weights + caches = {arg / plan_wc:.3f}")
+    lines.append(
+        "Why the two activation figures differ: the planner's 'activations' is its estimate of "
+        "the tensors\nlive at once in one decode step, or in the prefill of ONE prompt of "
+        f"{r.get('prompt_tokens', '?')} tokens (the engine prefills one prompt at "
+        "a time).\nXLA's 'temporaries' is every scratch buffer of the compiled program at its "
+        f"peak: the prefill above\nwas compiled for the whole batch of {r['batch']} prompts "
+        "at once, and XLA also counts fusion scratch,\ncopies and weights dequantized per "
+        "block inside the step, which the estimate does not model.\nArguments (weights + "
+        "caches) are what to compare with the planner's weights + caches line.")
     return "\n".join(lines)
 
 
@@ -334,22 +380,38 @@ def _compile_child(args: Any) -> int:
     return 0
 
 
+def _device_memory_arg(text: str) -> int:
+    """argparse type of ``--device-memory``: `parse_bytes`, its error as a usage error."""
+    import argparse
+
+    try:
+        return parse_bytes(text)
+    except InvalidInputError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def add_plan_args(p: Any) -> None:
     p.add_argument("--model", required=True,
                    help=f"config.json path, model directory, or one of {sorted(KNOWN_CONFIGS)}")
-    p.add_argument("--devices", type=int, default=None, help="devices in all (model axis)")
-    p.add_argument("--mesh", default=None, help="DATAxMODEL, e.g. 2x4 (default 1xDEVICES)")
-    p.add_argument("--device-memory", default="141GB")
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--context", type=int, default=4096)
-    p.add_argument("--prefill-tokens", type=int, default=None)
-    p.add_argument("--weights-dtype", default="bfloat16", choices=sorted(_BYTES))
+    p.add_argument("--devices", type=int, default=None,
+                   help="devices in all, on the model axis (unset: 1, or what --mesh says)")
+    p.add_argument("--mesh", default=None, help="DATAxMODEL, e.g. 2x4 (unset: 1xDEVICES)")
+    p.add_argument("--device-memory", type=_device_memory_arg, default="141GB",
+                   help="memory per device: 141GB, 80GiB, 1.5TB, or a bare number of GB "
+                        "(141 = 141 GB)")
+    p.add_argument("--batch", type=int, default=1, help="sequences decoded together")
+    p.add_argument("--context", type=int, default=4096, help="tokens per sequence (cache size)")
+    p.add_argument("--prefill-tokens", type=int, default=None,
+                   help="longest prompt prefilled at once (unset: --context)")
+    p.add_argument("--weights-dtype", default="bfloat16", choices=sorted(_BYTES),
+                   help="dtype of weights not stored quantized by the checkpoint")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--compile", action="store_true",
                    help="also lower and compile the sharded prefill / decode step with "
                         "abstract arrays (forced host devices when needed) and print "
                         "memory_analysis() beside the estimate")
-    p.add_argument("--compile-prompt-tokens", type=int, default=128)
+    p.add_argument("--compile-prompt-tokens", type=int, default=128,
+                   help="prompt length of the --compile prefill")
 
 
 def run_plan(args: Any) -> int:

@@ -9,7 +9,7 @@
 
 What runs. One request set (fixed seed): short requests (prompt 16-64 tokens,
 16 new) and long ones (prompt 256-512, 128 new), a quarter long by default,
-each prompt a slice of WikiText-2 (`../shared/data/wikitext2_test.txt`), or
+each prompt a slice of WikiText-2 (the raw test split shipped with the package), or
 random token ids with `data="random"`. It goes through the continuous-batching
 engine (`gsm_jax.serving.engine`) under two loads:
 
@@ -198,19 +198,23 @@ def compare_modes(summary: Mapping[str, Any], mode: str = "on",
 
 
 def default_data_path() -> Path:
-    """`../shared/data/wikitext2_test.txt` relative to the repository root."""
-    repo = Path(__file__).resolve().parents[2]
-    return repo.parent / "shared" / "data" / "wikitext2_test.txt"
+    """The WikiText-2 raw test split shipped with the package
+    (`gsm_jax.workflow.data.default_wikitext_path`)."""
+    from gsm_jax.workflow.data import default_wikitext_path
+
+    return default_wikitext_path()
 
 
 def _text_tokens(tokenizer: Any, path: Path, max_chars: int) -> np.ndarray:
+    from gsm_jax.workflow.data import read_text
+
     if not path.is_file():
         raise InvalidInputError(
-            f"WikiText-2 text not found at {path} (expected ../shared/data/wikitext2_test.txt "
-            "next to the repository); pass data=PATH (--data PATH) or data='random' "
-            "(--data random) for random token ids"
+            f"prompt text {path} does not exist; pass data=PATH (--data PATH), leave it "
+            "unset for the packaged WikiText-2, or data='random' (--data random) for random "
+            "token ids"
         )
-    text = path.read_text(encoding="utf-8")[:max_chars]
+    text = read_text(path)[:max_chars]
     return np.asarray(tokenizer.encode(text), np.int32)
 
 
@@ -764,34 +768,48 @@ def _rate_arg(v: str) -> float | str | None:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m",
                    help="registered name, .gguf file, HF directory or gsm_jax.save directory")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="weights and compute dtype")
     p.add_argument("--gsm", type=Path, default=None,
-                   help="GSM config file for 'on' (default: all layers, default strength)")
+                   help="GSM config file for 'on' (unset: all layers, default strength)")
     p.add_argument("--clients", type=int, default=8, help="closed-loop clients")
     p.add_argument("--requests", type=int, default=64, help="requests per run")
     p.add_argument("--rate", type=_rate_arg, default="auto",
                    help="open-loop Poisson rate (req/s), 'auto' (70%% of closed-loop "
                         "throughput) or 'none' (closed loop only)")
     p.add_argument("--repeats", type=int, default=2, help="runs per (loop, mode), interleaved")
-    p.add_argument("--max-batch", type=int, default=None, help="engine slots (default: clients)")
-    p.add_argument("--long-fraction", type=float, default=0.25)
-    p.add_argument("--short-prompt", type=int, nargs=2, default=(16, 64), metavar=("LO", "HI"))
-    p.add_argument("--short-new", type=int, default=16)
-    p.add_argument("--long-prompt", type=int, nargs=2, default=(256, 512), metavar=("LO", "HI"))
-    p.add_argument("--long-new", type=int, default=128)
+    p.add_argument("--max-batch", type=int, default=None,
+                   help="engine slots (unset: --clients)")
+    p.add_argument("--long-fraction", type=float, default=0.25,
+                   help="share of long requests")
+    p.add_argument("--short-prompt", type=int, nargs=2, default=(16, 64), metavar=("LO", "HI"),
+                   help="prompt length range (tokens) of a short request")
+    p.add_argument("--short-new", type=int, default=16, help="new tokens of a short request")
+    p.add_argument("--long-prompt", type=int, nargs=2, default=(256, 512), metavar=("LO", "HI"),
+                   help="prompt length range (tokens) of a long request")
+    p.add_argument("--long-new", type=int, default=128, help="new tokens of a long request")
     p.add_argument("--modes", default="off,on",
                    help="comma list of off (no GSM compiled), on, zero (GSM compiled, strength 0)")
     p.add_argument("--data", default=None,
-                   help="prompt text file (default ../shared/data/wikitext2_test.txt) or 'random'")
+                   help="prompt text file, or 'random' for random token ids (unset: the "
+                        "WikiText-2 raw test split shipped with the package)")
     p.add_argument("--respect-eos", action="store_true",
                    help="stop requests at EOS (default: ignore EOS, fixed output lengths)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the request set and the arrival times")
     p.add_argument("--out", type=Path, default=Path("bench"),
                    help="directory for results.json and results.png")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
 def run(args: argparse.Namespace) -> int:
+    from gsm_jax.workflow.data import check_file_option
+
+    # files first: a typo fails here, not after the model load and the warm-up compiles
+    check_file_option("--data", args.data, special=("random",))
+    check_file_option("--gsm", args.gsm)
+    if args.out.exists() and not args.out.is_dir():
+        raise InvalidInputError(f"--out {args.out}: exists and is not a directory")
     result = bench(args.model, BenchSpec.from_args(args))
     print(result.table())
     for mode, w in result.warmup.items():

@@ -124,7 +124,7 @@ def check_file_option(option: str, value: str | os.PathLike | None,
         return None
     path = Path(value)
     if not path.exists():
-        raise InvalidInputError(f"{option} {path}: no such file")
+        raise InvalidInputError(f"{option} {path}: the file does not exist")
     if not path.is_file():
         raise InvalidInputError(f"{option} {path}: not a file")
     if path.stat().st_size == 0:

@@ -1,0 +1,195 @@
+"""JAX's persistent compilation cache for gsm-jax, and one line on stderr while XLA compiles.
+
+Every `gsm-jax` command turns the cache on before its first compilation, so a second
+identical call loads its programs from disk instead of compiling them again
+(`enable_compilation_cache`). Python code turns it on with the same call
+(``gsm_jax.enable_compilation_cache()``); ``import gsm_jax`` alone changes nothing in
+JAX's configuration, because the setting is process-wide: it would also cache the
+programs of a notebook's other JAX code.
+
+Where: ``$GSM_JAX_COMPILATION_CACHE`` when it names a folder, else
+``$XDG_CACHE_HOME/gsm-jax/jax`` (``~/.cache/gsm-jax/jax``). ``GSM_JAX_COMPILATION_CACHE=0``
+(or ``off``) turns it off; JAX's own ``JAX_ENABLE_COMPILATION_CACHE=false`` does too. A
+cache directory set already (``jax_compilation_cache_dir`` / ``JAX_COMPILATION_CACHE_DIR``)
+is left as it is. JAX's other settings apply unchanged: only programs that took at least
+``jax_persistent_cache_min_compile_time_secs`` (1 s) to compile are written, and the
+folder is bounded by an LRU limit (`MAX_SIZE_BYTES` unless
+``jax_compilation_cache_max_size`` is set). The cache is trusted code: do not point it at
+a folder others can write.
+
+`announce_compilation` prints one line on stderr when a compilation has run for
+`ANNOUNCE_AFTER_S` seconds (once per process), so a long first call is not silent;
+`compilation_summary` gives one line of what compiled and what came from the cache.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from pathlib import Path
+from typing import TextIO
+
+ENV = "GSM_JAX_COMPILATION_CACHE"
+OFF_VALUES = frozenset({"0", "off", "false", "no", "none", "disable", "disabled"})
+MAX_SIZE_BYTES = 4 * 2**30
+ANNOUNCE_AFTER_S = 2.0
+
+_BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
+_CACHE_HIT = "/jax/compilation_cache/cache_hits"
+
+_lock = threading.Lock()
+_enabled: Path | None = None
+_enable_tried = False
+
+
+def default_cache_dir() -> Path:
+    """``$XDG_CACHE_HOME/gsm-jax/jax``, or ``~/.cache/gsm-jax/jax``."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "gsm-jax" / "jax"
+
+
+def requested_cache_dir() -> Path | None:
+    """The folder `enable_compilation_cache` uses: None when ``GSM_JAX_COMPILATION_CACHE``
+    turns the cache off, that variable's folder when it names one, else the default."""
+    value = os.environ.get(ENV, "").strip()
+    if value.lower() in OFF_VALUES:
+        return None
+    if value.lower() in ("", "1", "on", "true", "yes"):
+        return default_cache_dir()
+    return Path(value).expanduser()
+
+
+def enable_compilation_cache(directory: str | os.PathLike | None = None) -> Path | None:
+    """Turn JAX's persistent compilation cache on for this process; the folder in use, or
+    None when it stays off (see the module doc for the folder and how to switch it off).
+
+    Idempotent and cheap after the first call. ``directory`` overrides the folder (not the
+    switch-off). Programs compiled before the call were not written; the ones after are.
+    """
+    global _enabled, _enable_tried
+    with _lock:
+        if _enable_tried:
+            return _enabled
+        _enable_tried = True
+        import jax
+
+        target = requested_cache_dir()
+        if target is None or not jax.config.jax_enable_compilation_cache:
+            return None
+        configured = jax.config.jax_compilation_cache_dir
+        if configured:  # the user's own choice stands
+            _enabled = Path(configured)
+            return _enabled
+        target = Path(directory).expanduser() if directory is not None else target
+        try:
+            target.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            print(f"[gsm-jax] compilation cache off: cannot create {target} ({e})",
+                  file=sys.stderr)
+            return None
+        jax.config.update("jax_compilation_cache_dir", str(target))
+        if jax.config.jax_compilation_cache_max_size == -1:
+            jax.config.update("jax_compilation_cache_max_size", MAX_SIZE_BYTES)
+        # JAX decides once per process whether the cache is used, at its first compilation:
+        # a process that compiled before this call must decide again.
+        from jax.experimental.compilation_cache import compilation_cache
+
+        compilation_cache.reset_cache()
+        _enabled = target
+        return _enabled
+
+
+def compilation_cache_dir() -> Path | None:
+    """The folder `enable_compilation_cache` turned on in this process (None: not on)."""
+    return _enabled
+
+
+class _Announcer:
+    """JAX monitoring listeners: a compilation that runs `delay_s` prints one line (once per
+    process); counts compilations, their seconds and the persistent-cache hits."""
+
+    def __init__(self, stream: TextIO | None, delay_s: float) -> None:
+        self.stream, self.delay_s = stream, delay_s
+        self.announced = False
+        self.compiles = 0
+        self.seconds = 0.0
+        self.hits = 0
+        self._timers: dict[int, threading.Timer] = {}
+        self._lock = threading.Lock()
+
+    def message(self) -> str:
+        where = compilation_cache_dir()
+        if where is not None:
+            tail = (f"programs are saved in {where} and loaded from there next time; "
+                    f"{ENV}=0 turns that off")
+        else:
+            tail = "the persistent compilation cache is off"
+        return f"[gsm-jax] compiling XLA programs for these shapes (once per shape; {tail}) ..."
+
+    def _fire(self) -> None:
+        with self._lock:
+            if self.announced:
+                return
+            self.announced = True
+        stream = self.stream if self.stream is not None else sys.stderr
+        print(self.message(), file=stream, flush=True)
+
+    def on_scalar(self, event: str, value: float, **kwargs) -> None:
+        if event != _BACKEND_COMPILE or self.announced:
+            return
+        timer = threading.Timer(self.delay_s, self._fire)
+        timer.daemon = True
+        with self._lock:
+            old = self._timers.pop(threading.get_ident(), None)
+            self._timers[threading.get_ident()] = timer
+        if old is not None:
+            old.cancel()
+        timer.start()
+
+    def on_duration(self, event: str, seconds: float, **kwargs) -> None:
+        if event != _BACKEND_COMPILE:
+            return
+        with self._lock:
+            timer = self._timers.pop(threading.get_ident(), None)
+            self.compiles += 1
+            self.seconds += seconds
+        if timer is not None:
+            timer.cancel()
+
+    def on_event(self, event: str, **kwargs) -> None:
+        if event == _CACHE_HIT:
+            with self._lock:
+                self.hits += 1
+
+
+_announcer: _Announcer | None = None
+
+
+def announce_compilation(stream: TextIO | None = None,
+                         delay_s: float = ANNOUNCE_AFTER_S) -> None:
+    """Print one line on ``stream`` (stderr) when a compilation runs ``delay_s`` seconds
+    (once per process; later calls change nothing) and count compilations for
+    `compilation_summary`."""
+    global _announcer
+    with _lock:
+        if _announcer is not None:
+            return
+        from jax import monitoring
+
+        _announcer = a = _Announcer(stream, delay_s)
+        monitoring.register_scalar_listener(a.on_scalar)
+        monitoring.register_event_duration_secs_listener(a.on_duration)
+        monitoring.register_event_listener(a.on_event)
+
+
+def compilation_summary() -> str | None:
+    """One line: programs compiled and loaded from the persistent cache since
+    `announce_compilation` (None before it, or when nothing took a second)."""
+    a = _announcer
+    if a is None or (a.seconds < 1.0 and a.hits == 0):
+        return None
+    where = compilation_cache_dir()
+    cache = (f"{a.hits} of them loaded from the persistent cache ({where})" if where is not None
+             else "persistent cache off")
+    return (f"[gsm-jax] XLA: {a.compiles} programs ready in {a.seconds:.1f} s; {cache}")
