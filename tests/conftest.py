@@ -12,9 +12,6 @@ from pathlib import Path
 
 import pytest
 
-# Evaluation data lives next to the repository, never inside it (see ../shared/data/README.md).
-SHARED_DATA_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "data"
-
 
 @pytest.fixture(scope="session")
 def smollm2_gguf_path() -> str:
@@ -58,10 +55,11 @@ def hf_smollm2_model(smollm2_gguf_path: str):
 
 @pytest.fixture(scope="session")
 def shared_data_dir() -> Path:
-    """`../shared/data` (WikiText-2, LAMBADA); skips the test if the folder is missing."""
-    if not SHARED_DATA_DIR.is_dir():
-        pytest.skip(f"shared evaluation data not found at {SHARED_DATA_DIR}")
-    return SHARED_DATA_DIR
+    """The evaluation data shipped with the package (`gsm_jax/data`: wikitext2_test.txt, the
+    WikiText-2 raw test split, and lambada_dev.jsonl), where the workflow's defaults read it."""
+    from gsm_jax.workflow.data import packaged_data_dir
+
+    return packaged_data_dir()
 
 
 @pytest.fixture(scope="session")
@@ -75,7 +73,7 @@ def smollm2(smollm2_gguf_path: str):
 @pytest.fixture(scope="session")
 def wikitext_passages(shared_data_dir: Path) -> list[str]:
     """Several WikiText-2 passages of a few hundred characters, for parity tests."""
-    lines = (shared_data_dir / "wikitext2_test.txt").read_text().splitlines()
+    lines = (shared_data_dir / "wikitext2_test.txt").read_text(encoding="utf-8").splitlines()
     long_lines = [ln.strip() for ln in lines if len(ln.strip()) > 300]
     return [long_lines[i][:600] for i in (0, 7, 19, 42)]
 
