@@ -5,14 +5,27 @@
 Endpoints: `/v1/completions`, `/v1/chat/completions` (the model's chat template; for
 DeepSeek-V4/V4.1 their own format, `reasoning_effort`, thinking on by default and the
 answer split at `</think>` into `reasoning_content` and `content`, as vLLM does),
-`/v1/models`, `/health` (503 while loading or draining), `/ready`, `/metrics`
+`/v1/models`, `/v1/models/{id}`, `/health` (503 while loading or draining), `/ready`,
+`/metrics`
 (Prometheus), and, with `--admin-token`, `GET/PUT /admin/gsm`,
 `POST /admin/gsm/rollout`, `POST /admin/gsm/rollback`, `GET /admin/stats`.
 
 Each HTTP request gets one id (`x-request-id` if the client sent one, else a new
-`cmpl-...`); it picks the GSM version and arm (`gsm_state`), which every response
-names in `x-gsm-version` / `x-gsm-arm` and in its `gsm` body field. Text is
-detokenized incrementally on the engine thread, where stop strings are matched:
+`cmpl-...` / `chatcmpl-...`; the body's `id` carries that prefix); it picks the GSM
+version and arm (`gsm_state`), which every response names in `x-gsm-version` /
+`x-gsm-arm` and in its `gsm` body field.
+
+Log-probabilities (`logprobs` on completions, `logprobs` / `top_logprobs` on chat,
+`echo` with the prompt's on completions; `max_tokens: 0` with `echo` scores the
+prompt alone, what lm-evaluation-harness's `local-completions` sends) come from one
+teacher-forced forward of the model over prompt + output after the tokens are
+known, with the request's GSM config applied exactly as to its generation (its arm:
+smoothed or not). So they score the tokens actually produced, greedy or sampled,
+and equal `jax.nn.log_softmax(gsm_jax.forward(...))` there. Streams score what has
+arrived whenever the previous scoring finished, so each chunk carries the
+log-probabilities of its tokens. Forwards run one at a time on their own thread.
+
+Text is detokenized incrementally on the engine thread, where stop strings are matched:
 a matched stop ends the request at once (`finish_reason: "stop"`, the stop cut).
 A client that disconnects has its requests aborted at the next engine step.
 """
@@ -20,6 +33,7 @@ A client that disconnects has its requests aborted at the next engine step.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import json
 import logging
@@ -27,24 +41,32 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gsm_jax.errors import GSMConfigError, GSMJaxError, InvalidInputError
+from gsm_jax.families import family_module
+from gsm_jax.generation import MIN_PROMPT_BUCKET, bucket, on_mesh
 from gsm_jax.serving.engine import Engine
 from gsm_jax.serving.engine import Request as EngineRequest
 from gsm_jax.serving.gsm_state import GSMVersion, LiveGSM
 from gsm_jax.serving.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from gsm_jax.serving.protocol import (
+    MAX_LOGPROBS,
     ChatRequest,
     CompletionRequest,
     ValidationError,
     error_body,
     first_error,
+    unsupported_field,
 )
 from gsm_jax.serving.scheduler import Draining, EngineLoop, QueueFull, Ticket
 
@@ -145,6 +167,38 @@ class TextStream:
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
 
 
+# ----------------------------------------------------------------------------- log-probabilities
+
+
+@functools.partial(jax.jit, static_argnames=("config", "k"))
+def _score(weights, tokens, lengths, targets, gsm, *, config, k: int):
+    """Teacher-forced log-probabilities: at each position of `tokens` [1, T], log p of
+    `targets` (the next token) and the top `k` (log p, id); one program per prompt
+    bucket, whatever k the request asks (k is the server's maximum)."""
+    logits = family_module(config.family).forward(weights, config, tokens, lengths, gsm)
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    chosen = jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+    top_v, top_i = jax.lax.top_k(logp, k)
+    return chosen, top_v, top_i
+
+
+@dataclass
+class Scores:
+    """Log-probabilities of the tokens `ids[1:]` of one sequence, one row per token:
+    `chosen[j]` = log p(ids[j+1] | ids[:j+1]); `top_ids[j]` / `top[j]` the most likely
+    tokens there, best first."""
+
+    chosen: np.ndarray  # [n]
+    top: np.ndarray  # [n, K]
+    top_ids: np.ndarray  # [n, K]
+
+
+def _finite(x: float) -> float:
+    """A log-probability JSON can carry: -inf (and below) as vLLM's -9999."""
+    x = float(x)
+    return x if x > -9999.0 else -9999.0
+
+
 # ----------------------------------------------------------------------------- server
 
 
@@ -164,6 +218,9 @@ class GSMServer:
         self.name = options.served_model_name or options.model
         self.metrics = ServerMetrics(self.name)
         self.started = int(time.time())
+        # teacher-forced forwards for log-probabilities: one at a time, off the event loop
+        self._scorer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gsm-jax-score")
+        self._token_text: Any = None
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -223,6 +280,61 @@ class GSMServer:
             self.watcher.stop()
         if self.loop is not None:
             self.loop.stop()
+        self._scorer.shutdown(wait=False, cancel_futures=True)
+
+    # ---------------------------------------------------------------- log-probabilities
+
+    def scoring_gsm(self, version: GSMVersion, arm: str) -> Any:
+        """The GSMConfig that smoothed a request's generation (None: not smoothed): the
+        version's config on the "gsm" arm, with its rollout and short-request rules
+        already decided (`live.assign` did), as the engine runs it."""
+        cfg = version.config
+        if arm != "gsm" or cfg is None or not cfg.enable:
+            return None
+        return cfg.replace(rollout_fraction=1.0, short_request_tokens=0)
+
+    def score(self, ids: list[int], gsm: Any) -> Scores:
+        """Teacher-forced log-probabilities of `ids[1:]` (blocking; see `Scores`), with
+        `gsm` (a GSMConfig or None) applied as `gsm_jax.forward` applies it."""
+        cfg = self.params.config
+        n = len(ids) - 1
+        if n < 1:
+            empty = np.zeros((0, 0), np.float32)
+            return Scores(np.zeros((0,), np.float32), empty, empty.astype(np.int32))
+        k = min(MAX_LOGPROBS, cfg.vocab_size)
+        padded = min(bucket(n, MIN_PROMPT_BUCKET), max(n, cfg.max_position_embeddings))
+        tokens = np.zeros((1, padded), np.int32)
+        targets = np.zeros((1, padded), np.int32)
+        tokens[0, :n] = ids[:-1]
+        targets[0, :n] = ids[1:]
+        gsm_inputs = None
+        if gsm is not None:
+            from gsm_jax.gsm_runtime import gsm_inputs_for_batch
+
+            gsm_inputs = gsm_inputs_for_batch(gsm, cfg.num_layers, 1, [n], None, fit_ring=True)
+        from gsm_jax.sharding import mesh_of
+
+        t = time.perf_counter()
+        with on_mesh(mesh_of(self.params.weights)):
+            chosen, top, top_ids = _score(
+                self.params.weights, jnp.asarray(tokens), jnp.asarray([n], jnp.int32),
+                jnp.asarray(targets), gsm_inputs, config=cfg, k=k)
+        out = Scores(np.asarray(chosen)[0, :n], np.asarray(top)[0, :n],
+                     np.asarray(top_ids)[0, :n])
+        self.metrics.observe_scoring(n, time.perf_counter() - t)
+        return out
+
+    async def score_async(self, ids: list[int], gsm: Any) -> Scores:
+        return await asyncio.get_running_loop().run_in_executor(self._scorer, self.score,
+                                                                list(ids), gsm)
+
+    def token_text(self, token: int) -> str:
+        """One token as text (special tokens spelled out), cached."""
+        if self._token_text is None:
+            tok = self.params.tokenizer
+            self._token_text = functools.lru_cache(maxsize=1 << 16)(
+                lambda i: tok.decode([i], skip_special_tokens=False))
+        return self._token_text(int(token))
 
     # ---------------------------------------------------------------- GSM
 
@@ -294,7 +406,8 @@ class GSMServer:
         if isinstance(body, ChatRequest):
             kwargs, _ = self._chat_options(body)
             try:
-                return [tok.encode_chat([m.model_dump() for m in body.messages], **kwargs)]
+                return [tok.encode_chat([m.as_template_message() for m in body.messages],
+                                         **kwargs)]
             except GSMJaxError as e:
                 raise HTTPError(400, str(e), param=getattr(e, "param", "messages")) from e
         p = body.prompt
@@ -329,8 +442,16 @@ class GSMServer:
             limit = body.max_completion_tokens
         if limit is None:
             limit = 16 if isinstance(body, CompletionRequest) else room
+        echo = isinstance(body, CompletionRequest) and body.echo
+        if limit == 0 and echo:  # scoring the prompt alone (lm-evaluation-harness)
+            if n_prompt > self.options.max_len:
+                raise HTTPError(400, f"this model's context is {self.options.max_len} tokens; "
+                                f"the prompt has {n_prompt}", param="prompt",
+                                code="context_length_exceeded")
+            return 0
         if limit < 1:
-            raise HTTPError(400, f"max_tokens must be >= 1, got {limit}", param="max_tokens")
+            raise HTTPError(400, f"max_tokens must be >= 1 (0 only with echo), got {limit}",
+                            param="max_tokens")
         if room < 1 or limit > room:
             raise HTTPError(
                 400, f"this model's context is {self.options.max_len} tokens; the prompt has "
@@ -347,6 +468,10 @@ class GSMServer:
             raise HTTPError(400, f"the body is not valid JSON: {e}", code="invalid_json") from e
         if not isinstance(raw, dict):
             raise HTTPError(400, "the body must be a JSON object", code="invalid_json")
+        refused = unsupported_field(raw, kind)
+        if refused is not None:
+            self.metrics.refuse(refused[0].split("[")[0])
+            raise HTTPError(400, refused[1], param=refused[0], code="unsupported")
         model_cls = ChatRequest if kind == "chat" else CompletionRequest
         try:
             body = model_cls.model_validate(raw)
@@ -357,18 +482,16 @@ class GSMServer:
             raise HTTPError(404, f"the model {body.model!r} does not exist; this server "
                             f"serves {self.name!r}", type="not_found_error", param="model",
                             code="model_not_found")
-        if body.logprobs not in (None, False, 0):
-            raise HTTPError(400, "logprobs is not supported by this server", param="logprobs",
-                            code="unsupported")
-        if isinstance(body, CompletionRequest) and body.echo:
-            raise HTTPError(400, "echo is not supported by this server", param="echo",
-                            code="unsupported")
+        if isinstance(body, ChatRequest) and body.top_logprobs is not None \
+                and not body.logprobs:
+            raise HTTPError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         stops = body.stops()
         if any(not s for s in stops):
             raise HTTPError(400, "stop strings must be non-empty", param="stop")
         prompts = self._prompt_ids(body)
         limits = [self._max_tokens(body, len(p)) for p in prompts]
-        rid = http.headers.get("x-request-id") or f"cmpl-{uuid.uuid4().hex}"
+        prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
+        rid = http.headers.get("x-request-id") or f"{prefix}{uuid.uuid4().hex}"
         version, arm = self.live.assign(rid, len(prompts[0]) + limits[0])
         cfg = version.config if arm == "gsm" else None
         top_k = max(0, body.top_k)
@@ -376,6 +499,9 @@ class GSMServer:
         specs = []
         for pi, (ids, limit) in enumerate(zip(prompts, limits, strict=True)):
             for j in range(body.n):
+                if limit == 0:  # echo alone: nothing to generate
+                    specs.append((pi * body.n + j, None))
+                    continue
                 seed = None if base_seed is None else base_seed + j
                 req = EngineRequest(ids, limit, request_id=rid, temperature=body.temperature,
                                     top_k=top_k, top_p=body.top_p, seed=seed, gsm=cfg,
@@ -386,7 +512,7 @@ class GSMServer:
                     raise HTTPError(400, str(e)) from e
                 specs.append((pi * body.n + j, req))
         call = _Call(self, kind, body, rid, version, arm, stops, specs,
-                     asyncio.get_running_loop())
+                     asyncio.get_running_loop(), prompts=prompts, prefix=prefix)
         call.submit()
         headers = {"x-request-id": rid, "x-gsm-version": str(version.number), "x-gsm-arm": arm}
         ignored = body.ignored_fields()
@@ -400,12 +526,15 @@ class GSMServer:
 
 
 class _Call:
-    """One HTTP request's engine requests (prompts x n), their text, their events."""
+    """One HTTP request's engine requests (prompts x n), their text, their events, and
+    the log-probabilities of their tokens when asked."""
 
     def __init__(self, server: GSMServer, kind: str, body: Any, rid: str, version: GSMVersion,
-                 arm: str, stops: list[str], specs: list[tuple[int, EngineRequest]],
-                 aloop: asyncio.AbstractEventLoop) -> None:
+                 arm: str, stops: list[str], specs: list[tuple[int, EngineRequest | None]],
+                 aloop: asyncio.AbstractEventLoop, *, prompts: list[list[int]],
+                 prefix: str) -> None:
         self.server, self.kind, self.body, self.rid = server, kind, body, rid
+        self.id = rid if rid.startswith(prefix) else prefix + rid
         self.version, self.arm, self.aloop = version, arm, aloop
         self.created = int(time.time())
         self.events: asyncio.Queue = asyncio.Queue()
@@ -424,13 +553,27 @@ class _Call:
             from gsm_jax.chat_formats import ReasoningSplitter
 
             self.splits = {i: ReasoningSplitter(self.thinking) for i, _ in specs}
+        self.choice_ids = [i for i, _ in specs]
         self.tickets: list[Ticket] = []
+        self.ticket_of: dict[int, Ticket] = {}
         for i, req in specs:
-            self.tickets.append(Ticket(req, on_token=self._token, on_finish=self._finish,
-                                       meta={"choice": i}))
+            if req is None:  # echo with max_tokens 0: nothing to generate
+                continue
+            t = Ticket(req, on_token=self._token, on_finish=self._finish, meta={"choice": i})
+            self.tickets.append(t)
+            self.ticket_of[i] = t
         self.open = len(self.tickets)
         self.lock = threading.Lock()
-        self.prompt_tokens = sum({i // body.n: len(r.prompt) for i, r in specs}.values())
+        self.n = body.n
+        self.prompts = prompts
+        self.prompt_tokens = sum(len(p) for p in prompts)
+        # log-probabilities: the top-k asked (None: off), echo, the config that smoothed it
+        self.k = body.top_logprobs_k()
+        self.echo = kind == "completion" and body.echo
+        self.gsm_cfg = server.scoring_gsm(version, arm) if self.k is not None else None
+        self.lp_sent = {i: 0 for i in self.choice_ids}  # output tokens already scored out
+        self.lp_offset = {i: 0 for i in self.choice_ids}  # next `text_offset`
+        self._scored: dict[tuple[int, ...], Scores] = {}
 
     def submit(self) -> None:
         loop = self.server.loop
@@ -466,7 +609,9 @@ class _Call:
             if not t.done:
                 self.server.loop.abort(t, "abort")
 
-    def _finish_reason(self, ticket: Ticket) -> str:
+    def _finish_reason(self, ticket: Ticket | None) -> str:
+        if ticket is None:  # echo alone: the prompt is the whole (max_tokens 0) answer
+            return "length"
         rec = ticket.record
         if rec is None:
             return "abort"
@@ -492,8 +637,76 @@ class _Call:
             return None, text
         return split.feed(text, final)
 
+    def _tokens(self, i: int) -> list[int]:
+        """The output tokens of choice `i` so far (EOS included), a snapshot."""
+        t = self.ticket_of.get(i)
+        if t is None or t.record is None:
+            return []
+        return [int(x) for x in list(t.record.tokens)]
+
+    def _prompt_text(self, i: int) -> str:
+        """The prompt of choice `i` as the client sent it (token ids: decoded)."""
+        p, pi = self.body.prompt, i // self.n
+        if isinstance(p, str):
+            return p
+        if p and isinstance(p[pi], str):
+            return p[pi]
+        return self.server.params.tokenizer.decode(self.prompts[pi])
+
+    async def _logprobs(self, i: int, tokens: list[int], start: int, end: int, *,
+                        with_prompt: bool) -> dict[str, Any]:
+        """The log-probabilities of output tokens [start, end) of choice `i` (and first of
+        its prompt's tokens if `with_prompt`), in the endpoint's OpenAI format."""
+        prompt = self.prompts[i // self.n]
+        seq = prompt + tokens[:end]
+        rows: list[tuple[int, int | None]] = []  # (token, its row in the scores or None)
+        if with_prompt:
+            rows.append((prompt[0], None))
+            rows += [(prompt[j], j - 1) for j in range(1, len(prompt))]
+        rows += [(seq[len(prompt) + g], len(prompt) + g - 1) for g in range(start, end)]
+        scores = None
+        if any(r is not None for _, r in rows):
+            key = tuple(seq)
+            scores = self._scored.get(key)
+            if scores is None:
+                scores = self._scored[key] = await self.server.score_async(seq, self.gsm_cfg)
+        text = self.server.token_text
+        k = self.k
+        if self.kind == "chat":
+            content = []
+            for token, r in rows:
+                s = text(token)
+                content.append({
+                    "token": s, "logprob": _finite(scores.chosen[r]), "bytes": list(s.encode()),
+                    "top_logprobs": [
+                        {"token": text(t), "logprob": _finite(v), "bytes": list(text(t).encode())}
+                        for v, t in zip(scores.top[r, :k], scores.top_ids[r, :k], strict=True)],
+                })
+            return {"content": content, "refusal": None}
+        out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
+                                "text_offset": []}
+        offset = self.lp_offset[i]
+        for token, r in rows:
+            s = text(token)
+            out["tokens"].append(s)
+            out["text_offset"].append(offset)
+            offset += len(s)
+            if r is None:  # the first prompt token: nothing before it to condition on
+                out["token_logprobs"].append(None)
+                out["top_logprobs"].append(None)
+                continue
+            lp = _finite(scores.chosen[r])
+            out["token_logprobs"].append(lp)
+            top = {s: lp}  # the chosen token, then the k most likely (vLLM's)
+            for v, t in zip(scores.top[r, :k], scores.top_ids[r, :k], strict=True):
+                top.setdefault(text(t), _finite(v))
+            out["top_logprobs"].append(top)
+        self.lp_offset[i] = offset
+        return out
+
     def _choice(self, i: int, text: str, finish: str | None, *, chunk: bool,
-                first: bool = False, reasoning: str | None = None) -> dict[str, Any]:
+                first: bool = False, reasoning: str | None = None,
+                logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
         if self.kind == "chat":
             if chunk:
                 delta: dict[str, Any] = {"role": "assistant"} if first else {}
@@ -501,15 +714,17 @@ class _Call:
                     delta["reasoning_content"] = reasoning
                 if text:
                     delta["content"] = text
-                return {"index": i, "delta": delta, "finish_reason": finish, "logprobs": None}
+                return {"index": i, "delta": delta, "finish_reason": finish,
+                        "logprobs": logprobs}
             message: dict[str, Any] = {"role": "assistant", "content": text}
             if self.thinking is not None:
                 message["reasoning_content"] = reasoning if self.thinking else None
-            return {"index": i, "message": message, "finish_reason": finish, "logprobs": None}
-        return {"index": i, "text": text, "finish_reason": finish, "logprobs": None}
+            return {"index": i, "message": message, "finish_reason": finish,
+                    "logprobs": logprobs}
+        return {"index": i, "text": text, "finish_reason": finish, "logprobs": logprobs}
 
     def _envelope(self, choices: list[dict], *, chunk: bool) -> dict[str, Any]:
-        return {"id": self.rid, "object": self._object(chunk), "created": self.created,
+        return {"id": self.id, "object": self._object(chunk), "created": self.created,
                 "model": self.server.name, "choices": choices, "gsm": self._gsm()}
 
     async def _next(self, http: Request) -> tuple[str, Ticket] | None:
@@ -530,42 +745,90 @@ class _Call:
             if ev[0] == "finish":
                 self.open -= 1
         choices = []
-        for t in sorted(self.tickets, key=lambda t: t.meta["choice"]):
-            i = t.meta["choice"]
-            if "error" in t.meta:
+        for i in self.choice_ids:
+            t = self.ticket_of.get(i)
+            if t is not None and "error" in t.meta:
                 raise HTTPError(500, f"request {self.rid} failed: {t.meta['error']}",
                                 type="server_error")
             reasoning, text = self._split(i, self.texts[i].pending(final=True), True)
+            if self.echo:
+                text = self._prompt_text(i) + text
+            logprobs = None
+            if self.k is not None:
+                tokens = self._tokens(i)
+                logprobs = await self._logprobs(i, tokens, 0, len(tokens),
+                                                with_prompt=self.echo)
             choices.append(self._choice(i, text, self._finish_reason(t), chunk=False,
-                                        reasoning=reasoning))
+                                        reasoning=reasoning, logprobs=logprobs))
         out = self._envelope(choices, chunk=False)
         out["usage"] = self._usage()
         return out
 
+    async def _drain_events(self, http: Request) -> list[tuple[int, bool]] | None:
+        """The choices with news, in order, and whether each finished: the next event and
+        every one queued behind it (a stream scoring log-probabilities falls behind the
+        engine; it then catches up in one chunk per choice). None: the client left."""
+        ev = await self._next(http)
+        if ev is None:
+            return None
+        events = [ev]
+        while True:
+            try:
+                events.append(self.events.get_nowait())
+            except asyncio.QueueEmpty:
+                break
+        final: dict[int, bool] = {}
+        for kind, ticket in events:
+            i = ticket.meta["choice"]
+            final[i] = final.get(i, False) or kind == "finish"
+            if kind == "finish":
+                self.open -= 1
+        return list(final.items())
+
     async def stream(self, http: Request) -> AsyncIterator[bytes]:
         include_usage = bool(self.body.stream_options and self.body.stream_options.include_usage)
         started: set[int] = set()
+
+        def chunk_of(choice: dict[str, Any]) -> bytes:
+            chunk = self._envelope([choice], chunk=True)
+            if include_usage:
+                chunk["usage"] = None
+            return _sse(chunk)
+
         try:
-            while self.open:
-                ev = await self._next(http)
-                if ev is None:
-                    return
-                kind, ticket = ev
-                i = ticket.meta["choice"]
-                final = kind == "finish"
-                if final:
-                    self.open -= 1
-                reasoning, text = self._split(i, self.texts[i].pending(final=final), final)
-                first = i not in started
-                if not (text or reasoning) and not final and not (first and self.kind == "chat"):
+            for i in self.choice_ids:  # echo alone: the prompt (and its scores) in one chunk
+                if i in self.ticket_of:
                     continue
-                started.add(i)
-                finish = self._finish_reason(ticket) if final else None
-                chunk = self._envelope([self._choice(i, text, finish, chunk=True, first=first,
-                                                     reasoning=reasoning)], chunk=True)
-                if include_usage:
-                    chunk["usage"] = None
-                yield _sse(chunk)
+                logprobs = None
+                if self.k is not None:
+                    logprobs = await self._logprobs(i, [], 0, 0, with_prompt=True)
+                yield chunk_of(self._choice(i, self._prompt_text(i), "length", chunk=True,
+                                            first=True, logprobs=logprobs))
+            while self.open:
+                news = await self._drain_events(http)
+                if news is None:
+                    return
+                for i, final in news:
+                    ticket = self.ticket_of[i]
+                    reasoning, text = self._split(i, self.texts[i].pending(final=final), final)
+                    first = i not in started
+                    logprobs = None
+                    if self.k is not None:
+                        tokens = self._tokens(i)
+                        if len(tokens) > self.lp_sent[i] or (first and self.echo):
+                            logprobs = await self._logprobs(i, tokens, self.lp_sent[i],
+                                                            len(tokens),
+                                                            with_prompt=first and self.echo)
+                            self.lp_sent[i] = len(tokens)
+                    if first and self.echo:
+                        text = self._prompt_text(i) + text
+                    if not (text or reasoning or logprobs) and not final \
+                            and not (first and self.kind == "chat"):
+                        continue
+                    started.add(i)
+                    finish = self._finish_reason(ticket) if final else None
+                    yield chunk_of(self._choice(i, text, finish, chunk=True, first=first,
+                                                reasoning=reasoning, logprobs=logprobs))
             if include_usage:
                 last = self._envelope([], chunk=True)
                 last["usage"] = self._usage()
@@ -644,11 +907,21 @@ def build_app(server: GSMServer, *, load_in_background: bool = True) -> FastAPI:
     async def chat(http: Request) -> Response:
         return await server.handle(http, "chat")
 
+    def model_card() -> dict[str, Any]:
+        return {"id": server.name, "object": "model", "created": server.started,
+                "owned_by": "gsm-jax", "max_model_len": server.options.max_len}
+
     @app.get("/v1/models")
     async def models() -> JSONResponse:
-        return JSONResponse({"object": "list", "data": [
-            {"id": server.name, "object": "model", "created": server.started,
-             "owned_by": "gsm-jax", "max_model_len": server.options.max_len}]})
+        return JSONResponse({"object": "list", "data": [model_card()]})
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> JSONResponse:
+        if model_id != server.name:
+            raise HTTPError(404, f"the model {model_id!r} does not exist; this server serves "
+                            f"{server.name!r}", type="not_found_error", param="model",
+                            code="model_not_found")
+        return JSONResponse(model_card())
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -67,6 +67,15 @@ class ServerMetrics:
         self.rejections = Counter("gsm_jax:admission_rejections",
                                   "Requests refused at admission (full queue or draining).",
                                   ["model_name", "reason"], registry=r)
+        self.refusals = Counter("gsm_jax:unsupported_field_refusals",
+                                "Requests refused (400) for a field the server does not "
+                                "implement.", ["model_name", "field"], registry=r)
+        self.scoring = Histogram("gsm_jax:logprobs_forward_seconds",
+                                 "Teacher-forced forwards computing log-probabilities.",
+                                 ["model_name"], buckets=TTFT_BUCKETS, registry=r)
+        self.scored_tokens = Counter("gsm_jax:logprobs_scored_tokens",
+                                     "Tokens scored by those forwards.", ["model_name"],
+                                     registry=r)
 
     def observe_token(self, rec: RequestRecord, arm: str) -> None:
         if rec.n_tokens >= 2:
@@ -97,6 +106,13 @@ class ServerMetrics:
 
     def reject(self, reason: str) -> None:
         self.rejections.labels(self.model_name, reason).inc()
+
+    def refuse(self, field: str) -> None:
+        self.refusals.labels(self.model_name, field).inc()
+
+    def observe_scoring(self, tokens: int, seconds: float) -> None:
+        self.scoring.labels(self.model_name).observe(seconds)
+        self.scored_tokens.labels(self.model_name).inc(tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

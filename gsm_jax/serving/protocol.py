@@ -1,10 +1,13 @@
 """The OpenAI request bodies the server accepts, and its error shape.
 
-Types are strict (a string where a number belongs is a 400, not coerced); fields
-the server does not know are accepted, like vLLM, and named back to the client in
-the `x-ignored-fields` response header rather than dropped silently. Errors use
-the nested OpenAI body `{"error": {"message", "type", "param", "code"}}` with
-string codes.
+Types are strict (a string where a number belongs is a 400, not coerced). Fields of
+the OpenAI / vLLM APIs that this server does not implement (`tools`,
+`response_format`, penalties, `logit_bias`, image content parts, ...) are refused
+with a 400 that names the field (`unsupported`), unless they carry their neutral
+value (`frequency_penalty: 0`, `tools: []`, ...), which changes nothing. Names
+neither API knows are accepted, like vLLM, and named back to the client in the
+`x-ignored-fields` response header. Errors use the nested OpenAI body
+`{"error": {"message", "type", "param", "code"}}` with string codes.
 """
 
 from __future__ import annotations
@@ -13,14 +16,19 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-__all__ = ["ChatRequest", "CompletionRequest", "ValidationError", "error_body", "first_error"]
+__all__ = ["MAX_LOGPROBS", "ChatRequest", "CompletionRequest", "ValidationError", "error_body",
+           "first_error", "unsupported_field"]
+
+MAX_LOGPROBS = 20  # the most top log-probabilities per token (OpenAI's and vLLM's limit)
 
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
 
     def ignored_fields(self) -> list[str]:
-        return sorted((self.model_extra or {}).keys())
+        """Names neither API knows (fields it knows but the server does not implement
+        were refused unless neutral: `unsupported_field`)."""
+        return sorted(k for k in (self.model_extra or {}) if k not in _NOT_IMPLEMENTED)
 
 
 class StreamOptions(BaseModel):
@@ -39,7 +47,6 @@ class _Sampling(_Body):
     n: int = Field(default=1, ge=1, le=16)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logprobs: Any = None
     user: str | None = None
     ignore_eos: bool = False  # vLLM's extra: generate exactly max_tokens (load tests)
 
@@ -49,23 +56,126 @@ class _Sampling(_Body):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
-    echo: bool = False
+    echo: bool = False  # the prompt before the completion (with its log-probabilities)
+    # the top-`logprobs` alternatives per token (0: the chosen token's only); None: off
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    def top_logprobs_k(self) -> int | None:
+        return self.logprobs
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: Literal["text"]
+    text: str
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str
+    content: str | list[TextPart]
+
+    def as_template_message(self) -> dict[str, Any]:
+        """The message for the chat template: text parts joined by newlines (vLLM's)."""
+        out = self.model_dump()
+        if not isinstance(self.content, str):
+            out["content"] = "\n".join(p.text for p in self.content)
+        return out
 
 
 class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
+    logprobs: bool = False  # each generated token's log-probability
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     # models with a reasoning chat format (DeepSeek-V4: low/high/xhigh/max, V4.1: also 1-100;
     # "none" turns thinking off); a 400 for other models
     reasoning_effort: str | int | None = None
     # vLLM's: options of the chat template (DeepSeek-V4/V4.1: `thinking` / `enable_thinking`)
     chat_template_kwargs: dict[str, Any] | None = None
+
+    def top_logprobs_k(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+# ----------------------------------------------------------------------------- refused fields
+
+_ANY = object()  # refused whatever its value
+
+# field -> the neutral values accepted (they change nothing); any other value is a 400
+_NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
+    # OpenAI
+    "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
+    "function_call": (None, "none"), "parallel_tool_calls": (None, False, True),
+    "response_format": (None, {"type": "text"}),
+    "frequency_penalty": (None, 0, 0.0), "presence_penalty": (None, 0, 0.0),
+    "logit_bias": (None, {}), "suffix": (None, ""), "best_of": (None, 1),
+    "modalities": (None, ["text"]), "audio": (None,), "prediction": (None,),
+    "web_search_options": (None,),
+    # vLLM's sampling and decoding extras
+    "repetition_penalty": (None, 1, 1.0), "min_p": (None, 0, 0.0), "min_tokens": (None, 0),
+    "stop_token_ids": (None, []), "bad_words": (None, []), "allowed_token_ids": (None,),
+    "use_beam_search": (None, False), "length_penalty": (None, 1, 1.0),
+    "include_stop_str_in_output": (None, False), "skip_special_tokens": (None, True),
+    "spaces_between_special_tokens": (None, True), "prompt_logprobs": (None,),
+    "truncate_prompt_tokens": (None,), "guided_json": (None,), "guided_regex": (None,),
+    "guided_choice": (None,), "guided_grammar": (None,), "guided_decoding_backend": (None,),
+    "guided_whitespace_pattern": (None,), "structured_outputs": (None,),
+    "logits_processors": (None,), "return_tokens_as_token_ids": (None, False),
+    "add_generation_prompt": (None, True), "continue_final_message": (None, False),
+    "chat_template": (None,), "documents": (None,), "mm_processor_kwargs": (None,),
+}
+_CHAT_ONLY = {"tools", "tool_choice", "functions", "function_call", "parallel_tool_calls",
+              "response_format", "modalities", "audio", "prediction", "web_search_options",
+              "add_generation_prompt", "continue_final_message", "chat_template", "documents"}
+_MESSAGE_NOT_IMPLEMENTED = ("tool_calls", "function_call", "audio", "refusal")
+
+
+def _neutral(value: Any, accepted: tuple[Any, ...]) -> bool:
+    for a in accepted:
+        if isinstance(a, bool) or isinstance(value, bool):  # True is not 1 here
+            if value is a:
+                return True
+        elif value == a:
+            return True
+    return False
+
+
+def unsupported_field(raw: dict[str, Any], kind: str) -> tuple[str, str] | None:
+    """(param, message) of the first field of the body `raw` (of a "chat" or "completion"
+    request) that this server does not implement with a value that would change the
+    output; None if there is none."""
+    for key, value in raw.items():
+        accepted = _NOT_IMPLEMENTED.get(key)
+        if accepted is None:
+            if key == "echo" and kind == "chat" and value not in (None, False):
+                return key, ("echo is not supported on /v1/chat/completions (it is a field of "
+                             "/v1/completions)")
+            continue
+        if kind == "completion" and key in _CHAT_ONLY:
+            continue  # not a completions field: a name the API does not know, ignored
+        if not _neutral(value, accepted):
+            return key, (f"{key} is not supported by this server (got {value!r:.80}); "
+                         "remove it or send its neutral value")
+    if kind == "chat":
+        for i, m in enumerate(raw.get("messages") or []):
+            if not isinstance(m, dict):
+                continue
+            for key in _MESSAGE_NOT_IMPLEMENTED:
+                if m.get(key) not in (None, []):
+                    return (f"messages[{i}].{key}",
+                            f"messages[{i}].{key} is not supported by this server")
+            content = m.get("content")
+            if isinstance(content, list):
+                for j, part in enumerate(content):
+                    kind_j = part.get("type") if isinstance(part, dict) else None
+                    if kind_j != "text":
+                        what = "image" if kind_j in ("image_url", "input_image", "image") \
+                            else repr(kind_j)
+                        return (f"messages[{i}].content[{j}].type",
+                                f"messages[{i}].content[{j}] is a {what} content part: this "
+                                "server takes text parts only")
+    return None
 
 
 def error_body(message: str, *, type: str = "invalid_request_error", param: str | None = None,
