@@ -112,3 +112,28 @@ def pytest_runtest_logstart(nodeid, location):
     if path:
         with open(path, "w") as f:
             f.write(nodeid + "\n")
+
+
+_CPU_LOG = os.environ.get("GSM_JAX_TEST_CPU_LOG")  # per-test CPU seconds (suite profiling)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """With `$GSM_JAX_TEST_CPU_LOG` set, append each test's CPU seconds (this process and
+    its subprocesses, setup and teardown included) and wall seconds to that file: a profile
+    of the suite that stays meaningful on a loaded machine, where wall times are not."""
+    if not _CPU_LOG:
+        yield
+        return
+    import resource
+    import time
+
+    def cpu():
+        s, c = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(
+            resource.RUSAGE_CHILDREN)
+        return s.ru_utime + s.ru_stime + c.ru_utime + c.ru_stime
+
+    c0, t0 = cpu(), time.perf_counter()
+    yield
+    with open(_CPU_LOG, "a") as f:
+        f.write(f"{cpu() - c0:.2f}\t{time.perf_counter() - t0:.2f}\t{item.nodeid}\n")
