@@ -2,11 +2,11 @@
 completions, `logprobs` / `top_logprobs` on chat, streamed per chunk), `/v1/models/{id}`,
 `chatcmpl-` ids, and a 400 naming every field the server does not implement.
 
-The reference for every log-probability is `jax.nn.log_softmax(gsm_jax.forward(...))`
-over prompt + output with the server's GSM config and the request's id (so the same
-rollout decides whether the row is smoothed), to 1e-4. The engine is another path
-(prefill + decode steps): greedy outputs must be the reference's argmax, which ties
-what the server reports to what it generated.
+The reference for every log-probability is the log-softmax of `gsm_jax.forward(...)`
+(computed on the host in f64) over prompt + output with the server's GSM config and
+the request's id (so the same rollout decides whether the row is smoothed), to 1e-4.
+The engine is another path (prefill + decode steps): greedy outputs must be the
+reference's argmax, which ties what the server reports to what it generated.
 
 One in-process server (uvicorn on a loopback port, in a thread) over conftest's tiny
 random Llama with a character tokenizer; GSM is rolled out to half of the request ids,
@@ -22,7 +22,6 @@ import time
 from types import SimpleNamespace
 
 import httpx
-import jax
 import numpy as np
 import openai
 import pytest
@@ -54,8 +53,8 @@ def _char_tokenizer():
     backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     backend.decoder = decoders.Fuse()
     backend.add_special_tokens(SPECIALS)
-    template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-                "{% if add_generation_prompt %}assistant:{% endif %}")
+    template = ("{% for m in messages %}{{ m['role'][0] }}: {{ m['content'] }}\n{% endfor %}"
+                "{% if add_generation_prompt %}a:{% endif %}")
     return Tokenizer(backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
                      unk_token="<unk>", chat_template=template, name="chars")
 
@@ -75,7 +74,7 @@ def served(tiny_llama, tmp_path_factory):
     gsm_file.write_text(json.dumps(GSM))
     server = GSMServer(ServerOptions(model=NAME, max_batch=4, max_len=MAX_LEN,
                                      prefill_chunk=None, gsm=str(gsm_file),
-                                     warmup_lengths=(16,), warmup_sampling=False), params)
+                                     warmup_lengths=(32,), warmup_sampling=False), params)
     port = _free_port()
     uv = uvicorn.Server(uvicorn.Config(build_app(server), host="127.0.0.1", port=port,
                                        log_level="warning"))
@@ -122,11 +121,14 @@ def _rid(arm: str, tag: str) -> str:
 
 
 def _ref(params, ids: list[int], rid: str) -> np.ndarray:
-    """log p [len(ids), V] by the reference: gsm_jax.forward with the server's GSM config
+    """log p [len(ids), V] by the reference: the log-softmax (jax.nn.log_softmax's, in f64
+    on the host: no program per length) of gsm_jax.forward with the server's GSM config
     and this request's id (its rollout decides the row, as on the server)."""
     cfg = gsm_jax.GSMConfig(**GSM)
-    logits = gsm_jax.forward(params, [ids], gsm=cfg, request_ids=[rid])[0]
-    return np.asarray(jax.nn.log_softmax(logits, axis=-1))
+    logits = np.asarray(gsm_jax.forward(params, [ids], gsm=cfg, request_ids=[rid])[0],
+                        np.float64)
+    top = logits.max(-1, keepdims=True)
+    return logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
 
 
 def _ids(token_strings: list[str]) -> list[int]:
@@ -213,7 +215,7 @@ def test_generated_tokens_logprobs_greedy_sampled_chat(client, params):
 
     chat_rid = _rid("control", "chat")
     messages = [{"role": "user", "content": "what is two plus two?"}]
-    chat = client.chat.completions.create(model=NAME, messages=messages, max_tokens=10,
+    chat = client.chat.completions.create(model=NAME, messages=messages, max_tokens=5,
                                           temperature=0, logprobs=True, top_logprobs=2,
                                           extra_headers={"x-request-id": chat_rid})
     assert chat.id.startswith("chatcmpl-")
@@ -232,7 +234,7 @@ def test_generated_tokens_logprobs_greedy_sampled_chat(client, params):
 
     # streamed: every token's entry exactly once across the chunks, equal to the above
     chunks = list(client.chat.completions.create(
-        model=NAME, messages=messages, max_tokens=10, temperature=0, logprobs=True,
+        model=NAME, messages=messages, max_tokens=5, temperature=0, logprobs=True,
         top_logprobs=2, stream=True, extra_headers={"x-request-id": chat_rid}))
     streamed = [e for ch in chunks if ch.choices and ch.choices[0].logprobs
                 for e in ch.choices[0].logprobs.content]
@@ -255,6 +257,15 @@ def test_generated_tokens_logprobs_greedy_sampled_chat(client, params):
     _check_completion_logprobs(merged, seq, _ref(params, seq, rid), 1, 0)
     assert "".join(ch.choices[0].text for ch in echo_chunks).startswith(prompt)
 
+    # a plain stream of two choices (no log-probabilities): each choice's text is the above
+    plain = list(client.completions.create(
+        model=NAME, prompt=prompt, max_tokens=12, n=2, temperature=0, stream=True,
+        extra_headers={"x-request-id": rid}))
+    for i in range(2):
+        assert "".join(ch.choices[0].text for ch in plain if ch.choices[0].index == i) \
+            == greedy.choices[0].text
+    assert all(ch.choices[0].logprobs is None for ch in plain)
+
 
 # ----------------------------------------------------------------------------- models, ids
 
@@ -263,12 +274,14 @@ def test_models_by_id_and_response_ids(client, url):
     assert client.models.retrieve(NAME).id == NAME
     r = httpx.get(f"{url}/v1/models/not-this-one", timeout=30)
     assert r.status_code == 404 and "'not-this-one'" in r.json()["error"]["message"]
-    out = client.completions.create(model=NAME, prompt="ab", max_tokens=2, temperature=0)
+    out = client.completions.create(model=NAME, prompt="abcdefghijklmnopqrs", max_tokens=2,
+                                    temperature=0)
     assert out.id.startswith("cmpl-") and out.choices[0].logprobs is None
     r = httpx.post(f"{url}/v1/chat/completions", timeout=60, headers={"x-request-id": "abc"},
                    json={"model": NAME, "max_tokens": 2,
                          "messages": [{"role": "user", "content": [
-                             {"type": "text", "text": "hi"}, {"type": "text", "text": "you"}]}]})
+                             {"type": "text", "text": "tell me"},
+                             {"type": "text", "text": "a story"}]}]})
     assert r.status_code == 200 and r.json()["id"] == "chatcmpl-abc", r.text
     assert r.headers["x-request-id"] == "abc"
 
@@ -301,7 +314,8 @@ REFUSED = [
 
 
 def test_unsupported_fields_are_refused_by_name(url):
-    base = {"chat": {"model": NAME, "messages": [{"role": "user", "content": "hi"}],
+    base = {"chat": {"model": NAME,
+                     "messages": [{"role": "user", "content": "say hi to everyone"}],
                      "max_tokens": 2},
             "completion": {"model": NAME, "prompt": "hi", "max_tokens": 2}}
     path = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
