@@ -51,6 +51,8 @@ class Step:
     n_new:     [B] real tokens of each row in this call.
     active:    [B] rows that advance (decode: finished rows compute but stay put).
     max_len:   the cache's slots (None without a cache).
+    attend:    extend / decode read only the cache's slots [0, attend) (None: all max_len);
+               the caller guarantees every row's positions are below it (`bound_reads`).
     rings:     the GSM rings, one [layers, B, W, C] array per site (a list the site hook
                reads and replaces), or None when the hooks keep no state.
     """
@@ -62,6 +64,7 @@ class Step:
     active: jax.Array
     sites: Sites
     max_len: int | None = None
+    attend: int | None = None
     rings: list | None = None
     _sown: dict | None = None
 
@@ -97,8 +100,8 @@ class Step:
 
     @property
     def slots(self) -> jax.Array:
-        """[S] the cache's slot positions."""
-        return jnp.arange(self.max_len)
+        """[S] the cache slots attention reads: [0, attend) when bounded, else all."""
+        return jnp.arange(self.max_len if self.attend is None else self.attend)
 
     def chunk_mask(self) -> jax.Array:
         """[B, T, T]: causal within the chunk, real keys of the same row (forward, prefill)."""
@@ -135,7 +138,7 @@ def extend_step(n_new: jax.Array, t: int, cache: Any, sites: Any = None) -> Step
     sites = as_sites(sites)
     return Step("extend", jnp.where(valid, start[:, None] + steps[None, :], -1), start,
                 n_new.astype(jnp.int32), jnp.ones((n_new.shape[0],), bool), sites,
-                max_len=cache.max_len, rings=_rings_in(cache, sites))
+                max_len=cache.max_len, attend=_attend_of(cache), rings=_rings_in(cache, sites))
 
 
 def decode_step_ctx(cache: Any, active: jax.Array | None, sites: Any = None) -> Step:
@@ -145,7 +148,13 @@ def decode_step_ctx(cache: Any, active: jax.Array | None, sites: Any = None) -> 
     slot = jnp.minimum(cache.lengths, cache.max_len - 1)
     sites = as_sites(sites)
     return Step("decode", slot[:, None], cache.lengths, active.astype(jnp.int32),
-                active, sites, max_len=cache.max_len, rings=_rings_in(cache, sites))
+                active, sites, max_len=cache.max_len, attend=_attend_of(cache),
+                rings=_rings_in(cache, sites))
+
+
+def _attend_of(cache: Any) -> int | None:
+    """The cache's read bound (`bound_reads`); None for caches without one."""
+    return getattr(cache, "attend", None) if isinstance(cache, KVCache) else None
 
 
 def _rings_in(cache: Any, sites: Sites) -> list | None:
@@ -285,12 +294,15 @@ class KVCache:
           stacked [L, ...] array was copied out every step; docs/performance_notes.md).
     lengths: [B] tokens already in the cache (= the position of the next token).
     rings: per site [layers, B, max_window, C] of raw site inputs (see gsm_sites).
+    attend: static; the next extend / decode step attends over slots [0, attend) only
+          (`bound_reads`); the step's returned cache has None again.
     """
 
     k: tuple[jax.Array, ...]
     v: tuple[jax.Array, ...]
     lengths: jax.Array
     rings: tuple[jax.Array, jax.Array] | None = None
+    attend: int | None = struct.field(pytree_node=False, default=None)
 
     @property
     def max_len(self) -> int:
@@ -311,6 +323,27 @@ def init_kv_cache(num_layers: int, num_kv_heads: int, head_dim: int,
 
     return KVCache(k=layers(), v=layers(), lengths=jnp.zeros((batch_size,), jnp.int32),
                    rings=rings)
+
+
+def can_bound_reads(cache: Any) -> bool:
+    """True when `bound_reads` narrows what this cache's steps read (the dense families'
+    KVCache; DeepSeek-V4's window / compressed caches have their own sizes)."""
+    return isinstance(cache, KVCache)
+
+
+def bound_reads(cache: Any, n: int | None) -> Any:
+    """The cache whose next extend / decode step attends over slots [0, n) only, so the
+    step costs what the rows hold, not the allocated `max_len` (the serving engine
+    allocates `--max-len` slots and picks n = a power of two above its longest row).
+    Writes still go to the whole cache. The caller guarantees every row's positions in
+    that step are < n (the slots beyond are masked out anyway, so with that the result
+    equals the unbounded step's). `n=None`, `n >= max_len` or a cache that cannot be
+    bounded (`can_bound_reads`): the cache unchanged."""
+    if n is None or not can_bound_reads(cache) or int(n) >= cache.max_len:
+        return cache
+    if isinstance(n, bool) or int(n) < 1:
+        raise InvalidInputError(f"bound_reads: n must be an integer >= 1, got {n!r}")
+    return cache.replace(attend=int(n))
 
 
 def insert_rows(cache: Any, rows: Any, slots: jax.Array) -> Any:
@@ -378,11 +411,14 @@ def kv_attention(q: jax.Array, k: jax.Array, v: jax.Array, kv_cache: tuple | Non
     mask = step.cache_mask()
     if mask_fn is not None:
         mask = mask_fn(mask, step.slots)
+    # Bounded reads (`bound_reads`): only the slots [0, attend) the rows can hold.
+    kr, vr = (kc, vc) if step.attend is None else (kc[:, :, :step.attend],
+                                                    vc[:, :, :step.attend])
     with jax.named_scope("attention"):
         if step.mode == "decode":
-            out = decode_attention(q[:, 0], kc, vc, mask[:, 0], scale)[:, None]
+            out = decode_attention(q[:, 0], kr, vr, mask[:, 0], scale)[:, None]
         else:
-            out = attention(q, jnp.swapaxes(kc, 1, 2), jnp.swapaxes(vc, 1, 2), mask, scale)
+            out = attention(q, jnp.swapaxes(kr, 1, 2), jnp.swapaxes(vr, 1, 2), mask, scale)
     return out, (kc, vc)
 
 

@@ -17,6 +17,17 @@ fixed shapes, JetStream's split:
 - **generate**: one `decode_step` over all slots (cache donated; free slots are
   inactive rows), one token per active slot handed to the host.
 
+Reads bounded by what rows hold. The running cache has `max_len` slots, but a decode
+step attends over slots [0, n) only, n = the power of two >= the longest active row + 1
+(at least `min_attend`, at most max_len; `models.common.bound_reads`): a step costs the
+same whether max_len is 256 or 8192 while the rows hold 64 tokens. Each n is its own
+compiled program (a handful: 128, 256, ... max_len; `warmup` compiles them up front,
+else a row compiles one when it first reaches it); the donated cache stays
+whole and the slots past n are masked out anyway, so the tokens are those of a read of
+the whole cache. A chunked prefill's `extend` is bounded the same way. Families whose
+caches have their own sizes (DeepSeek-V4's sliding window and compressed entries) are
+not bounded (one program).
+
 A request finishes at EOS (kept in its output, like `generate_tokens`), at its
 `max_new_tokens`, or when the caller aborts it (`abort`: a client that went away,
 a stop string matched); its slot is free for the next step's admissions.
@@ -65,6 +76,7 @@ import numpy as np
 from gsm_jax.errors import GSMConfigError, InvalidInputError
 from gsm_jax.families import family_module
 from gsm_jax.generation import MIN_PROMPT_BUCKET, bucket, on_mesh, sample_tokens
+from gsm_jax.models import common
 from gsm_jax.models.gsm_sites import GSMInputs
 from gsm_jax.params import ModelParams
 from gsm_jax.sharding import mesh_of
@@ -209,10 +221,18 @@ def _prefill(weights, tokens, lengths, gsm, *, config, max_len: int):
     return family.prefill(weights, config, tokens, lengths, rows, gsm)
 
 
-@functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("rows",))
-def _extend(weights, tokens, n_new, rows, gsm, *, config):
-    """Append the next chunk `tokens` [1, C] (n_new real) of a prompt to its one-row cache."""
-    return family_module(config.family).extend(weights, config, tokens, n_new, rows, gsm)
+def _unbound(cache):
+    """The cache with no read bound (what the engine keeps: one pytree structure)."""
+    return cache.replace(attend=None) if common.can_bound_reads(cache) else cache
+
+
+@functools.partial(jax.jit, static_argnames=("config", "attend"), donate_argnames=("rows",))
+def _extend(weights, tokens, n_new, rows, gsm, *, config, attend: int | None = None):
+    """Append the next chunk `tokens` [1, C] (n_new real) of a prompt to its one-row cache,
+    attending over its first `attend` slots (None: all)."""
+    logits, rows = family_module(config.family).extend(
+        weights, config, tokens, n_new, common.bound_reads(rows, attend), gsm)
+    return logits, _unbound(rows)
 
 
 @functools.partial(jax.jit, donate_argnames=("cache",), static_argnames=("config",))
@@ -233,10 +253,14 @@ def _prefill_insert(weights, tokens, lengths, cache, slots, gsm, *, config, max_
     return logits, family.cache_insert(cache, rows, slots)
 
 
-@functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("cache",))
-def _decode(weights, tokens, cache, gsm, active, *, config):
-    """One decode step over every slot; returns the logits per slot and the cache."""
-    return family_module(config.family).decode_step(weights, config, tokens, cache, gsm, active)
+@functools.partial(jax.jit, static_argnames=("config", "attend"), donate_argnames=("cache",))
+def _decode(weights, tokens, cache, gsm, active, *, config, attend: int | None = None):
+    """One decode step over every slot, attending over the first `attend` cache slots
+    (None: all; every active row must hold fewer tokens); returns the logits per slot and
+    the cache (whole: the writes go to all `max_len` slots)."""
+    logits, cache = family_module(config.family).decode_step(
+        weights, config, tokens, common.bound_reads(cache, attend), gsm, active)
+    return logits, _unbound(cache)
 
 
 COMPILED = {"pick": _pick, "prefill": _prefill, "extend": _extend, "insert": _insert,
@@ -297,14 +321,18 @@ class Engine:
     to ignore EOS. `prefill_chunk`: longest prompt prefilled in one step (a power
     of two >= 16; longer prompts go in chunks of it; None: never chunk). `gsm_ring`:
     rows of the GSM ring buffers (default: what the config's windows need up to
-    max_len, e.g. 8 for window 8; a live config needing more is refused). Use
-    `submit` + `step` to drive it yourself, or `run`.
+    max_len, e.g. 8 for window 8; a live config needing more is refused). `min_attend`:
+    the smallest read bound of a decode step (a power of two; each step attends over
+    the power of two >= its longest row + 1, at least this, at most max_len; None: every
+    step reads all max_len slots, one decode program). Use `submit` + `step` to drive it
+    yourself, or `run`.
     """
 
     def __init__(self, params: ModelParams, *, max_batch: int = 8, max_len: int = 1024,
                  gsm: Any = None, compile_gsm: bool = False,
                  eos_ids: Sequence[int] | None = None, seed: int = 0,
-                 prefill_chunk: int | None = 512, gsm_ring: int | None = None) -> None:
+                 prefill_chunk: int | None = 512, gsm_ring: int | None = None,
+                 min_attend: int | None = 128) -> None:
         if not isinstance(params, ModelParams):
             raise InvalidInputError(
                 f"params must be what gsm_jax.load returns (ModelParams), got "
@@ -339,6 +367,12 @@ class Engine:
         if gsm_ring is not None and (isinstance(gsm_ring, bool) or int(gsm_ring) < 1):
             raise InvalidInputError(f"gsm_ring must be an integer >= 1, got {gsm_ring!r}")
         self._ring_request = None if gsm_ring is None else int(gsm_ring)
+        if min_attend is not None and (isinstance(min_attend, bool)
+                                       or not isinstance(min_attend, int | np.integer)
+                                       or min_attend < 1 or min_attend & (min_attend - 1)):
+            raise InvalidInputError(f"min_attend must be a power of two >= 1 or None, got "
+                                    f"{min_attend!r}")
+        self.min_attend = None if min_attend is None else int(min_attend)
         if eos_ids is None:
             tok = params.tokenizer
             eos_ids = tok.eos_ids if tok is not None else self.config.eos_token_ids
@@ -486,6 +520,28 @@ class Engine:
             self.config, self.max_batch, self.max_len, dtype=self.params.dtype,
             gsm_max_window=window,
         )
+
+    def attend_bound(self, tokens: int) -> int | None:
+        """The read bound of a step whose longest row holds `tokens` before it (its new
+        token goes to slot `tokens`): the power of two >= tokens + 1, at least
+        `min_attend`; None (read all) when that reaches max_len, when bounding is off, or
+        for a family whose cache cannot be bounded."""
+        if self.min_attend is None or not common.can_bound_reads(self._cache):
+            return None
+        n = bucket(int(tokens) + 1, self.min_attend)
+        return None if n >= self.max_len else n
+
+    def attend_bounds(self) -> list[int | None]:
+        """Every read bound a decode step of this engine can use (`warmup(all_attend=True)`
+        compiles one program each)."""
+        out: list[int | None] = []
+        n = 0
+        while True:
+            b = self.attend_bound(n)
+            out.append(b)
+            if b is None:
+                return out
+            n = b
 
     def _row_params(self, cfg: Any) -> tuple[np.ndarray, int]:
         """(strength [layers, 2], window) of one smoothed row under `cfg`."""
@@ -745,9 +801,11 @@ class Engine:
         tokens[0, :n] = prompt[p.done: p.done + n]
         t = clock()
         with on_mesh(self._mesh):
+            # the chunk's slots are [done, done + chunk): bound the reads there
             logits, rows = _extend(self.params.weights, jnp.asarray(tokens),
                                    jnp.asarray([n], jnp.int32), p.rows,
-                                   self._one_row_gsm(p.cfg), config=self.config)
+                                   self._one_row_gsm(p.cfg), config=self.config,
+                                   attend=self.attend_bound(p.done + chunk - 1))
             p.rows, p.done = rows, p.done + n
             if p.done < prompt.size:
                 jax.block_until_ready(rows)
@@ -762,9 +820,28 @@ class Engine:
         self._prefilling = None
         return self._occupy(p.slot, item, p.cfg, token)
 
-    def _decode_once(self) -> list[RequestRecord]:
+    def _decode_args(self) -> tuple[np.ndarray, tuple, dict[str, Any]]:
+        """(active slots, arguments, static keywords) of the next decode step's `_decode`."""
         active = np.array([s is not None for s in self.slots])
         gsm = self._gsm_inputs(self._rows * active, self._strength, self._window)
+        # an active row holds its prompt and every output token but the last (this
+        # step writes that one at slot `held`)
+        held = max((r.prompt_len + r.n_tokens - 1 for r in self.slots if r is not None),
+                   default=0)
+        args = (self.params.weights, jnp.asarray(self._last), self._cache, gsm,
+                jnp.asarray(active))
+        return active, args, {"config": self.config, "attend": self.attend_bound(held)}
+
+    def lower_decode(self) -> Any:
+        """The decode step the engine would run next, lowered but not run (a
+        `jax.stages.Lowered`): for inspecting its program, e.g.
+        `.compile().as_text()` (the tests check what its attention reads)."""
+        _, args, kw = self._decode_args()
+        with on_mesh(self._mesh):
+            return _decode.lower(*args, **kw)
+
+    def _decode_once(self) -> list[RequestRecord]:
+        active, args, kw = self._decode_args()
         counts = [0 if r is None else r.n_tokens for r in self.slots]
         sampling = (jnp.asarray(self._temps), jnp.asarray(self._top_k),
                     jnp.asarray(self._top_p), jnp.asarray(self._seeds),
@@ -772,10 +849,7 @@ class Engine:
         sample = bool((self._temps[active] > 0).any())
         t = clock()
         with on_mesh(self._mesh):
-            logits, self._cache = _decode(
-                self.params.weights, jnp.asarray(self._last), self._cache, gsm,
-                jnp.asarray(active), config=self.config,
-            )
+            logits, self._cache = _decode(*args, **kw)
             tok = _pick(logits, sampling, sample=sample,
                         filtered=sample and bool(self._filtered[active].any()))
         tokens = np.asarray(tok)
@@ -815,14 +889,17 @@ class Engine:
     # ------------------------------------------------------------------ warm-up
 
     def warmup(self, prompt_lengths: Sequence[int] = (16,), *,
-               sample: bool = False) -> dict[str, Any]:
+               sample: bool = False, all_attend: bool = True) -> dict[str, Any]:
         """Compile and run, through the normal request path, the prefill of each prompt
         bucket the given lengths fall in, and the decode step (greedy; also sampled
-        with `sample=True`).
+        with `sample=True`), and (`all_attend`, default) the decode program of every
+        read bound (`attend_bounds`: 128, 256, ... max_len), so no row compiles one
+        mid-stream when it grows past a power of two.
 
         Returns seconds per prompt bucket (a dummy request's prefill + one decode
-        step, compilation included) and in total. The engine is left idle; its
-        cache holds junk rows, which the next admissions overwrite.
+        step, compilation included), per read bound with `all_attend` ("attend_s") and
+        in total. The engine is left idle; its cache holds junk rows, which the next
+        admissions overwrite.
         """
         if self.has_work:
             raise InvalidInputError("warmup needs an idle engine")
@@ -844,7 +921,26 @@ class Engine:
             self.submit(Request([0], 2, request_id="warmup"))
             while self.has_work:
                 self.step()
+        if all_attend:
+            out["attend_s"] = self._warm_attend()
         out["total_s"] = clock() - start
+        return out
+
+    def _warm_attend(self) -> dict[str, float]:
+        """Compile and run the decode program of every read bound on the idle cache, every
+        row inactive (no row advances; the junk rows' slots it writes are overwritten by
+        the next admissions)."""
+        inactive = np.zeros((self.max_batch,), bool)
+        gsm = self._gsm_inputs(self._rows * inactive, self._strength, self._window)
+        out: dict[str, float] = {}
+        for n in self.attend_bounds():
+            t = clock()
+            with on_mesh(self._mesh):
+                _, self._cache = _decode(self.params.weights, jnp.asarray(self._last),
+                                         self._cache, gsm, jnp.asarray(inactive),
+                                         config=self.config, attend=n)
+                jax.block_until_ready(self._cache)
+            out[str(n or self.max_len)] = clock() - t
         return out
 
     # ------------------------------------------------------------------ driver
