@@ -300,6 +300,7 @@ REFUSED = [
     ("chat", {"echo": True}, "echo"),
     ("chat", {"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
     ("chat", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ("completion", {"response_format": {"type": "json_object"}}, "response_format"),
     ("completion", {"frequency_penalty": 0.5}, "frequency_penalty"),
     ("completion", {"presence_penalty": -0.2}, "presence_penalty"),
     ("completion", {"repetition_penalty": 1.1}, "repetition_penalty"),

@@ -125,9 +125,6 @@ _NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
     "add_generation_prompt": (None, True), "continue_final_message": (None, False),
     "chat_template": (None,), "documents": (None,), "mm_processor_kwargs": (None,),
 }
-_CHAT_ONLY = {"tools", "tool_choice", "functions", "function_call", "parallel_tool_calls",
-              "response_format", "modalities", "audio", "prediction", "web_search_options",
-              "add_generation_prompt", "continue_final_message", "chat_template", "documents"}
 _MESSAGE_NOT_IMPLEMENTED = ("tool_calls", "function_call", "audio", "refusal")
 
 
@@ -152,8 +149,8 @@ def unsupported_field(raw: dict[str, Any], kind: str) -> tuple[str, str] | None:
                 return key, ("echo is not supported on /v1/chat/completions (it is a field of "
                              "/v1/completions)")
             continue
-        if kind == "completion" and key in _CHAT_ONLY:
-            continue  # not a completions field: a name the API does not know, ignored
+        if key == "best_of" and value == raw.get("n", 1) and not isinstance(value, bool):
+            continue  # the best n of n: plain sampling
         if not _neutral(value, accepted):
             return key, (f"{key} is not supported by this server (got {value!r:.80}); "
                          "remove it or send its neutral value")
@@ -170,11 +167,9 @@ def unsupported_field(raw: dict[str, Any], kind: str) -> tuple[str, str] | None:
                 for j, part in enumerate(content):
                     kind_j = part.get("type") if isinstance(part, dict) else None
                     if kind_j != "text":
-                        what = "image" if kind_j in ("image_url", "input_image", "image") \
-                            else repr(kind_j)
                         return (f"messages[{i}].content[{j}].type",
-                                f"messages[{i}].content[{j}] is a {what} content part: this "
-                                "server takes text parts only")
+                                f"messages[{i}].content[{j}] is of type {kind_j!r}: this server "
+                                "takes text content parts only (no images, audio or files)")
     return None
 
 
