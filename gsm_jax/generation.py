@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gsm_jax.errors import InvalidInputError
-from gsm_jax.families import family_module
+from gsm_jax.families import family_module, hook
 from gsm_jax.models.gsm_sites import GSMInputs
 from gsm_jax.params import ModelParams
 from gsm_jax.sharding import mesh_of
@@ -184,6 +184,45 @@ def check_params(params: Any) -> ModelParams:
     return params
 
 
+# Config fields naming token ids a prompt may not hold, when the family's contract does not
+# say (`REFUSED_PROMPT_TOKEN_FIELDS`): a text-only model refuses its image placeholder.
+DEFAULT_REFUSED_PROMPT_TOKEN_FIELDS = ("image_token_id",)
+
+
+def refused_token_ids(config: Any) -> dict[int, str]:
+    """{token id: the config field naming it} of the ids a prompt may not contain.
+
+    The fields are the family's contract name `REFUSED_PROMPT_TOKEN_FIELDS` (default
+    `DEFAULT_REFUSED_PROMPT_TOKEN_FIELDS`); a field the config lacks, or set below 0, refuses
+    nothing. DeepSeek-V4.1 runs text only: its `image_token_id` (129264 in the release)
+    would be routed with the text router bias and never see an image."""
+    fields = hook(config.family, "REFUSED_PROMPT_TOKEN_FIELDS",
+                  DEFAULT_REFUSED_PROMPT_TOKEN_FIELDS)
+    out = {}
+    for field in fields:
+        value = getattr(config, field, None)
+        if isinstance(value, int | np.integer) and not isinstance(value, bool) and value >= 0:
+            out[int(value)] = field
+    return out
+
+
+def check_refused_tokens(rows: Sequence[np.ndarray], config: Any) -> None:
+    """InvalidInputError naming the prompt, position, id and config field when a prompt
+    holds a token id the model refuses (`refused_token_ids`)."""
+    refused = refused_token_ids(config)
+    if not refused:
+        return
+    ids = np.fromiter(refused, np.int64)
+    for i, r in enumerate(rows):
+        hit = np.flatnonzero(np.isin(r, ids))
+        if hit.size:
+            tok = int(r[hit[0]])
+            raise InvalidInputError(
+                f"prompt {i} holds token id {tok} at position {int(hit[0])}: the config's "
+                f"{refused[tok]}; this {config.family} model runs text only (image inputs "
+                "are not supported)")
+
+
 def as_token_rows(token_ids: Any, vocab_size: int) -> list[np.ndarray]:
     if isinstance(token_ids, np.ndarray | jax.Array):
         arr = np.asarray(token_ids)
@@ -256,6 +295,7 @@ def generate_tokens(
     params = check_params(params)
     cfg = params.config
     rows = as_token_rows(token_ids, cfg.vocab_size)
+    check_refused_tokens(rows, cfg)
     if not isinstance(max_new_tokens, int | np.integer) or max_new_tokens < 1:
         raise InvalidInputError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
     if temperature is None or temperature < 0:
@@ -387,6 +427,7 @@ def forward(params: ModelParams, token_ids: Any, *, lengths: Any = None,
     params = check_params(params)
     cfg = params.config
     rows = as_token_rows(token_ids, cfg.vocab_size)
+    check_refused_tokens(rows, cfg)
     t = max(r.size for r in rows)
     if lengths is not None:
         lens = _per_row(lengths, len(rows), "lengths", np.int32)

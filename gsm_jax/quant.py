@@ -48,7 +48,7 @@ from flax import struct
 
 from gsm_jax.errors import InvalidInputError, UnsupportedModelError
 from gsm_jax.families import FamiliesWith, family_module
-from gsm_jax.models.block_quant import BlockQuantWeight, quantize_np
+from gsm_jax.models.block_quant import ACT_BLOCK, BlockQuantWeight, quantize_np
 from gsm_jax.models.linear import (
     SCHEMES,
     QuantizedActivation,
@@ -107,17 +107,55 @@ def quantization_of(params: ModelParams) -> str | None:
     return dict(params.extra).get("quantization")
 
 
-def _fp8(w: Any) -> BlockQuantWeight:
-    """A float [..., in, out] weight as FP8 e4m3 in 128 x 128 blocks with E8M0 scales (the
-    DeepSeek-V4 format), with per-token FP8 activations."""
+FP8_BLOCK = (128, 128)  # DeepSeek-V4's dense FP8 blocks, the default
+
+
+def fp8_blocks(config: Any) -> tuple[tuple[int, int], int]:
+    """(weight block [out, in], activation block) of the "fp8" scheme for a model: the
+    config's `weight_block_size` (DeepSeek-V4.1: 32 x 32; absent: V4's 128 x 128), and
+    activations rounded in blocks of the weight block's input width, as DeepSeek's FP8 GEMMs
+    need (V4: 128 channels; V4.1: 32, before every FP8 and FP4 product)."""
+    block = tuple(int(b) for b in (getattr(config, "weight_block_size", None) or FP8_BLOCK))
+    if len(block) != 2 or min(block) < 1:
+        raise UnsupportedModelError(f"config field weight_block_size={block!r} must be "
+                                    "[out, in]")
+    return block, block[1]
+
+
+def _act_block_supported() -> bool:
+    """Whether `BlockQuantWeight` carries an activation block (`act_block`) for the product
+    to round in; without it every FP8 activation is rounded per 128 channels."""
+    return "act_block" in {f.name for f in dataclasses.fields(BlockQuantWeight)}
+
+
+def with_fp8_activations(w: BlockQuantWeight, act_block: int = ACT_BLOCK) -> BlockQuantWeight:
+    """`w` with its input activation rounded to FP8 e4m3 per token and `act_block` channels
+    (power-of-two scales) before the product; the stored weight is unchanged."""
+    if _act_block_supported():
+        return w.replace(act="e4m3", act_block=int(act_block))
+    if act_block != ACT_BLOCK:
+        raise UnsupportedModelError(
+            f"FP8 activations in {act_block}-channel blocks (this model's "
+            f"weight_block_size) need models/block_quant.BlockQuantWeight.act_block, which "
+            f"this build lacks: its FP8 products round activations per {ACT_BLOCK} channels")
+    return w.replace(act="e4m3")
+
+
+def _fp8(w: Any, block: tuple[int, int] = FP8_BLOCK,
+         act_block: int = ACT_BLOCK) -> BlockQuantWeight:
+    """A float [..., in, out] weight as FP8 e4m3 in `block` blocks with E8M0 scales (the
+    DeepSeek format: V4 128 x 128, V4.1 32 x 32), with per-token FP8 activations."""
     stored = np.swapaxes(np.asarray(w, np.float32), -1, -2)
-    values, scale = quantize_np(stored, "e4m3", (128, 128))
-    return BlockQuantWeight(jnp.asarray(values), jnp.asarray(scale), "e4m3", (128, 128), "e4m3")
+    values, scale = quantize_np(stored, "e4m3", block)
+    return with_fp8_activations(
+        BlockQuantWeight(jnp.asarray(values), jnp.asarray(scale), "e4m3", block), act_block)
 
 
-def _q(w: Any, scheme: str, hadamard: int = 0) -> QuantizedWeight | BlockQuantWeight:
+def _q(w: Any, scheme: str, hadamard: int = 0,
+       fp8: tuple[tuple[int, int], int] = (FP8_BLOCK, ACT_BLOCK)
+       ) -> QuantizedWeight | BlockQuantWeight:
     if scheme == "fp8":
-        return _fp8(w)
+        return _fp8(w, *fp8)
     if isinstance(w, BlockQuantWeight):  # an FP8 / FP4 checkpoint re-quantized to int8
         w = w.dequantize()
     w = jnp.asarray(w, jnp.float32)
@@ -166,10 +204,13 @@ def quantize(params: ModelParams, scheme: str = "w8a8", *, head: bool = False,
     """Return params with the family's linear layers as int8 `QuantizedWeight`s.
 
     scheme: "w8a16" (weight-only), "w8a8" (plus per-token int8 activations) or "fp8"
-    (FP8 e4m3 weights in 128 x 128 blocks with power-of-two scales, plus activations
-    rounded to e4m3 per token and 128-channel block, as DeepSeek-V4 runs; on a loaded
-    FP8 / FP4 checkpoint it keeps the stored weights, routed experts included, and
-    switches their activations to FP8).
+    (FP8 e4m3 weights in the config's `weight_block_size` blocks, 128 x 128 unless it says
+    otherwise, with power-of-two scales, plus activations rounded to e4m3 per token and
+    block of the weight block's input width, as DeepSeek's own inference runs: V4 per 128
+    channels, V4.1 per 32; on a loaded FP8 / FP4 checkpoint it keeps the stored weights,
+    routed experts included, and switches their activations to FP8 — for V4.1 the
+    release's rounding before every FP8 / FP4 product, which the NeMo reference and
+    gsm_jax's default do not apply).
     head: also round the embedding / LM head to the int8 grid (stored float).
     routed_experts: DeepSeek-V4 only, quantize the routed experts too.
     hadamard_down: > 0 (a power of two dividing d_ff): rotate the down
@@ -185,10 +226,12 @@ def quantize(params: ModelParams, scheme: str = "w8a8", *, head: bool = False,
     if scheme == "fp8" and hadamard_down:
         raise InvalidInputError("hadamard_down goes with the int8 schemes, not fp8")
     is_block = lambda a: isinstance(a, BlockQuantWeight)  # noqa: E731
+    fp8 = fp8_blocks(params.config) if scheme == "fp8" else (FP8_BLOCK, ACT_BLOCK)
     if scheme == "fp8" and any(is_block(a) for a in jax.tree.leaves(w, is_leaf=is_block)):
         # an FP8 / FP4 checkpoint: its stored weights get FP8 activations, nothing else moves
-        w = jax.tree.map(lambda a: a.replace(act="e4m3") if is_block(a) else a, w,
-                         is_leaf=is_block)
+        act_block = fp8[1]
+        w = jax.tree.map(lambda a: with_fp8_activations(a, act_block) if is_block(a) else a,
+                         w, is_leaf=is_block)
         return dataclasses.replace(params, weights=w,
                                    extra={**dict(params.extra), "quantization": scheme})
     fam = family_module(family)
@@ -207,7 +250,7 @@ def quantize(params: ModelParams, scheme: str = "w8a8", *, head: bool = False,
         if hadamard_down:
             raise UnsupportedModelError(f"hadamard_down is implemented for the "
                                         f"{_dense_titles()} families only")
-        w = fam.quantize_weights(w, lambda a: _q(a, scheme), routed_experts)
+        w = fam.quantize_weights(w, lambda a: _q(a, scheme, fp8=fp8), routed_experts)
     else:
         raise UnsupportedModelError(f"quantization of model family {family!r} is not implemented")
     if head:
