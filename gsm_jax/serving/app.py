@@ -987,7 +987,8 @@ def build_app(server: GSMServer, *, load_in_background: bool = True) -> FastAPI:
 
         eng = server.engine
         return JSONResponse({
-            "compiles": compile_counts(), "running": server.loop.num_running,
+            "compiles": {**compile_counts(), "logprobs": _score._cache_size()},
+            "running": server.loop.num_running,
             "waiting": server.loop.num_waiting, "kv_usage": eng.kv_usage,
             "max_batch": eng.max_batch, "max_len": eng.max_len,
             "prefill_chunk": eng.prefill_chunk, "gsm_compiled": eng.gsm_compiled,
