@@ -69,6 +69,7 @@ class HelpFormatter(argparse.HelpFormatter):
             return f"{text} (default: {shown})"
         return f"{text} (default: %(default)s)"
 
+
 _WF = "gsm_jax.workflow.cli"
 _SERVING = "gsm_jax.serving.cli"
 
@@ -95,6 +96,7 @@ COMMANDS: tuple[Subcommand, ...] = (
     Subcommand("bench-serve", "load test of a running server over HTTP",
                f"{_SERVING}:add_bench_serve_args", f"{_SERVING}:run_bench_serve"),
 )
+
 
 def _add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompts", nargs="*", help="prompt texts (or use --prompts-file)")

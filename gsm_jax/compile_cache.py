@@ -18,7 +18,8 @@ folder is bounded by an LRU limit (`MAX_SIZE_BYTES` unless
 a folder others can write.
 
 `announce_compilation` prints one line on stderr when a compilation has run for
-`ANNOUNCE_AFTER_S` seconds (once per process), so a long first call is not silent;
+`ANNOUNCE_AFTER_S` seconds (``GSM_JAX_COMPILE_NOTICE_S`` changes it; once per process), so a
+long first call is not silent;
 `compilation_summary` gives one line of what compiled and what came from the cache.
 """
 
@@ -166,12 +167,16 @@ class _Announcer:
 _announcer: _Announcer | None = None
 
 
-def announce_compilation(stream: TextIO | None = None,
-                         delay_s: float = ANNOUNCE_AFTER_S) -> None:
+def announce_compilation(stream: TextIO | None = None, delay_s: float | None = None) -> None:
     """Print one line on ``stream`` (stderr) when a compilation runs ``delay_s`` seconds
-    (once per process; later calls change nothing) and count compilations for
-    `compilation_summary`."""
+    (default: ``$GSM_JAX_COMPILE_NOTICE_S`` or `ANNOUNCE_AFTER_S`; once per process; later
+    calls change nothing) and count compilations for `compilation_summary`."""
     global _announcer
+    if delay_s is None:
+        try:
+            delay_s = float(os.environ.get("GSM_JAX_COMPILE_NOTICE_S", ANNOUNCE_AFTER_S))
+        except ValueError:
+            delay_s = ANNOUNCE_AFTER_S
     with _lock:
         if _announcer is not None:
             return

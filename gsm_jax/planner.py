@@ -85,7 +85,7 @@ def parse_bytes(text: Any) -> int:
     if not unit and number > 1e5:
         raise InvalidInputError(
             f"device memory {text!r}: a bare number is GB, and {number:g} GB is not a device; "
-            f"write the unit ({number:g}B for bytes)")
+            f"write the unit ({m.group(1)}B for bytes)")
     value = number * _UNITS[unit]
     if not math.isfinite(value) or value < MIN_DEVICE_MEMORY:
         raise InvalidInputError(
