@@ -26,11 +26,24 @@ input of the grouped output projection (after the inverse RoPE), `ffn_mid` the s
 expert's down-projection input; plain projections go through `step.linear` under their
 leaf names ("q_a", "q_b", "kv", "o_b", "router", "shared_gate_up", "shared_down",
 "compressor.wkv", "compressor.wgate", "indexer.q_b", "indexer.weights_proj",
-"indexer.wk").
+"indexer.wk", "engram.wkv").
 
-Engram layers (§6) are not implemented here: a config with `engram_layer_ids` is refused
-until `models/engram.py` exists. Prefill, extend (chunked prefill) and decode share one
-cached attention path (`attention` with a `LayerCache`).
+Engram layers (§6, `models/engram.py`) run before their block's attention mHC mix and
+update all 4 streams: the token ids are mapped to compressed classes (`engram_token_map`,
+built from tokenizer.json at load time, an int32 leaf of the weights), hashed into 24 row
+ids per layer inside the jitted call (the last 3 classes of each row carried in
+`DeepseekV41Cache.engram_history`, so decode and chunked extend hash as one prefill), and
+only those rows of the table are gathered, as stored (FP8 e4m3 + E8M0 per row per 32),
+and dequantized. Padding and image tokens get gate 0 and block the n-gram lookback.
+Prefill, extend (chunked prefill) and decode share one cached attention path
+(`attention` with a `LayerCache`).
+
+Weights (`weights_from_hf`, `load_checkpoint`): the released names (§9.2); FP8 (32 x 32
+E8M0) and FP4 (1 x 32) weights are `BlockQuantWeight`s as stored with `keep_quantized`
+(every projection goes through `step.linear` -> `models.linear.linear`, which multiplies
+them block by block), else dequantized; Engram tables are always kept as stored. The
+DSpark draft (`mtp.*`) is loaded into `params.extra["mtp"]`; the vision tower is reported
+unused (text-only).
 """
 
 from __future__ import annotations
@@ -42,11 +55,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 from flax import struct
 
-from gsm_jax.errors import ModelLoadError, UnsupportedModelError
+from gsm_jax.errors import InvalidInputError, ModelLoadError, UnsupportedModelError
 from gsm_jax.models import common
+from gsm_jax.models.block_quant import BlockQuantWeight
 from gsm_jax.models.deepseek_v4 import (
     RopeSpec,
     apply_rope,
@@ -59,6 +74,7 @@ from gsm_jax.models.deepseek_v4 import (
     sink_attention,
     weighted_streams,
 )
+from gsm_jax.models.engram import engram_update, hash_ids, update_history
 from gsm_jax.models.moe import routed_experts, swiglu
 from gsm_jax.models.sites import ATTN_OUT, FFN_MID, Sites
 
@@ -121,7 +137,15 @@ class DeepseekV41Config:
     hc_mult: int = 4
     hc_sinkhorn_iters: int = 20
     hc_eps: float = 1e-6
-    engram_layer_ids: tuple[int, ...] = ()
+    engram_layer_ids: tuple[int, ...] = ()  # all of them (the primes run over the list);
+    # those >= num_layers (a truncated config) are inactive
+    engram_max_ngram_size: int = 4
+    engram_n_heads: int = 8
+    engram_head_dim: int = 256
+    engram_vocab_size: int = 16000000
+    engram_compressed_vocab_size: int = 99092
+    engram_pad_token_id: int = 2
+    engram_num_embeddings: tuple[int, ...] = ()
     num_nextn_predict_layers: int = 0
     image_token_id: int = -1
     weight_block_size: tuple[int, int] = (32, 32)
@@ -144,6 +168,11 @@ class DeepseekV41Config:
 
     def plan(self, layer: int) -> LayerPlan:
         return _plan(self)[layer]
+
+    @property
+    def active_engram_layers(self) -> tuple[int, ...]:
+        """The Engram layers this (possibly truncated) model runs."""
+        return tuple(i for i in self.engram_layer_ids if i < self.num_layers)
 
     def rope(self, layer: int) -> RopeSpec:
         """Theta 1e4 without YaRN on ratio-0 layers; compress_rope_theta with
@@ -251,6 +280,15 @@ class DeepseekV41Config:
             hc_sinkhorn_iters=int(get("hc_sinkhorn_iters", default=20)),
             hc_eps=float(get("hc_eps", default=1e-6)),
             engram_layer_ids=engram,
+            engram_max_ngram_size=int(get("engram_max_ngram_size", default=4)),
+            engram_n_heads=int(get("engram_n_heads", default=8)),
+            engram_head_dim=int(get("engram_head_dim", default=256)),
+            engram_vocab_size=int(get("engram_vocab_size", default=16000000)),
+            engram_compressed_vocab_size=int(get("engram_compressed_vocab_size",
+                                                 default=99092)),
+            engram_pad_token_id=int(get("engram_pad_token_id", default=2)),
+            engram_num_embeddings=tuple(int(r) for r in get("engram_num_embeddings",
+                                                            default=())),
             num_nextn_predict_layers=int(get("num_nextn_predict_layers", "n_mtp_layers",
                                              default=0)),
             image_token_id=int(hf.get("image_token_id", text.get("image_token_id", -1))),
@@ -274,8 +312,17 @@ def _plan(cfg: DeepseekV41Config) -> tuple[LayerPlan, ...]:
         raise bad("compress_ratios", f"negative ratio in {list(ratios)}")
     for key in ("kv_source_layer_ids", "index_source_layer_ids", "engram_layer_ids"):
         ids = getattr(cfg, key)
-        if list(ids) != sorted(set(ids)) or any(not 0 <= i < n for i in ids):
-            raise bad(key, f"{list(ids)} must be increasing layer ids below {n}")
+        top = None if key == "engram_layer_ids" else n  # Engram: all layers of the release
+        if list(ids) != sorted(set(ids)) or any(i < 0 or (top and i >= top) for i in ids):
+            raise bad(key, f"{list(ids)} must be increasing layer ids"
+                      + (f" below {n}" if top else ""))
+    if cfg.engram_layer_ids:
+        from gsm_jax.models.engram import engram_specs
+
+        try:
+            engram_specs(cfg)
+        except ValueError as e:
+            raise bad("engram_layer_ids", str(e)) from None
     kv, idx, cand = set(cfg.kv_source_layer_ids), set(cfg.index_source_layer_ids), \
         cfg.candidate_source_layer_id
     if not kv <= idx:
@@ -370,6 +417,9 @@ class DeepseekV41Cache:
     lengths: jax.Array
     rings: tuple[jax.Array, jax.Array] | None = None
     max_len: int | None = struct.field(pytree_node=False, default=None)
+    # [B, max_ngram - 1] int32: each row's last compressed token classes, oldest first
+    # (-1: blocked / before the start), for the Engram hash (None without Engram layers)
+    engram_history: jax.Array | None = None
 
 
 def _layer_cache_shapes(cfg: DeepseekV41Config, layer: int, batch: int, max_len: int) -> dict:
@@ -394,8 +444,11 @@ def init_cache(cfg: DeepseekV41Config, batch_size: int, max_len: int, *,
     if gsm_max_window is not None:
         rings = tuple(jnp.zeros((cfg.num_layers, batch_size, gsm_max_window, c), dtype)
                       for c in cfg.site_sizes)
+    history = None
+    if _engram_specs(cfg):
+        history = jnp.full((batch_size, cfg.engram_max_ngram_size - 1), -1, jnp.int32)
     return DeepseekV41Cache(layers=layers, lengths=jnp.zeros((batch_size,), jnp.int32),
-                            rings=rings, max_len=max_len)
+                            rings=rings, max_len=max_len, engram_history=history)
 
 
 def cache_insert(cache: DeepseekV41Cache, rows: DeepseekV41Cache,
@@ -696,10 +749,29 @@ def moe(cfg: DeepseekV41Config, w: dict, layer: int, x: jax.Array, step: common.
     return routed.reshape(b, t, d).astype(x.dtype) + shared
 
 
+def engram_layer(cfg: DeepseekV41Config, w: dict, index: int, h: jax.Array, state: dict,
+                 step: common.Step) -> jax.Array:
+    """Engram (§6.3): the layer's table rows of the hashed n-grams (state["engram_ids"],
+    computed once per call in `_run`) gathered as stored, dequantized, projected by `wkv`
+    ("engram.wkv") into a key per stream and a shared value; the gated update of h
+    [B,T,N,D]. Invalid (padding, image) tokens get gate 0."""
+    ids = state["engram_ids"][index]
+
+    def wkv(e):
+        return step.linear(index, "engram.wkv", e, w["wkv"])
+
+    with jax.named_scope("engram"):
+        return engram_update(h, w["table"], w["table_scale"], ids, wkv, w["q_weight"],
+                             w["k_weight"], cfg.rms_norm_eps, state["engram_valid"],
+                             embed_dtype=h.dtype)
+
+
 def layer(cfg: DeepseekV41Config, w: dict, index: int, x, cache, step: common.Step):
     """`common.run_layers`' layer_fn. x = (streams [B,T,N,D], pre [B,T,N], CSA2 state)."""
     h, pre, state = x
     eps = cfg.rms_norm_eps
+    if "engram" in w:  # before the block's mHC mix, on all streams (§6.3)
+        h = engram_layer(cfg, w["engram"], index, h, state, step)
     a_pre, a_post, a_comb = hc_mix(w["hc_attn"], h, cfg)
     out, state, cache = attention(cfg, w["attn"], index,
                                   rms_norm(weighted_streams(pre, h), w["attn_norm"], eps),
@@ -716,7 +788,12 @@ def layer(cfg: DeepseekV41Config, w: dict, index: int, x, cache, step: common.St
 
 
 def weight_shapes(cfg: DeepseekV41Config, dtype: Any = jnp.float32) -> dict:
-    """The float weight tree ([in, out] projections) as ShapeDtypeStructs."""
+    """The float weight tree ([in, out] projections) as ShapeDtypeStructs.
+
+    An Engram layer's `engram` subtree: `table` [rows, d] (FP8 e4m3 as stored, or a float
+    table) with `table_scale` [rows, d / 32] (E8M0 bytes, or float32 scales),
+    `wkv` [n_ids * d, (hc_mult + 1) * D], `q_weight` / `k_weight` [hc_mult, D]; the model
+    then also holds `engram_token_map` int32 [vocab] (vocab id -> compressed class)."""
     f32 = jnp.float32
     d, h, hd, n = cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.hc_mult
     e, i, g = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.o_groups
@@ -729,6 +806,7 @@ def weight_shapes(cfg: DeepseekV41Config, dtype: Any = jnp.float32) -> dict:
         return {"fn": s((n * d, (2 + n) * n), f32), "base": s(((2 + n) * n,), f32),
                 "scale": s((3,), f32)}
 
+    specs = {sp.layer_id: sp for sp in _engram_specs(cfg)}
     layers = []
     for li in range(cfg.num_layers):
         plan = cfg.plan(li)
@@ -745,27 +823,43 @@ def weight_shapes(cfg: DeepseekV41Config, dtype: Any = jnp.float32) -> dict:
                                "weights_proj": s((d, hi))}
             if plan.role == FULL:
                 attn["indexer"].update(wk=s((hd, ci)), k_norm=s((ci,), f32))
-        layers.append({
+        lw = {
             "attn_norm": s((d,), f32), "ffn_norm": s((d,), f32),
             "hc_attn": hc(), "hc_ffn": hc(), "attn": attn,
             "moe": {"router": s((d, e), f32), "bias": s((e,), f32), "bias_vl": s((e,), f32),
                     "experts_gate_up": s((e, d, 2 * i)), "experts_down": s((e, i, d)),
                     "shared_gate_up": s((d, 2 * i)), "shared_down": s((i, d))},
-        })
-    return {"embed": s((cfg.vocab_size, d)), "lm_head": s((d, cfg.vocab_size)),
-            "final_norm": s((d,), f32), "layers": tuple(layers)}
+        }
+        if li in specs:
+            sp, ed = specs[li], cfg.engram_head_dim
+            lw["engram"] = {"table": s((sp.num_embeddings, ed)),
+                            "table_scale": s((sp.num_embeddings, -(-ed // 32)), f32),
+                            "wkv": s((sp.n_ids * ed, (n + 1) * d)),
+                            "q_weight": s((n, d), f32), "k_weight": s((n, d), f32)}
+        layers.append(lw)
+    out = {"embed": s((cfg.vocab_size, d)), "lm_head": s((d, cfg.vocab_size)),
+           "final_norm": s((d,), f32), "layers": tuple(layers)}
+    if specs:
+        out["engram_token_map"] = s((cfg.vocab_size,), jnp.int32)
+    return out
 
 
 _SMALL_INIT = {"sinks", "base", "bias", "bias_vl"}
 
 
 def init_weights(cfg: DeepseekV41Config, rng: jax.Array, dtype: Any = jnp.float32) -> dict:
-    """Random weights (tests): the tree `weights_from_hf` produces; sinks and biases random."""
+    """Random weights (tests): the tree `weights_from_hf` produces; sinks and biases random.
+    An Engram model gets float tables (scales 1) and the token map id % classes."""
     gen = np.random.default_rng(np.asarray(jax.random.key_data(rng)).ravel().tolist())
 
     def draw(path, sds):
         name = path[-1].key
-        if name.endswith("norm") or name == "scale":
+        if name == "engram_token_map":
+            return jnp.asarray(np.arange(sds.shape[0]) % cfg.engram_compressed_vocab_size,
+                               jnp.int32)
+        if name == "table_scale":
+            return jnp.ones(sds.shape, sds.dtype)
+        if name.endswith("norm") or name == "scale" or name in ("q_weight", "k_weight"):
             return jnp.asarray(1 + 0.1 * gen.standard_normal(sds.shape), sds.dtype)
         std = 0.5 if name in _SMALL_INIT else 0.02
         return jnp.asarray(std * gen.standard_normal(sds.shape), sds.dtype)
@@ -773,10 +867,23 @@ def init_weights(cfg: DeepseekV41Config, rng: jax.Array, dtype: Any = jnp.float3
     return jax.tree_util.tree_map_with_path(draw, weight_shapes(cfg, dtype))
 
 
-_VISION = re.compile(r"^(vision\.|aligner\.|image_(start|end|newline)\b)")
+@functools.lru_cache(maxsize=64)
+def _engram_specs(cfg: DeepseekV41Config) -> tuple:
+    """The hash constants of the active Engram layers (pad class: the pad token's id; the
+    model reads the real one from its token map)."""
+    if not cfg.engram_layer_ids:
+        return ()
+    from gsm_jax.models.engram import engram_specs
+
+    return tuple(sp for sp in engram_specs(cfg) if sp.layer_id < cfg.num_layers)
+
+
+_VISION = re.compile(r"^(vision\.|aligner\.|image_(start|end|newline)$)")
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 _EXPERT = re.compile(r"^ffn\.experts\.(\d+)\.(w[123])\.weight$")
-# released name (after "layers.{i}.") -> path in the layer tree, transposed?
+_SHARED = re.compile(r"^ffn\.shared_experts\.(w[123])\.weight$")
+# released name (after "layers.{i}.") -> path in the layer tree, a projection ([out, in]
+# stored: transposed, or kept as a block-quantized container)?
 _LAYER_NAMES = {
     "attn_norm.weight": (("attn_norm",), False),
     "ffn_norm.weight": (("ffn_norm",), False),
@@ -803,93 +910,263 @@ _LAYER_NAMES = {
     "ffn.gate.weight": (("moe", "router"), True),
     "ffn.gate.bias": (("moe", "bias"), False),
     "ffn.gate.bias_vl": (("moe", "bias_vl"), False),
+    "engram.wkv.weight": (("engram", "wkv"), True),
+    "engram.q_weight": (("engram", "q_weight"), False),
+    "engram.k_weight": (("engram", "k_weight"), False),
 }
 
 
-def weights_from_hf(cfg: DeepseekV41Config, tensors: dict[str, Any], dtype: Any = jnp.float32,
-                    *, mtp: dict | None = None) -> dict:
-    """The weight tree from the released tensor names (§9.2), float tensors ([out, in]).
+class MtpTensors(dict):
+    """The DSpark draft's `mtp.*` tensors as stored (name -> numpy array, or a
+    `BlockQuantWeight` with numpy leaves when loaded with keep_quantized), kept in
+    `params.extra["mtp"]` for speculative decoding; nothing runs them yet. Hashed by
+    identity (ModelParams' extra is part of its static tree structure)."""
 
-    `mtp.*` (the DSpark stages) are not part of the backbone: they go into `mtp` (a dict the
-    caller passes) when given, else are dropped. Vision / aligner tensors are refused
-    (text-only), as are Engram tensors (not implemented yet)."""
-    if cfg.engram_layer_ids:
-        raise UnsupportedModelError("deepseek_v41: Engram layers are not supported yet "
-                                    f"(engram_layer_ids={list(cfg.engram_layer_ids)})")
+    __hash__ = object.__hash__
+
+    def __eq__(self, other: object) -> bool:
+        return self is other
+
+    def __repr__(self) -> str:
+        return f"MtpTensors({len(self)} tensors)"
+
+
+def _is_stored_quant(v: Any) -> bool:
+    return hasattr(v, "fmt") and hasattr(v, "block") and hasattr(v, "dequantize") \
+        and not isinstance(v, BlockQuantWeight)
+
+
+def _resolve(v: Any) -> Any:
+    """numpy (float32 unless an integer), a StoredQuant, or an Engram table reference."""
+    if hasattr(v, "memmap") and hasattr(v, "rows"):  # deepseek_v41_checkpoint.EngramTableRef
+        return v
+    if hasattr(v, "load"):
+        v = v.load()
+    if hasattr(v, "detach"):  # a torch tensor
+        v = v.detach().float().cpu().numpy() if v.is_floating_point() \
+            else v.detach().cpu().numpy()
+    if _is_stored_quant(v):
+        return v
+    v = np.asarray(v)
+    return v if v.dtype.kind in "iub" else v.astype(np.float32)
+
+
+def _cat_rows(parts: list[Any]) -> Any:
+    """Stored [out, in] weights stacked along out (w1 | w3): one StoredQuant when every
+    part is one of the same format and the block grid allows, else float32 numpy."""
+    if all(_is_stored_quant(p) for p in parts):
+        f, blk = parts[0].fmt, parts[0].block
+        if all(p.fmt == f and p.block == blk and p.values.shape[-2] % blk[0] == 0
+               for p in parts):
+            return type(parts[0])(np.concatenate([p.values for p in parts], axis=-2),
+                                  np.concatenate([p.scale for p in parts], axis=-2), f, blk)
+    return np.concatenate([p.dequantize() if _is_stored_quant(p) else p for p in parts],
+                          axis=-2)
+
+
+def _stack(parts: list[Any]) -> Any:
+    """Per-expert stored [out, in] weights -> [E, ...] (one StoredQuant when all are)."""
+    if all(_is_stored_quant(p) for p in parts) and len(
+            {(p.fmt, p.block, p.values.shape, p.scale.shape) for p in parts}) == 1:
+        p0 = parts[0]
+        return type(p0)(np.stack([p.values for p in parts]), np.stack([p.scale for p in parts]),
+                        p0.fmt, p0.block)
+    return np.stack([p.dequantize() if _is_stored_quant(p) else p for p in parts])
+
+
+def _proj(v: Any, keep: bool) -> Any:
+    """A stored [..., out, in] projection -> the model's [..., in, out]: a
+    BlockQuantWeight (numpy leaves) when kept, else float32 numpy."""
+    if _is_stored_quant(v):
+        if keep:
+            return BlockQuantWeight(v.values, v.scale, v.fmt, tuple(v.block))
+        v = v.dequantize()
+    return np.swapaxes(v, -1, -2)
+
+
+def _o_a(v: Any, cfg: DeepseekV41Config, keep: bool) -> Any:
+    """wo_a [G * O, H * hd / G] -> [G, H * hd / G, O] (a container [G, O, in] when its
+    row blocks do not straddle groups)."""
+    g, o = cfg.o_groups, cfg.o_lora_rank
+    if _is_stored_quant(v):
+        if keep and o % v.block[0] == 0:
+            return BlockQuantWeight(v.values.reshape(g, o, -1),
+                                    v.scale.reshape(g, o // v.block[0], -1), v.fmt,
+                                    tuple(v.block))
+        v = v.dequantize()
+    return np.transpose(v.reshape(g, o, -1), (0, 2, 1))
+
+
+def _engram_table(v: Any, d: int) -> tuple[Any, Any]:
+    """(rows, scales) as stored: FP8 e4m3 [rows, d] + E8M0 bytes [rows, d / 32] from a
+    checkpoint (never dequantized), or a float table with float32 scales 1."""
+    if hasattr(v, "memmap"):  # an EngramTableRef: the shard's bytes, mapped
+        return v.memmap()
+    if _is_stored_quant(v):
+        return v.values, v.scale
+    v = np.asarray(v, np.float32)
+    return v, np.ones((v.shape[0], -(-d // 32)), np.float32)
+
+
+def _host_cast(tree: Any, want: Any) -> Any:
+    """Float numpy leaves to their dtypes in `want`; containers and int leaves as they are."""
+    def one(a, s):
+        if isinstance(a, BlockQuantWeight):
+            return a
+        a = np.asarray(a) if not isinstance(a, np.ndarray) else a
+        if a.dtype.kind in "iu" or a.dtype == np.dtype(ml_dtypes.float8_e4m3fn) \
+                or a.dtype == np.uint8:
+            return a
+        return a.astype(s.dtype, copy=False)
+
+    return jax.tree.map(one, tree, want, is_leaf=lambda a: isinstance(a, BlockQuantWeight))
+
+
+def _to_device(tree: Any, _prefix: tuple = ()) -> Any:
+    def put(a):
+        if isinstance(a, BlockQuantWeight):
+            return a.replace(values=jnp.asarray(a.values), scale=jnp.asarray(a.scale))
+        return jnp.asarray(a)
+
+    return jax.tree.map(put, tree, is_leaf=lambda a: isinstance(a, BlockQuantWeight))
+
+
+def weights_from_hf(cfg: DeepseekV41Config, tensors: dict[str, Any], dtype: Any = jnp.float32,
+                    *, keep_quantized: bool = False, mtp: dict | None = None,
+                    unused: list[str] | None = None, place: Any = None,
+                    token_map: Any = None) -> dict:
+    """The weight tree from the released tensor names (§9.2).
+
+    `tensors`: name -> float array ([out, in], torch or numpy), a lazy reference
+    (`.load()`), a `StoredQuant` (FP8 e4m3 32 x 32 or packed FP4 1 x 32, E8M0 scales) or
+    an Engram table reference: what `deepseek_v41_checkpoint.checkpoint_tensors` gives
+    (scales folded into their weights). Block-quantized weights become `BlockQuantWeight`s
+    as stored when `keep_quantized`, else they are dequantized (float32, then `dtype`).
+    Engram tables are kept as stored either way (rows are gathered and dequantized per
+    token); `token_map` (`engram.token_class_map` of the checkpoint's tokenizer.json) is
+    required when an Engram layer is active and becomes `weights["engram_token_map"]`.
+
+    `mtp.*` (the DSpark stages) go into `mtp` when given (as stored: [out, in]), else are
+    dropped. Vision / aligner tensors and those of layers past num_hidden_layers go into
+    `unused` when given, else are refused (text-only). `place(tree, prefix)` puts each
+    finished layer on its devices (default: the default device)."""
+    from gsm_jax.models.engram import engram_specs
+
+    place = place or _to_device
+    keep = keep_quantized
     want = weight_shapes(cfg, dtype)
-    layers: list[dict] = [{} for _ in range(cfg.num_layers)]
-    experts: list[dict] = [{} for _ in range(cfg.num_layers)]
+    specs = _engram_specs(cfg)
+    if specs:
+        if token_map is None:
+            raise ModelLoadError(
+                f"deepseek_v41: engram_layer_ids {list(cfg.engram_layer_ids)} need the token "
+                "class map built from the checkpoint's tokenizer.json (token_map=)")
+        token_map = np.asarray(token_map, np.int32)
+        try:
+            engram_specs(cfg, token_map)
+        except ValueError as e:
+            raise ModelLoadError(f"deepseek_v41: tokenizer.json: {e}") from None
+        if token_map.shape[0] < cfg.vocab_size:
+            token_map = np.concatenate([token_map, np.full(
+                cfg.vocab_size - token_map.shape[0], token_map[cfg.engram_pad_token_id],
+                np.int32)])
+        token_map = token_map[:cfg.vocab_size]
+    by_layer: list[dict[str, Any]] = [{} for _ in range(cfg.num_layers)]
     top: dict[str, Any] = {}
-    unknown = []
+    unknown, skipped = [], []
     for name, value in tensors.items():
         if name.startswith("mtp."):
             if mtp is not None:
-                mtp[name] = value
+                v = _resolve(value)
+                if _is_stored_quant(v):
+                    v = BlockQuantWeight(v.values, v.scale, v.fmt, tuple(v.block)) if keep \
+                        else v.dequantize()
+                mtp[name] = v
             continue
         if _VISION.match(name):
-            raise UnsupportedModelError(f"deepseek_v41: vision tensor {name!r}: this model "
-                                        "is text-only")
+            if unused is None:
+                raise UnsupportedModelError(f"deepseek_v41: vision tensor {name!r}: this "
+                                            "model is text-only")
+            skipped.append(name)
+            continue
         if name.endswith(".scale"):
-            raise UnsupportedModelError(f"deepseek_v41: block-quantized tensor {name!r}: "
-                                        "only float checkpoints are read so far")
-        a = np.asarray(value, dtype=np.float32)
-        if name == "embed.weight":
-            top["embed"] = a
-            continue
-        if name == "head.weight":
-            top["lm_head"] = a.T
-            continue
-        if name == "norm.weight":
-            top["final_norm"] = a
+            raise UnsupportedModelError(
+                f"deepseek_v41: scale tensor {name!r} on its own: pass the checkpoint's "
+                "tensors with their scales folded in (deepseek_v41_checkpoint."
+                "checkpoint_tensors, or gsm_jax.load of the directory)")
+        if name in ("embed.weight", "head.weight", "norm.weight"):
+            top[name] = value
             continue
         m = _LAYER.match(name)
+        if m and int(m.group(1)) >= cfg.num_layers and unused is not None:
+            skipped.append(name)
+            continue
         if not m or int(m.group(1)) >= cfg.num_layers:
             unknown.append(name)
             continue
         li, rest = int(m.group(1)), m.group(2)
-        if ".engram." in f".{rest}":
-            raise UnsupportedModelError(f"deepseek_v41: Engram tensor {name!r} is not "
-                                        "supported yet")
-        em = _EXPERT.match(rest)
-        if em:
-            experts[li][(int(em.group(1)), em.group(2))] = a.T
-            continue
-        sm = re.match(r"^ffn\.shared_experts\.(w[123])\.weight$", rest)
-        if sm:
-            experts[li][("shared", sm.group(1))] = a.T
-            continue
-        if rest == "attn.wo_a.weight":  # [G * O, H * hd / G] -> [G, H * hd / G, O]
-            g = cfg.o_groups
-            layers[li].setdefault("attn", {})["o_a"] = np.transpose(
-                a.reshape(g, -1, a.shape[-1]), (0, 2, 1))
-            continue
-        if rest not in _LAYER_NAMES:
+        if rest.startswith("engram.") and li not in cfg.active_engram_layers:
             unknown.append(name)
             continue
-        path, transpose = _LAYER_NAMES[rest]
-        node = layers[li]
-        for p in path[:-1]:
-            node = node.setdefault(p, {})
-        node[path[-1]] = a.T if transpose else a
+        by_layer[li][rest] = value
     if unknown:
         raise ModelLoadError(f"deepseek_v41: unexpected tensors {sorted(unknown)[:8]}"
                              f"{' ...' if len(unknown) > 8 else ''}")
+
+    def take(src: dict, key: str, where: str) -> Any:
+        if key not in src:
+            raise ModelLoadError(f"deepseek_v41: tensor {where + key!r} is missing")
+        return _resolve(src.pop(key))
+
+    layers = []
     for li in range(cfg.num_layers):
-        ex, e = experts[li], cfg.n_routed_experts
-        moe_w = layers[li].setdefault("moe", {})
-        try:
-            moe_w["experts_gate_up"] = np.stack(
-                [np.concatenate([ex[(k, "w1")], ex[(k, "w3")]], axis=-1) for k in range(e)])
-            moe_w["experts_down"] = np.stack([ex[(k, "w2")] for k in range(e)])
-            moe_w["shared_gate_up"] = np.concatenate([ex[("shared", "w1")],
-                                                      ex[("shared", "w3")]], axis=-1)
-            moe_w["shared_down"] = ex[("shared", "w2")]
-        except KeyError as err:
-            raise ModelLoadError(f"deepseek_v41: layer {li}: missing expert tensor "
-                                 f"{err.args[0]}") from None
-    out = {**top, "layers": tuple(layers)}
-    _check(out, want, "")
-    return jax.tree.map(lambda a, s: jnp.asarray(a, s.dtype), out, want)
+        src, p = by_layer[li], f"layers.{li}."
+        lw: dict[str, Any] = {}
+        for rest in [r for r in src if r in _LAYER_NAMES]:
+            path, is_proj = _LAYER_NAMES[rest]
+            v = take(src, rest, p)
+            node = lw
+            for q in path[:-1]:
+                node = node.setdefault(q, {})
+            node[path[-1]] = _proj(v, keep) if is_proj else v
+        if "attn.wo_a.weight" in src:
+            lw.setdefault("attn", {})["o_a"] = _o_a(take(src, "attn.wo_a.weight", p), cfg, keep)
+        if "engram.embed.weight" in src:
+            rows, scale = _engram_table(take(src, "engram.embed.weight", p),
+                                        cfg.engram_head_dim)
+            lw.setdefault("engram", {}).update(table=rows, table_scale=scale)
+        e = cfg.n_routed_experts
+        moe_w = lw.setdefault("moe", {})
+        gate_up, down = [], []
+        for k in range(e):
+            q = f"ffn.experts.{k}."
+            gate_up.append(_cat_rows([take(src, q + "w1.weight", p),
+                                      take(src, q + "w3.weight", p)]))
+            down.append(take(src, q + "w2.weight", p))
+        moe_w["experts_gate_up"] = _proj(_stack(gate_up), keep)
+        moe_w["experts_down"] = _proj(_stack(down), keep)
+        del gate_up, down
+        moe_w["shared_gate_up"] = _proj(_cat_rows(
+            [take(src, "ffn.shared_experts.w1.weight", p),
+             take(src, "ffn.shared_experts.w3.weight", p)]), keep)
+        moe_w["shared_down"] = _proj(take(src, "ffn.shared_experts.w2.weight", p), keep)
+        if src:
+            raise ModelLoadError(f"deepseek_v41: unexpected tensors "
+                                 f"{sorted(p + r for r in src)[:8]}")
+        _check(lw, want["layers"][li], f"layers.{li}")
+        layers.append(place(_host_cast(lw, want["layers"][li]), ("layers", li)))
+        del lw
+    head = {"embed": take(top, "embed.weight", ""), "lm_head": _proj(take(top, "head.weight", ""),
+                                                                     False),
+            "final_norm": take(top, "norm.weight", "")}
+    if specs:
+        head["engram_token_map"] = token_map
+    want_top = {k: v for k, v in want.items() if k != "layers"}
+    _check(head, want_top, "")
+    out = {**place(_host_cast(head, want_top), ()), "layers": tuple(layers)}
+    if unused is not None:
+        unused.extend(sorted(skipped))
+    return out
 
 
 def _check(tree: Any, want: Any, where: str) -> None:
@@ -906,8 +1183,11 @@ def _check(tree: Any, want: Any, where: str) -> None:
         for i, (a, s) in enumerate(zip(tree, want, strict=True)):
             _check(a, s, f"{where}.{i}")
     elif tuple(tree.shape) != tuple(want.shape):
-        raise ModelLoadError(f"deepseek_v41: {where} has shape {tuple(tree.shape)}, "
+        packed = " (logical: packed FP4 holds two values per byte)" \
+            if isinstance(tree, BlockQuantWeight) and tree.fmt == "e2m1" else ""
+        raise ModelLoadError(f"deepseek_v41: {where} has shape {tuple(tree.shape)}{packed}, "
                              f"expected {tuple(want.shape)}")
+
 
 
 # ----------------------------------------------------------------------------- entry points
@@ -930,24 +1210,43 @@ def logits(weights: dict, cfg: DeepseekV41Config, h: jax.Array, pre: jax.Array) 
                           weights["lm_head"].astype(jnp.float32))
 
 
-def _check_supported(cfg: DeepseekV41Config) -> None:
-    if cfg.engram_layer_ids:
-        raise UnsupportedModelError("deepseek_v41: Engram layers are not supported yet "
-                                    f"(engram_layer_ids={list(cfg.engram_layer_ids)})")
+def _engram_inputs(weights: dict, cfg: DeepseekV41Config, tokens: jax.Array,
+                   step: common.Step, cache: DeepseekV41Cache | None):
+    """The Engram state of a call: (row ids per Engram layer {layer: [B,T,n_ids]}, valid
+    [B,T], the cache's next n-gram history or None). Padding and image tokens are
+    invalid: gate 0, and they block the n-gram lookback (NeMo's token_mask)."""
+    specs = _engram_specs(cfg)
+    if not specs:
+        return {}, None, None
+    if "engram_token_map" not in weights:
+        raise InvalidInputError("deepseek_v41: Engram layers need weights['engram_token_map'] "
+                                "(the token class map built from tokenizer.json)")
+    token_map = weights["engram_token_map"]
+    compressed = jnp.take(token_map, jnp.clip(tokens, 0, token_map.shape[0] - 1))
+    valid = step.valid & (tokens != cfg.image_token_id)
+    pad = token_map[cfg.engram_pad_token_id]
+    history = None if cache is None else cache.engram_history
+    ids = {sp.layer_id: hash_ids(compressed, sp, valid, history, pad_class=pad)
+           for sp in specs}
+    new_history = None
+    if cache is not None:
+        new_history = update_history(history, compressed, specs[0], valid, step.n_new)
+    return ids, valid, new_history
 
 
 def _run(weights: dict, cfg: DeepseekV41Config, tokens: jax.Array, step: common.Step,
          cache: DeepseekV41Cache | None = None):
-    _check_supported(cfg)
     h, pre = embed(weights, cfg, tokens)
+    ids, valid, history = _engram_inputs(weights, cfg, tokens, step, cache)
+    state = {"engram_ids": ids, "engram_valid": valid} if ids else {}
     layers = common.layer_weights(weights, cfg.num_layers, scan_ok=False)
     pieces = None if cache is None else tuple(cache.layers)
-    (h, pre, _), pieces, sown = common.run_layers(layer, cfg, layers, (h, pre, {}), pieces,
+    (h, pre, _), pieces, sown = common.run_layers(layer, cfg, layers, (h, pre, state), pieces,
                                                   step)
     if cache is not None:
         cache = cache.replace(layers=pieces,
                               lengths=common.new_lengths(step).astype(jnp.int32),
-                              rings=common.rings_out(step, cache))
+                              rings=common.rings_out(step, cache), engram_history=history)
     return h, pre, sown, cache
 
 
@@ -1057,3 +1356,41 @@ def quantize_weights(weights: dict, q: Any, routed_experts: bool) -> dict:
         return {**lw, "attn": attn, "moe": moe_w}
 
     return {**weights, "layers": tuple(one(lw) for lw in weights["layers"])}
+
+
+def load_checkpoint(cfg: DeepseekV41Config, hf_config: dict, store: Any, dtype: Any,
+                    keep_quantized: bool, placer: Any, progress: Any) -> tuple[dict, dict]:
+    """`gsm_jax.load` of a released-layout directory (`store`): (weights, what
+    params.extra records). Every header is validated first
+    (`deepseek_v41_checkpoint.checkpoint_tensors`: scale grids, Engram tables against
+    their primes, tokenizer.json next to an Engram model). dtype None: bf16 for the float
+    tensors. FP8 / FP4 weights are kept as stored when `keep_quantized`, else dequantized;
+    Engram tables are kept as stored either way. extra: "checkpoint_quantization",
+    "unused_tensors" (the vision tower, layers past num_hidden_layers) and "mtp" (the DSpark
+    draft's tensors as stored, an `MtpTensors`, for speculative decoding)."""
+    from gsm_jax.models.deepseek_v41_checkpoint import checkpoint_tensors
+
+    ckpt = checkpoint_tensors(hf_config, store)
+    if dtype is None:
+        dtype = jnp.bfloat16
+    token_map = None
+    if cfg.active_engram_layers:
+        from gsm_jax.models.engram import token_class_map
+
+        progress(f"building the Engram token map from {ckpt.tokenizer_file}")
+        token_map = token_class_map(ckpt.tokenizer_file)
+    unused: list[str] = []
+    mtp = MtpTensors()
+    progress(f"converting {len(ckpt.tensors)} tensors "
+             f"({'FP8/FP4 kept as stored' if keep_quantized else jnp.dtype(dtype).name}; "
+             "Engram tables as stored)")
+    weights = weights_from_hf(cfg, ckpt.tensors, dtype, keep_quantized=keep_quantized,
+                              mtp=mtp, unused=unused, place=placer(), token_map=token_map)
+    extra: dict[str, Any] = {"checkpoint_quantization": "fp8-e4m3+fp4" + (
+        " (kept)" if keep_quantized else " (dequantized)")}
+    unused = sorted(set(unused) | set(ckpt.unused))
+    if unused:
+        extra["unused_tensors"] = tuple(unused)
+    if mtp:
+        extra["mtp"] = mtp
+    return weights, extra

@@ -226,8 +226,10 @@ def engram_specs(text_config: Any, token_map: np.ndarray | None = None
     return tuple(specs)
 
 
-def _shifted(compressed: Any, valid: Any, history: Any, spec: EngramSpec, xp) -> Any:
+def _shifted(compressed: Any, valid: Any, history: Any, spec: EngramSpec, xp,
+             pad_class: Any = None) -> Any:
     """[B, T, max_ngram] tokens t_k (pad class where blocked) for every position."""
+    pad = spec.pad_class if pad_class is None else pad_class
     c = xp.asarray(compressed)
     b, t = c.shape
     k1 = spec.history_len
@@ -242,7 +244,7 @@ def _shifted(compressed: Any, valid: Any, history: Any, spec: EngramSpec, xp) ->
     for k in range(spec.max_ngram_size):
         src = ext[:, k1 - k: k1 - k + t]
         blocked = blocked | (src < 0)
-        toks.append(xp.where(blocked, spec.pad_class, src))
+        toks.append(xp.where(blocked, pad, src))
     return xp.stack(toks, axis=-1)
 
 
@@ -265,14 +267,16 @@ def _bytes_le(x: int, n: int = 8) -> tuple[int, ...]:
 
 
 def hash_ids(compressed: jax.Array, spec: EngramSpec, valid: jax.Array | None = None,
-             history: jax.Array | None = None) -> jax.Array:
+             history: jax.Array | None = None, pad_class: Any = None) -> jax.Array:
     """Engram row ids int32 [B, T, n_ids] (offsets included) of one layer; jittable, 32-bit.
 
     compressed: int [B, T] class ids (`token_class_map[token_ids]`); valid: bool [B, T] or
     None (False = image / padding: blocks all lookback through it); history: int [B,
     max_ngram - 1] or None, the row's previous compressed ids, oldest first, -1 = blocked or
-    before the start (None = the sequence starts here). `spec` is static."""
-    toks = _shifted(compressed, valid, history, spec, jnp).astype(jnp.uint32)  # [B, T, K]
+    before the start (None = the sequence starts here). `spec` is static. pad_class: the
+    pad token's class when it is only known at run time (a traced int32 scalar: the model
+    reads it from its token map); None = spec.pad_class."""
+    toks = _shifted(compressed, valid, history, spec, jnp, pad_class).astype(jnp.uint32)
     # P_k = t_k * M_k as 8 little-endian byte limbs (t < 2**24 so t * byte + carry < 2**32)
     prods = []
     for k, m in enumerate(spec.multipliers):

@@ -12,12 +12,14 @@ so the "must choose" config uses 8 index heads and a model seed without such a t
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gsm_jax.errors import ModelLoadError, UnsupportedModelError
+from gsm_jax.errors import InvalidInputError, ModelLoadError, UnsupportedModelError
 from gsm_jax.models import deepseek_v41 as dv
 
 REL_TOL = 1e-4
@@ -50,6 +52,12 @@ def released_hf_config() -> dict:
             "quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic",
                                     "weight_block_size": [32, 32], "scale_fmt": "ue8m0",
                                     "expert_dtype": "fp4"}}
+
+
+# Engram on layers 1 and 5 (tests/v41_reference.py's tiny_config): 2 heads x 3 n-gram sizes
+ENGRAM = dict(engram_layer_ids=[1, 5], engram_max_ngram_size=4, engram_n_heads=2,
+              engram_head_dim=32, engram_vocab_size=50, engram_pad_token_id=2,
+              engram_compressed_vocab_size=52)
 
 
 def small_hf_config(**text) -> dict:
@@ -243,18 +251,29 @@ def test_weights_from_hf_layout_mtp_and_vision():
     assert "indexer" not in w["layers"][6]["attn"]  # Reuse
     with pytest.raises(UnsupportedModelError, match="vision"):
         dv.weights_from_hf(cfg, {**tensors, "vision.norm.weight": np.ones(4, np.float32)})
-    with pytest.raises(UnsupportedModelError, match="block-quantized"):
+    with pytest.raises(UnsupportedModelError, match="scale tensor 'layers.0.attn.wq_a.scale'"):
         dv.weights_from_hf(cfg, {**tensors, "layers.0.attn.wq_a.scale": np.ones(4, np.float32)})
+    unused: list = []
+    dv.weights_from_hf(cfg, {**tensors, "vision.norm.weight": np.ones(4, np.float32),
+                             "layers.9.attn_norm.weight": np.ones(4, np.float32)},
+                       unused=unused)
+    assert unused == ["layers.9.attn_norm.weight", "vision.norm.weight"]
     del tensors["layers.2.attn.compressor.wgate.weight"]
     with pytest.raises(ModelLoadError, match="wgate"):
         dv.weights_from_hf(cfg, tensors)
 
 
-def test_engram_config_refused_until_engram_exists():
-    cfg = dv.DeepseekV41Config.from_hf_config(small_hf_config(engram_layer_ids=[1]))
-    with pytest.raises(UnsupportedModelError, match="Engram"):
-        dv.forward(dv.init_weights(cfg, jax.random.key(0)), cfg, jnp.zeros((1, 4), jnp.int32),
-                   jnp.array([4]))
+def test_engram_needs_its_token_map():
+    cfg = dv.DeepseekV41Config.from_hf_config(small_hf_config(**ENGRAM))
+    tensors = _released_names(cfg, np.random.default_rng(0))
+    with pytest.raises(ModelLoadError, match="tokenizer.json"):
+        dv.weights_from_hf(cfg, tensors)
+    with pytest.raises(ModelLoadError, match="52"):  # 60 classes, the config says 52
+        dv.weights_from_hf(cfg, tensors, token_map=np.arange(128) % 60)
+    w = dv.init_weights(cfg, jax.random.key(0))
+    del w["engram_token_map"]
+    with pytest.raises(InvalidInputError, match="engram_token_map"):
+        dv.forward(w, cfg, jnp.zeros((1, 4), jnp.int32), jnp.array([4]))
 
 
 # ----------------------------------------------------------------------------- parity
@@ -268,22 +287,96 @@ PARITY = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(PARITY))
-def test_forward_matches_nemo(name):
+PARITY_ENGRAM = ()  # the Engram layers of the parity configs (none yet)
+
+
+@pytest.fixture(scope="module")
+def released(tmp_path_factory):
+    """name -> (checkpoint dir in the released layout written from NeMo's weights, the NeMo
+    model loaded from that file by its own adapter), built on first use."""
     import v41_reference as ref_mod
-    overrides, seed, input_seeds = PARITY[name]
-    hf = ref_mod.tiny_config(engram_layer_ids=[], **overrides)
-    model = ref_mod.nemo_model(hf, seed=seed)
-    cfg = dv.DeepseekV41Config.from_hf_config(hf)
-    weights = dv.weights_from_hf(cfg, ref_mod.released_state_dict(model))
-    fwd = jax.jit(lambda w, ids, n: dv.forward(w, cfg, ids, n))
-    for s in input_seeds:
+
+    from gsm_jax.models.deepseek_v41_checkpoint import write_checkpoint
+
+    built: dict = {}
+
+    def get(name):
+        if name not in built:
+            overrides, seed, _ = PARITY[name]
+            hf = ref_mod.tiny_config(engram_layer_ids=list(PARITY_ENGRAM), **overrides)
+            model = ref_mod.nemo_model(hf, seed=seed)
+            tensors = ref_mod.released_state_dict(model)
+            tensors["vision.norm.weight"] = np.ones(8, np.float32)  # reported unused
+            tensors["mtp.0.main_norm.weight"] = np.full(8, 0.5, np.float32)  # kept in extra
+            path = write_checkpoint(tmp_path_factory.mktemp(name), hf, tensors,
+                                    ref_mod.tiny_tokenizer_json(), shard_bytes=200_000)
+            built[name] = path, ref_mod.nemo_from_checkpoint(model, path)
+        return built[name]
+
+    return get
+
+
+def _rel_err(out, ref):
+    return float(np.abs(np.asarray(out) - ref).max() / np.abs(ref).max())
+
+
+@pytest.mark.parametrize("name", sorted(PARITY))
+def test_load_matches_nemo(released, name):
+    """gsm_jax.load(dir, float32, keep_quantized=True) of a released-layout checkpoint:
+    FP8 / FP4 kept as stored, logits of gsm_jax.forward equal NeMo's forward on the same
+    file within 1e-4 of the logit scale, same top-1 everywhere."""
+    import v41_reference as ref_mod
+
+    import gsm_jax
+    from gsm_jax.models.block_quant import BlockQuantWeight
+
+    path, model = released(name)
+    params = gsm_jax.load(path, dtype="float32", keep_quantized=True)
+    lw = params.weights["layers"][2]
+    for w in (lw["attn"]["q_b"], lw["attn"]["indexer"]["q_b"], lw["moe"]["shared_down"]):
+        assert isinstance(w, BlockQuantWeight) and w.fmt == "e4m3" and w.block == (32, 32)
+    assert lw["moe"]["experts_gate_up"].fmt == "e2m1"
+    assert lw["attn"]["kv_norm"].dtype == jnp.float32
+    assert params.extra["unused_tensors"] == ("vision.norm.weight",)
+    np.testing.assert_array_equal(params.extra["mtp"]["mtp.0.main_norm.weight"], 0.5)
+    for s in PARITY[name][2]:
         ids = np.random.default_rng(s).integers(3, 128, size=(2, 32))
         ref = ref_mod.nemo_logits(model, ids)
-        out = np.asarray(fwd(weights, jnp.asarray(ids), jnp.array([32, 32])))
-        err = np.abs(out - ref).max() / np.abs(ref).max()
+        out = np.asarray(gsm_jax.forward(params, ids))
+        err = _rel_err(out, ref)
         assert err < REL_TOL, f"{name} inputs {s}: max logit error {err:.2e} of the scale"
         np.testing.assert_array_equal(out.argmax(-1), ref.argmax(-1))
+
+
+def test_load_dequantized_and_bf16(released):
+    """keep_quantized=False: every FP8 / FP4 weight dequantized to exactly what the kept
+    container decodes to (the Engram tables stay as stored); the default load: bf16
+    floats, FP8 / FP4 kept."""
+    import gsm_jax
+    from gsm_jax.models.block_quant import BlockQuantWeight
+
+    def is_q(a):
+        return isinstance(a, BlockQuantWeight)
+
+    path, _ = released("must_choose")
+    kept = gsm_jax.load(path, dtype="float32", keep_quantized=True)
+    deq = gsm_jax.load(path, dtype="float32", keep_quantized=False)
+    pairs = list(zip(jax.tree.leaves(kept.weights, is_leaf=is_q),
+                     jax.tree.leaves(deq.weights, is_leaf=is_q), strict=True))
+    n_quant = 0
+    for a, b in pairs:
+        assert not is_q(b)
+        if is_q(a):
+            n_quant += 1
+            np.testing.assert_array_equal(np.asarray(a.dequantize()), np.asarray(b))
+        else:
+            assert a.dtype == b.dtype
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert n_quant == 8 * 8 + 3  # q_a q_b kv o_b, experts x2, shared x2; indexer q_b x3
+    default = gsm_jax.load(path)
+    assert default.weights["layers"][0]["attn"]["q_a"].fmt == "e4m3"
+    assert default.weights["embed"].dtype == jnp.bfloat16
+    assert default.weights["layers"][0]["hc_attn"]["fn"].dtype == jnp.float32
 
 
 # ----------------------------------------------------------------------------- decode
@@ -395,3 +488,43 @@ def test_gsm_strength_zero_equals_off(tiny):
         np.testing.assert_array_equal(np.stack(a), np.stack(b))
     on = np.asarray(dv.forward(w, cfg, tokens, lengths, _gsm(cfg, 0.6)))
     assert np.abs(on - off).max() > 1e-4  # the filter does act
+
+
+# ----------------------------------------------------------------------------- Engram state
+
+
+def test_engram_history_rows_and_image_tokens(tiny):
+    """The hash inputs of a call: padding and image tokens are invalid (gate 0, they block
+    the lookback) and the history advances by each row's real tokens only; cache_insert
+    copies a row's history with the rest of its cache."""
+    from gsm_jax.models import common
+    from gsm_jax.models.engram import hash_ids_np, update_history
+
+    cfg, w = tiny
+    if not cfg.active_engram_layers:
+        pytest.skip("no Engram layers in this config")
+    cfg = dataclasses.replace(cfg, image_token_id=100)
+    tokens = np.array([[5, 6, 100, 7, 8], [9, 10, 11, 0, 0], [12, 13, 14, 15, 16]], np.int32)
+    lengths = jnp.array([5, 3, 4])
+    cache = dv.init_cache(cfg, BATCH, CACHE_LEN)
+    step = common.prefill_step(lengths, tokens.shape[1], cache)
+    ids, valid, history = dv._engram_inputs(w, cfg, jnp.asarray(tokens), step, cache)
+    want_valid = (np.arange(5) < np.asarray(lengths)[:, None]) & (tokens != 100)
+    np.testing.assert_array_equal(np.asarray(valid), want_valid)
+    cmap = np.asarray(w["engram_token_map"])
+    for sp in dv._engram_specs(cfg):
+        np.testing.assert_array_equal(
+            np.asarray(ids[sp.layer_id]),
+            hash_ids_np(cmap[tokens], dataclasses.replace(sp, pad_class=int(cmap[2])),
+                        want_valid))
+    want_hist = update_history(None, cmap[tokens], dv._engram_specs(cfg)[0], want_valid,
+                               np.asarray(lengths), xp=np)
+    np.testing.assert_array_equal(np.asarray(history), want_hist)
+    assert (want_hist[0] == [-1, cmap[7], cmap[8]]).all()  # blocked by the image token
+    assert (want_hist[1] == [cmap[9], cmap[10], cmap[11]]).all()
+    rows = cache.replace(engram_history=jnp.asarray(want_hist[2:3]),
+                         layers=jax.tree.map(lambda a: a[:1], cache.layers),
+                         lengths=jnp.array([4]))
+    joined = dv.cache_insert(cache, rows, jnp.array([1]))
+    np.testing.assert_array_equal(np.asarray(joined.engram_history)[1], want_hist[2])
+    np.testing.assert_array_equal(np.asarray(joined.engram_history)[0], [-1, -1, -1])

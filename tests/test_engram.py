@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np
@@ -124,6 +126,12 @@ def test_hash_jax_equals_numpy_at_released_scale():
                                                      jnp.asarray(valid))
         np.testing.assert_array_equal(np.asarray(got), want)
         assert want.min() >= 0 and want.max() < spec.num_embeddings
+    # the pad class known only at run time (the model reads it from its token map)
+    pad = jax.jit(lambda c, v, p: E.hash_ids(c, spec, v, pad_class=p))(
+        jnp.asarray(comp), jnp.asarray(valid), jnp.int32(4242))
+    want = E.hash_ids_np(comp, dataclasses.replace(spec, pad_class=4242), valid)
+    np.testing.assert_array_equal(np.asarray(pad), want)
+    assert (want != E.hash_ids_np(comp, spec, valid)).any()
 
 
 def test_decode_history_equals_full_sequence(token_map, specs):

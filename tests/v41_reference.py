@@ -24,6 +24,10 @@ Provides
 - `nemo_engram_layer(model, layer_id)`: the layer's `DeepseekV41Engram` module (for unit parity).
 - `released_state_dict(model) -> dict[str, np.ndarray]`: float tensors under the released
   checkpoint names (§9.2), via NeMo's `state_dict_adapter.to_hf` (unquantised, fp32).
+- `nemo_from_checkpoint(model, path)`: a copy of `model` whose weights are those of the
+  released-layout checkpoint at `path` (FP8 / FP4 / Engram FP8 as written), decoded and loaded
+  by NeMo's own `state_dict_adapter.from_hf` (0 missing, 0 unexpected keys). Cached per
+  (model, path) for the pytest session; treat the result as read-only.
 """
 
 from __future__ import annotations
@@ -282,3 +286,38 @@ def released_state_dict(model) -> dict[str, np.ndarray]:
         hf = model.state_dict_adapter.to_hf(model.state_dict())
         return {k: v.detach().float().numpy().copy() for k, v in hf.items()
                 if torch.is_tensor(v) and v.is_floating_point()}
+
+
+_FROM_CHECKPOINT: dict[tuple[int, str], object] = {}
+
+
+def nemo_from_checkpoint(model, path):
+    """A copy of `model` loaded from the released-layout checkpoint at `path` by NeMo's own
+    adapter (it dequantizes FP8 32x32, FP4 experts and the Engram tables itself). The
+    DSpark (`mtp.*`) and vision tensors are left out (NeMo's text model has neither)."""
+    import copy
+    from pathlib import Path
+
+    import torch
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    key = (id(model), str(path.resolve()))
+    if key in _FROM_CHECKPOINT:
+        return _FROM_CHECKPOINT[key][1]
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    hf = {}
+    for shard in sorted(set(index["weight_map"].values())):
+        hf.update(load_file(path / shard))
+    hf = {k: v for k, v in hf.items()
+          if not k.startswith(("mtp.", "vision.", "aligner.", "image_"))}
+    target = copy.deepcopy(model)
+    with torch.no_grad():
+        native = target.state_dict_adapter.from_hf(hf)
+        result = target.load_state_dict(native, strict=False)
+    if result.missing_keys or result.unexpected_keys:
+        raise RuntimeError(f"NeMo from_hf of {path}: missing {result.missing_keys}, "
+                           f"unexpected {result.unexpected_keys}")
+    target.eval()
+    _FROM_CHECKPOINT[key] = (model, target)  # the model kept alive: its id stays unique
+    return target
