@@ -10,7 +10,7 @@ Where a token's activations get smoothed: `models/gsm_sites.py` (called at the
 of `gsm_jax/smoothing.py` or its Pallas kernels in `pallas_kernels/`.
 
 Compilation: ``gsm_jax.enable_compilation_cache()`` turns JAX's persistent compilation cache on
-(``~/.cache/gsm-jax/jax``; the `gsm-jax` command does it itself). Importing the package does
+(``~/.cache/gsm-jax/jax/<cpu>``; the `gsm-jax` command does it itself). Importing the package does
 not: the setting is process-wide (`gsm_jax/compile_cache.py`).
 """
 

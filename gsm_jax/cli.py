@@ -49,7 +49,7 @@ DESCRIPTION = ("GSM inference-time activation smoothing for LLMs, in JAX. "
                "`gsm-jax COMMAND --help` describes a command and its options.")
 EPILOG = ("The workflow (profile, calibrate, eval, report, bench) reads the WikiText-2 and "
           "LAMBADA files shipped with the package unless --data / --lambada name your own. "
-          "Compiled programs are cached in ~/.cache/gsm-jax/jax "
+          "Compiled programs are cached in ~/.cache/gsm-jax/jax/<cpu> "
           "(GSM_JAX_COMPILATION_CACHE=0: off; =DIR: another folder).")
 
 

@@ -44,10 +44,32 @@ _enabled: Path | None = None
 _enable_tried = False
 
 
+def host_fingerprint() -> str:
+    """A short hash of this host's CPU model and instruction-set flags. XLA:CPU compiles for
+    the host's features (AVX-512, AMX, ...) and JAX's cache key does not include them, so a
+    cache folder shared between different CPUs (a home directory on NFS, a copied
+    ``~/.cache``) could hand one machine code it cannot run: each CPU gets its own folder."""
+    import hashlib
+    import platform
+
+    text = platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("model name", "flags", "Features")):
+                    text += line
+                if line.startswith(("flags", "Features")):
+                    break
+    except OSError:
+        text += platform.processor()
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
 def default_cache_dir() -> Path:
-    """``$XDG_CACHE_HOME/gsm-jax/jax``, or ``~/.cache/gsm-jax/jax``."""
+    """``$XDG_CACHE_HOME/gsm-jax/jax/<cpu>``, or ``~/.cache/gsm-jax/jax/<cpu>`` (<cpu>:
+    `host_fingerprint`)."""
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "gsm-jax" / "jax"
+    return Path(base) / "gsm-jax" / "jax" / host_fingerprint()
 
 
 def requested_cache_dir() -> Path | None:

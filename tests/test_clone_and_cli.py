@@ -198,11 +198,12 @@ def test_compilation_cache_setting(monkeypatch, tmp_path):
         assert cc.requested_cache_dir() is None
     for on in ("", "1", "on"):
         monkeypatch.setenv(cc.ENV, on)
-        assert cc.requested_cache_dir() == tmp_path / "gsm-jax" / "jax"
+        assert cc.requested_cache_dir() == tmp_path / "gsm-jax" / "jax" / cc.host_fingerprint()
     monkeypatch.setenv(cc.ENV, str(tmp_path / "elsewhere"))
     assert cc.requested_cache_dir() == tmp_path / "elsewhere"
     monkeypatch.delenv(cc.ENV)
-    assert cc.requested_cache_dir() == cc.default_cache_dir() == tmp_path / "gsm-jax" / "jax"
+    want = tmp_path / "gsm-jax" / "jax" / cc.host_fingerprint()  # one folder per CPU
+    assert cc.requested_cache_dir() == cc.default_cache_dir() == want
 
 
 # ----------------------------------------------------------------------------- CLI text

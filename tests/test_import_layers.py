@@ -56,6 +56,7 @@ LAYER_NAMES = ("base", "GSM core", "models", "runtime", "workflow", "evidence/re
 LAYERS: dict[str, int] = {
     # 0 base
     "gsm_jax.errors": 0,
+    "gsm_jax.compile_cache": 0,  # standard library and jax only
     "gsm_jax.pallas_kernels": 0,
     # 1 GSM core
     "gsm_jax.smoothing": 1,

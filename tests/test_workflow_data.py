@@ -26,10 +26,10 @@ class ByteTokenizer:
         return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
 
 
-def test_default_paths_point_next_to_the_repo():
+def test_default_paths_are_the_packaged_data():
     root = data.repo_root()
     assert (root / "gsm_jax").is_dir()
-    assert data.default_data_dir() == root.parent / "shared" / "data"
+    assert data.default_data_dir() == data.packaged_data_dir() == root / "gsm_jax" / "data"
     assert data.default_wikitext_path().name == "wikitext2_test.txt"
 
 
