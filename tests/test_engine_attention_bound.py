@@ -1,14 +1,17 @@
 """The serving engine's decode step reads what its rows hold, not the `max_len` it allocated
 (issue 24, item 4), checked on the compiled program rather than by timing; and the bounded
-reads give the tokens a whole-cache read gives (those of `generate_tokens` run on each
-request alone): Llama and Gemma 3 (sliding window), GSM off and on, rows crossing several
-bounds, a chunked prefill. DeepSeek-V4's caches have their own sizes: not bounded."""
+reads give the tokens the whole-cache engine gives (which tests/test_engine.py checks
+against `generate_tokens` run on each request alone): Llama and Gemma 3 (sliding window),
+GSM off and on, rows crossing every bound, a chunked prefill. DeepSeek-V4's caches have
+their own sizes: not bounded."""
 
 from __future__ import annotations
 
+import functools
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -90,6 +93,46 @@ def test_decode_program_reads_only_what_rows_hold(llama_params):
     assert any(128 in d for d in bounded)
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_bounded_reads_equal_whole_reads(llama_params, family, n=16):
+    """The model's steps on a cache bounded to n slots (`common.bound_reads`) equal them
+    on the whole cache (64 slots), at the edge (a row holding n - 1 tokens writes slot
+    n - 1, the last one read): decode logits and caches, and a chunk's extend. float32;
+    the two sides sum the same nonzero terms over 16 or 64 slots (the rest exp(-1e30)
+    = 0), so they agree to a few ulps of the logit scale."""
+    from gsm_jax.families import family_module
+    from gsm_jax.models import common
+
+    params = llama_params if family == "llama" else tiny_gemma3()
+    fam, cfg = family_module(family), params.config
+    rng = np.random.default_rng(5)
+    lengths = np.array([n - 1, 9], np.int32)
+    tokens = rng.integers(4, 64, (2, n)).astype(np.int32)
+    cache = fam.init_cache(cfg, 2, 64)
+    _, cache = jax.jit(fam.prefill, static_argnums=1)(params.weights, cfg, tokens, lengths,
+                                                      cache)
+
+    @functools.partial(jax.jit, static_argnums=(1, 2))
+    def decode(w, cfg, bound, toks, cache):
+        return fam.decode_step(w, cfg, toks, common.bound_reads(cache, bound))
+
+    @functools.partial(jax.jit, static_argnums=(1, 2))
+    def extend(w, cfg, bound, toks, cache):
+        return fam.extend(w, cfg, toks, jnp.asarray([8, 5]), common.bound_reads(cache, bound))
+
+    step = jnp.asarray([7, 11], jnp.int32)
+    (la, ca), (lb, cb) = (decode(params.weights, cfg, b, step, cache) for b in (n, None))
+    assert ca.attend is None and cb.attend is None
+    scale = float(np.abs(np.asarray(lb)).max())
+    np.testing.assert_allclose(np.asarray(la), np.asarray(lb), rtol=0, atol=2e-5 * scale)
+    for x, y in zip(jax.tree.leaves(ca), jax.tree.leaves(cb), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=0, atol=2e-5 * scale)
+    chunk = rng.integers(4, 64, (2, 8)).astype(np.int32)  # positions up to n + 6 < 2n
+    (ea, _), (eb, _) = (extend(params.weights, cfg, b, chunk, cache) for b in (2 * n, None))
+    np.testing.assert_allclose(np.asarray(ea), np.asarray(eb), rtol=0,
+                               atol=2e-5 * float(np.abs(np.asarray(eb)).max()))
+
+
 def test_attend_bounds_and_refusals(llama_params):
     eng = Engine(llama_params, max_batch=1, max_len=1000, eos_ids=[], min_attend=64)
     assert [eng.attend_bound(n) for n in (0, 63, 64, 200, 511, 512, 999)] == \
@@ -105,22 +148,26 @@ def test_attend_bounds_and_refusals(llama_params):
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
-@pytest.mark.parametrize("gsm", [None, GSM], ids=["gsm_off", "gsm_on"])
-def test_bounded_engine_equals_generate_alone(llama_params, family, gsm):
-    """Two slots, bounds from 16 up: rows of different lengths share steps, cross 16, 32
-    and 64 and reach the whole cache (None at 128); a 40-token prompt is prefilled in
-    chunks of 16 (its extends bounded too). Greedy tokens = generate_tokens alone."""
+def test_bounded_engine_equals_whole_cache_engine(llama_params, family):
+    """Bounds from 16 up (max_len 64: 16, 32, then the whole cache): rows of different
+    lengths share steps and cross every bound; a 40-token prompt is prefilled in chunks
+    of 16 (its extends bounded too); GSM compiled in, requests smoothed and not in one
+    batch. Greedy tokens = the engine reading the whole cache every step (min_attend=None,
+    the engine before bounded reads, itself equal to `generate_tokens` alone:
+    tests/test_engine.py). Its whole-cache programs are the bounded engine's last bound's,
+    so the reference compiles nothing new."""
     params = llama_params if family == "llama" else tiny_gemma3()
     rng = np.random.default_rng(3)
-    shapes = [(5, 60), (40, 30), (12, 100)]
-    reqs = [Request(rng.integers(4, 64, n).tolist(), m, request_id=f"r{i}")
-            for i, (n, m) in enumerate(shapes)]
-    eng = Engine(params, max_batch=2, max_len=128, gsm=gsm, eos_ids=[], min_attend=16,
-                 prefill_chunk=16)
-    assert eng.attend_bounds() == [16, 32, 64, None]
-    recs = eng.run(reqs)
-    for req, rec in zip(reqs, recs, strict=True):
-        ref = gsm_jax.generate_tokens(params, [req.prompt], max_new_tokens=req.max_new_tokens,
-                                      eos_ids=[], gsm=gsm, request_ids=[req.request_id])[0]
-        np.testing.assert_array_equal(np.asarray(rec.tokens), ref, err_msg=str(req.request_id))
-        assert rec.gsm == (gsm is not None)
+    shapes = [(5, 40, GSM), (40, 20, None), (12, 50, GSM)]
+    reqs = [Request(rng.integers(4, 64, n).tolist(), m, request_id=f"r{i}", gsm=g)
+            for i, (n, m, g) in enumerate(shapes)]
+    recs = {}
+    for min_attend in (16, None):
+        eng = Engine(params, max_batch=2, max_len=64, compile_gsm=True, eos_ids=[],
+                     min_attend=min_attend, prefill_chunk=16)
+        assert eng.attend_bounds() == ([16, 32, None] if min_attend else [None])
+        recs[min_attend] = eng.run(reqs)
+    for req, a, b in zip(reqs, recs[16], recs[None], strict=True):
+        assert a.n_tokens == b.n_tokens == req.max_new_tokens
+        assert a.gsm == b.gsm == (req.gsm is not None)
+        assert a.tokens == b.tokens, req.request_id

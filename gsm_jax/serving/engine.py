@@ -535,13 +535,12 @@ class Engine:
         """Every read bound a decode step of this engine can use (`warmup(all_attend=True)`
         compiles one program each)."""
         out: list[int | None] = []
-        n = 0
-        while True:
-            b = self.attend_bound(n)
-            out.append(b)
-            if b is None:
-                return out
-            n = b
+        if self.min_attend is not None and common.can_bound_reads(self._cache):
+            n = self.min_attend
+            while n < self.max_len:
+                out.append(n)
+                n *= 2
+        return out + [None]
 
     def _row_params(self, cfg: Any) -> tuple[np.ndarray, int]:
         """(strength [layers, 2], window) of one smoothed row under `cfg`."""
