@@ -217,7 +217,7 @@ def _stored_float(w):
 
 def test_fp8_activation_rounding_is_an_option(params):
     from gsm_jax.models.linear import linear
-    from gsm_jax.quant import _act_block_supported
+    from gsm_jax.quant import _act_block_supported, with_fp8_activations
 
     assert all(w.act == "none" for w in _block_leaves(params.weights))  # off by default
     if not _act_block_supported():
@@ -229,9 +229,20 @@ def test_fp8_activation_rounding_is_an_option(params):
     assert all((w.act, w.act_block) == ("e4m3", 32) for w in leaves)
     layer = q.weights["layers"][5]
     rng = np.random.default_rng(0)
-    for w in (layer["attn"]["q_b"], layer["moe"]["shared_down"], layer["moe"]["experts_down"][3]):
+    # the rounding itself, bitwise: through an identity FP8 weight each output is one input
+    d = 96
+    eye = BlockQuantWeight(jax.numpy.eye(d, dtype=jax.numpy.float8_e4m3fn),
+                           jax.numpy.full((3, 3), 127, jax.numpy.uint8), "e4m3", (32, 32))
+    x = (rng.standard_normal((2, 5, d)) * 10.0 ** rng.uniform(
+        -6, 3, size=(2, 5, d // 8)).repeat(8, -1)).astype(np.float32)
+    x[0, 0, :40] = 1e-30  # below every scale's range: flushed, as the release does
+    got = np.asarray(linear(jax.numpy.asarray(x), with_fp8_activations(eye, 32)))
+    np.testing.assert_array_equal(got, _round_e4m3_blocks(x, 32))
+    assert not np.array_equal(got, _round_e4m3_blocks(x, 128))  # 32-wide, not V4's 128
+    # the products of the model's own FP8 and FP4 weights: the float product of the rounded x
+    for w in (layer["attn"]["q_a"], layer["attn"]["q_b"], layer["moe"]["shared_gate_up"],
+              layer["moe"]["shared_down"], layer["moe"]["experts_gate_up"][3]):
         stored = _stored_float(w)  # [out, in]
-        # magnitudes vary per 32-channel block, so one 128-wide scale would round differently
         x = (rng.standard_normal((2, 3, stored.shape[1]))
              * 10.0 ** rng.uniform(-3, 2, size=(2, 3, stored.shape[1] // 8)).repeat(8, -1)
              ).astype(np.float32)
@@ -241,8 +252,6 @@ def test_fp8_activation_rounding_is_an_option(params):
         scale = np.abs(want).max()
         assert np.abs(got - want).max() < 1e-5 * scale  # fp32 summation order only
         assert np.abs(got - plain).max() > 1e-4 * scale  # the rounding did happen
-        wide = _round_e4m3_blocks(x, 128).astype(np.float64) @ stored.T.astype(np.float64)
-        assert np.abs(got - wide).max() > 1e-5 * scale  # in 32-wide blocks, not V4's 128
 
 
 # ----------------------------------------------------------------------------- bad input
