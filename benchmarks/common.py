@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-# Evaluation data lives next to the repository, never inside it (see ../shared/data/README.md).
-SHARED_DATA_DIR = REPO_ROOT.parent / "shared" / "data"
+# The evaluation data that ships with the package (gsm_jax/data/README.md: sources, licences).
+SHARED_DATA_DIR = REPO_ROOT / "gsm_jax" / "data"
 
 
 # ----------------------------------------------------------------------------- threads

@@ -4,8 +4,8 @@ Variants, each compared with fp32 on the same tokens (KL(fp32 || variant), llama
 direction): fp32 (itself: KLD 0), w8a16, w8a8, w8a8+GSM (calibrated), w8a8+SmoothQuant,
 w8a8+SmoothQuant+GSM (calibrated), and w8a8+SmoothQuant+Hadamard(down).
 
-Data (../shared/data): calibration = the first `--calib-sequences` x `--seq-len` tokens of
-WikiText-2 (SmoothQuant statistics, its alpha search and the GSM calibration);
+Data (packaged, gsm_jax/data): calibration = the first `--calib-sequences` x `--seq-len`
+tokens of WikiText-2 (SmoothQuant statistics, its alpha search and the GSM calibration);
 evaluation = the last `--eval-sequences` x `--seq-len` tokens (disjoint) and the first
 `--lambada-samples` LAMBADA dev examples.
 
@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
                                 f"{args.seq_len} tokens",
                  "evaluation": f"WikiText-2 test, last {args.eval_sequences} x "
                                f"{args.seq_len} tokens",
-                 "lambada": f"first {args.lambada_samples} of ../shared/data/lambada_dev.jsonl"},
+                 "lambada": f"first {args.lambada_samples} of the packaged lambada_dev.jsonl"},
         "smoothquant": {
             "alphas": {k: np.asarray(v).tolist() for k, v in alphas.items()},
             "choice": alpha_choice, "trials": alpha_trials,

@@ -152,8 +152,9 @@ def test_200_concurrent_streams_none_lost_none_mixed(url):
     long prompts are prefilled in chunks of 32): every one completes, and each output
     equals what its prompt gives when it runs alone."""
     rng = np.random.default_rng(0)
-    words = Path(__file__).resolve().parents[2].joinpath("shared/data/wikitext2_test.txt")
-    text = words.read_text().split() if words.exists() else ["the", "cat", "sat"] * 400
+    from gsm_jax.workflow.data import default_wikitext_path
+
+    text = default_wikitext_path().read_text().split()  # the packaged WikiText-2
     prompts = []
     for i in range(20):
         n = [3, 10, 25, 60, 90][i % 5]

@@ -607,13 +607,12 @@ def _reproduce(inp: ReportInputs) -> list[str]:
     w("```bash")
     w(command)
     w("# the same steps one by one:")
-    w(f"gsm-jax profile --model {model['source']} --data ../shared/data/wikitext2_test.txt "
+    w("# (WikiText-2 and LAMBADA: the packaged data, gsm_jax/data; --data/--lambada: your own)")
+    w(f"gsm-jax profile --model {model['source']} "
       f"--samples {sizes.profile_samples} --seq-len {sizes.profile_seq_len} --out prof/")
     w(f"gsm-jax calibrate --model {model['source']} --profile prof/profile.json "
-      f"--data ../shared/data/wikitext2_test.txt --lambada ../shared/data/lambada_dev.jsonl "
       f"--sequences {sizes.cal_sequences} --lambada-samples {sizes.cal_lambada} --out cal/")
     w(f"gsm-jax eval --model {model['source']} --gsm cal/gsm.yaml "
-      f"--data ../shared/data/wikitext2_test.txt --lambada ../shared/data/lambada_dev.jsonl "
       f"--sequences {sizes.final_sequences}")
     w("```")
     w("")

@@ -104,7 +104,7 @@ def figures_dir(model_dir: Path | str | None) -> Path | None:
 def eval_tokens(params: ModelParams, sizes: dict, *, n: int, seq_len: int, from_end: bool,
                 seed: int = 0) -> tuple[np.ndarray, str]:
     """[n, seq_len] token ids and where they came from: sizes["tokens"] if given, else
-    WikiText-2 (../shared/data) through the model's tokenizer, else (a test model without
+    WikiText-2 (packaged, gsm_jax/data) through the model's tokenizer, else (a model without
     a tokenizer) fixed random ids."""
     if sizes.get("tokens") is not None:
         t = np.asarray(sizes["tokens"], np.int32)

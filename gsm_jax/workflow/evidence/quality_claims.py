@@ -6,7 +6,7 @@ with synthetic numbers). Quality is always measured against the unsmoothed model
 on the same tokens with `Evaluator` (mean KLD, same-top-1, perplexity; LAMBADA
 last-word accuracy and greedy agreement where asked).
 
-Data (`token_sequences`): WikiText-2 from ``../shared/data``, cut like the
+Data (`token_sequences`): WikiText-2 from the packaged data (``gsm_jax/data``), cut like the
 workflow does: the quality set from the *end* of the file (the report's
 calibration set), the profile from its *start*, and claim 11's held-out set
 from the *middle*, so the three never overlap. A model without a tokenizer
