@@ -144,7 +144,7 @@ def settle(limit: float = 1.0, wait_s: float = 120.0) -> None:
 
 
 def measure(params_by_variant: dict, batch: int, prompt_len: int, new_tokens: int,
-            repeats: int, vocab: int) -> dict:
+            repeats: int, vocab: int, settle_s: float = 120.0) -> dict:
     fns = common.short_and_long_calls(params_by_variant, batch, prompt_len, new_tokens, vocab)
     ref = None
     equal = {}
@@ -154,7 +154,7 @@ def measure(params_by_variant: dict, batch: int, prompt_len: int, new_tokens: in
             ref = toks if ref is None else ref
             equal[key.split("|")[0]] = all(np.array_equal(a, b)
                                            for a, b in zip(toks, ref, strict=True))
-    settle()
+    settle(wait_s=settle_s)
     load_before = common.load_average()
     times = common.interleaved(fns, repeats)
     load_after = common.load_average()
@@ -185,6 +185,9 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--settle-s", type=float, default=120.0,
+                    help="wait at most this long for the load to fall below 1 before timing "
+                         "(0 for smoke runs, whose times are not read)")
     args = ap.parse_args()
     out = Path(args.out)
     if args.report_only:
@@ -199,7 +202,7 @@ def main() -> None:
         by_variant = variants(params, family)
         print(f"[bench_mesh] {model}: compiling and timing {list(by_variant)}", flush=True)
         r = measure(by_variant, args.batch, args.prompt_len, args.new_tokens, args.repeats,
-                    params.config.vocab_size)
+                    params.config.vocab_size, settle_s=args.settle_s)
         for name, p in by_variant.items():
             if name == "1 device":
                 continue

@@ -22,7 +22,7 @@ def test_bench_mesh_tiny(tmp_path):
     model (psum: an all-reduce of T x D per MoE layer; all_to_all: the dense exchange)."""
     proc = subprocess.run(
         [sys.executable, "benchmarks/bench_mesh.py", "--models", "dsv4", "--dsv4-preset", "tiny",
-         "--repeats", "1", "--new-tokens", "4", "--out", str(tmp_path)],
+         "--repeats", "1", "--new-tokens", "4", "--settle-s", "0", "--out", str(tmp_path)],
         cwd=REPO, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads((tmp_path / "results.json").read_text())["models"]["dsv4"]
