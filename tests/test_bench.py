@@ -188,7 +188,7 @@ def test_make_requests_mix(tiny, tmp_path):
     for r in reqs:  # each prompt is a slice of the tokenized text
         s = list(r.prompt)
         assert any(stream[i: i + len(s)] == s for i in range(len(stream) - len(s) + 1))
-    with pytest.raises(InvalidInputError, match="WikiText-2 text not found.*--data"):
+    with pytest.raises(InvalidInputError, match="missing.txt does not exist.*--data"):
         make_requests(text_model, 2, data=tmp_path / "missing.txt")
     with pytest.raises(InvalidInputError, match="long_fraction"):
         make_requests(tiny, 2, long_fraction=2.0)
