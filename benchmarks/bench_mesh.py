@@ -229,7 +229,9 @@ def write_report(out: Path, r: dict) -> None:
         load = f"{m['load_average_before'][0]} / {m['load_average_after'][0]}"
         for name, v in m["variants"].items():
             rows.append((model, name, v["decode_tok_s"],
-                         None if not base else v["decode_tok_s"] / base,
+                         # None: a decode time that came out <= 0 (a loaded machine)
+                         None if not base or v["decode_tok_s"] is None
+                         else v["decode_tok_s"] / base,
                          "yes" if v["greedy_equal_to_one_device"] else "NO", load,
                          "yes" if m["comparable"] else "NO (load > 1.5)"))
             c = v.get("collectives")
