@@ -16,8 +16,6 @@ the reference's top-1 / top-2 margin checked so a near tie cannot decide the tes
 
 from __future__ import annotations
 
-import copy
-import json
 import shutil
 
 import jax
@@ -30,7 +28,7 @@ import gsm_jax
 from gsm_jax.errors import InvalidInputError, ModelLoadError
 from gsm_jax.models.block_quant import BlockQuantWeight, dequantize_np
 from gsm_jax.models.deepseek_v41_checkpoint import read_checkpoint, write_checkpoint
-from gsm_jax.models.safetensors_io import INDEX_FILE, SafetensorsStore
+from gsm_jax.models.safetensors_io import SafetensorsStore
 
 REL_TOL = 1e-4
 IMAGE_TOKEN = 125  # inside the tiny vocabulary (the release's 129264 is not), never generated here
@@ -48,20 +46,6 @@ def _write(path, config, tensors, tokenizer=True, **kw):
                             shard_bytes=kw.pop("shard_bytes", 200_000), **kw)
 
 
-def _nemo_on_file(model, path):
-    """A copy of the NeMo model whose weights are the checkpoint's, through NeMo's own
-    state-dict adapter (its dequantization of FP8 / FP4 / E8M0)."""
-    from safetensors.torch import load_file
-
-    state = {}
-    for shard in sorted(set(json.loads((path / INDEX_FILE).read_text())["weight_map"].values())):
-        state.update(load_file(path / shard))
-    target = copy.deepcopy(model)
-    result = target.load_state_dict(target.state_dict_adapter.from_hf(state), strict=False)
-    assert result.missing_keys == [] and result.unexpected_keys == []
-    return target
-
-
 @pytest.fixture(scope="module")
 def released(tmp_path_factory):
     """(checkpoint dir, NeMo on that file) for the Engram-free must-choose config."""
@@ -69,7 +53,7 @@ def released(tmp_path_factory):
     model = ref.nemo_model(config, seed=SEED)
     path = _write(tmp_path_factory.mktemp("v41_load") / "ckpt", config,
                   ref.released_state_dict(model))
-    yield path, _nemo_on_file(model, path)
+    yield path, ref.nemo_from_checkpoint(model, path)
     shutil.rmtree(path, ignore_errors=True)
 
 
@@ -105,10 +89,19 @@ def test_keep_quantized_keeps_the_stored_containers(released, params):
                                       ckpt.dequantized("layers.2.attn.wq_b.weight").T)
     finally:
         ckpt.close()
-    # everything that is not block-quantized is float32 as asked; vision is reported unused
+    # Engram tables as stored: FP8 rows, E8M0 bytes per row per 32 columns
+    for layer_id in params.config.engram_layer_ids:
+        engram = params.weights["layers"][layer_id]["engram"]
+        assert engram["table"].dtype == jax.numpy.float8_e4m3fn
+        assert engram["table_scale"].dtype == np.uint8
+        assert engram["table_scale"].shape == (engram["table"].shape[0],
+                                               engram["table"].shape[1] // 32)
+        assert isinstance(engram["wkv"], BlockQuantWeight)
+    # everything else that is not block-quantized is float32 as asked
     is_block = lambda a: isinstance(a, BlockQuantWeight)  # noqa: E731
     floats = [a for a in jax.tree.leaves(params.weights, is_leaf=is_block)
-              if not is_block(a) and jax.numpy.issubdtype(a.dtype, jax.numpy.floating)]
+              if not is_block(a) and jax.numpy.issubdtype(a.dtype, jax.numpy.floating)
+              and a.dtype != jax.numpy.float8_e4m3fn]
     assert floats and all(a.dtype == jax.numpy.float32 for a in floats)
     n_lowp = sum(1 for a in _block_leaves(params.weights))
     assert n_lowp >= 7 * params.config.num_layers
