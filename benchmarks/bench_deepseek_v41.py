@@ -3,19 +3,22 @@
     python benchmarks/bench_deepseek_v41.py --threads 1 --out runs/bench_deepseek_v41
     python benchmarks/bench_deepseek_v41.py --quick --out /tmp/bench_v41_quick   # smoke run
 
-The model: a mid-size random V4.1 (`--preset mid`: ~230M parameters in the release's
-proportions, the routed experts holding most of them; 8 layers with every CSA2 role:
-window-only 0-1, Full ratio 2 at 2, Reuse ratio 2 at 3-4, Full ratio 1 + candidate source
-at 5, Reuse ratio 1 at 6, Reindex at 7; 32 experts top-4, hc_mult 4). Its weights are NeMo
-AutoModel's seeded initialisation (the test harness `tests/v41_reference.py`, which also
-carries the backend switches that run NeMo on CPU), written by
-`models.deepseek_v41_checkpoint.write_checkpoint` in the released layout (FP8 e4m3 32 x 32
-dense weights, packed FP4 experts, E8M0 scales, bf16 / f32 rest, several shards) to a
-temporary directory, then read back by `gsm_jax.load` and by NeMo's own state-dict adapter
-(so both sides hold the *same*, dequantized weights). Three measurements:
+The model: a mid-size random V4.1 (`--preset mid`: ~290M parameters: a ~215M backbone in
+the release's proportions, the routed experts holding most of it, plus two Engram tables of
+~1.2M rows x 32; 8 layers with every CSA2 role: window-only 0-1, Full ratio 2 at 2, Reuse
+ratio 2 at 3-4, Full ratio 1 + candidate source at 5, Reuse ratio 1 at 6, Reindex at 7;
+Engram at 1 and 5; 30 experts top-4, hc_mult 4; the test harness's 128-id tokenizer, whose
+Engram token map NeMo checks). Its weights are NeMo AutoModel's seeded initialisation (the
+test harness `tests/v41_reference.py`, which also carries the backend switches that run
+NeMo on CPU), written by `models.deepseek_v41_checkpoint.write_checkpoint` in the released
+layout (FP8 e4m3 32 x 32 dense weights, packed FP4 experts, FP8 Engram tables, E8M0
+scales, bf16 / f32 rest, several shards) to a temporary directory, then read back by
+`gsm_jax.load` and by NeMo's own state-dict adapter (so both sides hold the *same*,
+dequantized weights). Three measurements:
 
-(a) bytes in memory: `gsm_jax.load(dir)` (FP8 / FP4 as stored, the rest bf16 as stored)
-    against `gsm_jax.load(dir, dtype="bfloat16")`, each loaded in a child process
+(a) bytes in memory: `gsm_jax.load(dir)` (FP8 / FP4 / Engram as stored, the rest bf16 as
+    stored) against `gsm_jax.load(dir, dtype="bfloat16")` with its Engram tables (kept FP8
+    by gsm_jax) counted at 2 bytes per value, each loaded in a child process
     (`params.nbytes()`, load seconds, peak RSS). Target: <= 0.35x.
 (b) prefill tokens/s: gsm_jax's jitted `prefill` (into a fresh decode cache) on the
     checkpoint dequantized to float32 against NeMo's fp32 forward on the same weights
@@ -32,9 +35,13 @@ temporary directory, then read back by `gsm_jax.load` and by NeMo's own state-di
 
 Every timed block runs its sides interleaved (alternating order per round) and records
 the load average before and after; a figure measured with a 1-minute load above 1.5 is
-marked not comparable. Engram: the tables (a few million rows) are added when this
-gsm_jax runs Engram layers; otherwise the output says that it does not (checked by
-tracing a forward of a config with an Engram layer).
+marked not comparable. Engram: the tables are included when this gsm_jax runs Engram
+layers (checked first: a tiny Engram checkpoint loaded and run); otherwise the output says
+that it does not, and the model is measured without them (`--no-engram` leaves them out).
+
+Run on an idle machine: `python benchmarks/bench_deepseek_v41.py --threads 1 --out
+runs/bench_deepseek_v41` (~30-45 min on one core, most of it compiling the 16 decode
+programs; ~6 GB of memory).
 
 Outputs in `--out`: results.json, results.md, results.png (the three ratios against
 their targets).
@@ -70,13 +77,13 @@ _ROLES = dict(compress_ratios=[0, 0, 2, 2, 2, 1, 1, 1], kv_source_layer_ids=[2, 
 # The harness's 128-id tokenizer (its Engram token map is what NeMo checks): vocab 128.
 # Engram on layers 1 and 5 (the harness's default), 8 heads x 3 n-gram orders per layer.
 PRESETS = {
-    # the release's proportions at ~220M backbone parameters: 32 experts (top-4) hold ~90%
+    # the release's proportions at ~215M backbone parameters: 30 experts (top-4) hold ~88%
     # of them; every projection dimension a multiple of 32 (whole FP8 blocks); two Engram
     # tables of ~1.2M rows x 32 (24 primes >= 50000 per layer)
     "mid": dict(
         hidden_size=512, moe_intermediate_size=512, num_attention_heads=8,
         head_dim=128, qk_rope_head_dim=64, q_lora_rank=256, o_groups=4, o_lora_rank=256,
-        n_routed_experts=32, num_experts_per_tok=4, sliding_window=128, index_n_heads=8,
+        n_routed_experts=30, num_experts_per_tok=4, sliding_window=128, index_n_heads=8,
         index_head_dim=64, index_topk=64, candidate_topk_blocks=16, candidate_block_size=8,
         hc_mult=4, engram_n_heads=8, engram_head_dim=32, engram_vocab_size=50000, **_ROLES),
     # seconds end to end: checks the script itself (the harness's tiny config)
