@@ -167,7 +167,7 @@ def workflow(setup):
     return root, hf
 
 
-@pytest.mark.heavy  # ~80 s on an idle 2-core machine: the V4.1 forward and generate programs
+@pytest.mark.heavy  # the V4.1 forward + generate programs: 326 s at load ~9 on 2 cores
 def test_profile_calibrate_eval(workflow):
     root, hf = workflow
     n_layers = hf["text_config"]["num_hidden_layers"]
@@ -208,7 +208,7 @@ def _served(tok, ids: list[int], eos: set[int], chat: bool) -> str:
     return stream.pending(final=True)
 
 
-@pytest.mark.heavy  # ~70 s on an idle 2-core machine: the engine's V4.1 programs
+@pytest.mark.heavy  # the engine's V4.1 programs: 267 s at load ~9 on 2 cores
 def test_server_completions_and_chat(workflow, setup):
     from fastapi.testclient import TestClient
 
