@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import warnings
 from typing import Any
 
 import jax
@@ -123,35 +122,10 @@ def fp8_blocks(config: Any) -> tuple[tuple[int, int], int]:
     return block, block[1]
 
 
-def _act_block_supported() -> bool:
-    """Whether `BlockQuantWeight` carries an activation block (`act_block`) for the product
-    to round in; without it every FP8 activation is rounded per 128 channels."""
-    return "act_block" in {f.name for f in dataclasses.fields(BlockQuantWeight)}
-
-
-def effective_act_block(act_block: int) -> int:
-    """The activation block the FP8 products will use for a requested `act_block`: itself,
-    or 128 (with a warning) where `BlockQuantWeight` has no `act_block` field yet."""
-    if act_block == ACT_BLOCK or _act_block_supported():
-        return int(act_block)
-    warnings.warn(
-        f"FP8 activations in {act_block}-channel blocks (this model's weight_block_size) need "
-        f"models/block_quant.BlockQuantWeight.act_block, which this build lacks: they are "
-        f"rounded per {ACT_BLOCK} channels instead (params.extra['fp8_activation_block'])",
-        stacklevel=3)
-    return ACT_BLOCK
-
-
 def with_fp8_activations(w: BlockQuantWeight, act_block: int = ACT_BLOCK) -> BlockQuantWeight:
     """`w` with its input activation rounded to FP8 e4m3 per token and `act_block` channels
     (power-of-two scales) before the product; the stored weight is unchanged."""
-    if _act_block_supported():
-        return w.replace(act="e4m3", act_block=int(act_block))
-    if act_block != ACT_BLOCK:
-        raise UnsupportedModelError(
-            f"FP8 activations in {act_block}-channel blocks need "
-            "models/block_quant.BlockQuantWeight.act_block, which this build lacks")
-    return w.replace(act="e4m3")
+    return w.replace(act="e4m3", act_block=int(act_block))
 
 
 def _fp8(w: Any, block: tuple[int, int] = FP8_BLOCK,
@@ -240,7 +214,6 @@ def quantize(params: ModelParams, scheme: str = "w8a8", *, head: bool = False,
         raise InvalidInputError("hadamard_down goes with the int8 schemes, not fp8")
     is_block = lambda a: isinstance(a, BlockQuantWeight)  # noqa: E731
     fp8 = fp8_blocks(params.config) if scheme == "fp8" else (FP8_BLOCK, ACT_BLOCK)
-    fp8 = (fp8[0], effective_act_block(fp8[1]))
     if scheme == "fp8" and any(is_block(a) for a in jax.tree.leaves(w, is_leaf=is_block)):
         # an FP8 / FP4 checkpoint: its stored weights get FP8 activations, nothing else moves
         act_block = fp8[1]

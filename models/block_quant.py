@@ -189,6 +189,8 @@ class BlockQuantWeight:
     fmt: str = struct.field(pytree_node=False, default="e4m3")
     block: tuple[int, int] = struct.field(pytree_node=False, default=(128, 128))
     act: str = struct.field(pytree_node=False, default="none")
+    # act="e4m3": channels per activation scale (V4: 128; V4.1: 32, its weight block's width)
+    act_block: int = struct.field(pytree_node=False, default=ACT_BLOCK)
 
     @property
     def stored_shape(self) -> tuple[int, ...]:
@@ -276,7 +278,9 @@ def quantize_activation_e4m3(x: jax.Array, block: int = ACT_BLOCK) -> jax.Array:
     padded = jnp.pad(x32, [(0, 0)] * (x.ndim - 1) + [(0, n * block - c)])
     blocks = padded.reshape(x.shape[:-1] + (n, block))
     amax = jnp.maximum(jnp.max(jnp.abs(blocks), axis=-1, keepdims=True), ACT_MIN_AMAX)
-    scale = jnp.exp2(jnp.ceil(jnp.log2(amax / E4M3_MAX)))
+    # 2 ** ceil(log2(amax / 448)), exactly (XLA:CPU's exp2 / log2 are a few ulps off)
+    mant, exp = jnp.frexp(amax / E4M3_MAX)
+    scale = jnp.ldexp(jnp.float32(1.0), jnp.where(mant == 0.5, exp - 1, exp))
     q = (blocks / scale).astype(jnp.float8_e4m3fn)
     back = (q.astype(jnp.float32) * scale).reshape(padded.shape)[..., :c]
     return back.astype(x.dtype)

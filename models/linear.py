@@ -266,7 +266,7 @@ def _block_quant_matmul(x: jax.Array, w: BlockQuantWeight) -> jax.Array:
     is tied to x (`_after`) so XLA:CPU does not run every layer's converts up front.
     """
     if w.act == "e4m3":
-        x = quantize_activation_e4m3(x)
+        x = quantize_activation_e4m3(x, w.act_block)
     # the select runs on bytes: on FP8 XLA:CPU emulates it (docs/performance_notes.md,
     # "FP8 products: the ordering select runs on bytes")
     raw = _after(x, jax.lax.bitcast_convert_type(w.values, jnp.uint8))
