@@ -37,7 +37,13 @@ import numpy as np
 
 from gsm_jax.errors import InvalidInputError
 from gsm_jax.families import family_module
-from gsm_jax.generation import MIN_PROMPT_BUCKET, as_token_rows, bucket, check_params
+from gsm_jax.generation import (
+    MIN_PROMPT_BUCKET,
+    as_token_rows,
+    bucket,
+    check_params,
+    check_refused_tokens,
+)
 from gsm_jax.models.gsm_sites import GSMInputs
 from gsm_jax.params import ModelParams
 
@@ -294,6 +300,7 @@ def speculative_generate(
     params = check_params(params)
     cfg = params.config
     rows = _prompt_rows(prompt_ids, cfg.vocab_size)
+    check_refused_tokens(rows, cfg)  # e.g. V4.1's image token: text only
     if len(rows) != 1:
         raise InvalidInputError(
             f"speculative_generate takes one prompt at a time, got {len(rows)}; loop over them")

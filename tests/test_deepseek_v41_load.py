@@ -185,6 +185,11 @@ def test_image_token_is_refused_before_compiling(params, monkeypatch):
     assert params.tokenizer.encode(word) == [IMAGE_TOKEN]
     with pytest.raises(InvalidInputError, match=rf"token id {IMAGE_TOKEN}.*image_token_id"):
         gsm_jax.generate(params, ["hello " + word])
+    from gsm_jax.serving.engine import Engine, Request  # the server's path too
+
+    engine = Engine(params, max_batch=1, max_len=64)
+    with pytest.raises(InvalidInputError, match=rf"token id {IMAGE_TOKEN}.*image_token_id"):
+        engine.check_request(Request([7, IMAGE_TOKEN, 8], max_new_tokens=2))
 
 
 # ----------------------------------------------------------------------------- FP8 activations

@@ -75,7 +75,13 @@ import numpy as np
 
 from gsm_jax.errors import GSMConfigError, InvalidInputError
 from gsm_jax.families import family_module
-from gsm_jax.generation import MIN_PROMPT_BUCKET, bucket, on_mesh, sample_tokens
+from gsm_jax.generation import (
+    MIN_PROMPT_BUCKET,
+    bucket,
+    check_refused_tokens,
+    on_mesh,
+    sample_tokens,
+)
 from gsm_jax.models import common
 from gsm_jax.models.gsm_sites import GSMInputs
 from gsm_jax.params import ModelParams
@@ -623,6 +629,7 @@ class Engine:
             raise InvalidInputError(
                 f"a request's prompt has ids outside the vocabulary [0, {self.config.vocab_size})"
             )
+        check_refused_tokens([prompt], self.config)  # e.g. V4.1's image token: text only
         n_new = req.max_new_tokens
         if isinstance(n_new, bool) or not isinstance(n_new, int | np.integer) or n_new < 1:
             raise InvalidInputError(f"max_new_tokens must be an integer >= 1, got {n_new!r}")
