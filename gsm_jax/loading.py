@@ -228,8 +228,18 @@ def save(params: ModelParams, path: str | os.PathLike, *, overwrite: bool = Fals
         "config": dataclasses.asdict(params.config),
         "tokenizer": _tokenizer_state(params.tokenizer),
         "source": params.source,
-        "extra": params.extra,
+        "extra": {},
+        # entries that are not JSON (e.g. DeepSeek-V4.1's DSpark tensors, `extra["mtp"]`) are
+        # not written: named here, so a reload says what it lacks
+        "extra_not_saved": [],
     }
+    for key, value in dict(params.extra).items():
+        try:
+            json.dumps(value)
+        except (TypeError, ValueError):
+            meta["extra_not_saved"].append(str(key))
+        else:
+            meta["extra"][key] = value
     (path / _SAVE_META).write_text(json.dumps(meta, indent=1))
     return path
 

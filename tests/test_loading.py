@@ -123,3 +123,13 @@ def test_directory_without_weights(tmp_path):
 def test_unknown_dtype():
     with pytest.raises(gsm_jax.InvalidInputError, match="float64"):
         gsm_jax.load("smollm2-135m", dtype="float64")
+
+
+def test_save_names_the_extra_entries_it_cannot_write(tmp_path, tiny_llama):
+    """JSON entries of `params.extra` are saved; others (V4.1's DSpark tensors) are named."""
+    import dataclasses
+
+    params = dataclasses.replace(tiny_llama, extra={"note": [1, 2], "mtp": object()})
+    path = gsm_jax.save(params, tmp_path / "ckpt")
+    meta = json.loads((path / "gsm_jax.json").read_text())
+    assert meta["extra"] == {"note": [1, 2]} and meta["extra_not_saved"] == ["mtp"]
