@@ -84,9 +84,12 @@ def _release_compiled_programs():
     one process; SmolLM2's per-layer programs (30 unrolled layers) are large, and
     keeping every module's executables alive only grows that process."""
     yield
+    import gc
+
     import jax
 
     jax.clear_caches()
+    gc.collect()  # free the executables now: each maps its code (vm.max_map_count is 65530)
 
 
 @pytest.fixture(scope="session")
