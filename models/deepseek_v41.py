@@ -1,6 +1,7 @@
 """DeepSeek-V4.1-Flash decoder (`DeepseekV41ForCausalLM`, HF model_type "deepseek_v41").
 
-Facts: /work/shared/research/deepseek_v41.md (section numbers below refer to it). The
+Facts: the release's config, checkpoint and reference code, cited below by section of the
+project's V4.1 research note (§n). The
 pieces V4.1 shares with V4 are imported from `models/deepseek_v4.py` (interleaved RoPE with
 frequency-only YaRN `RopeSpec`, sink attention, the stream mixing helpers, RMSNorm, the
 sqrtsoftplus score); what differs is written here:

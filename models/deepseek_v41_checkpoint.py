@@ -1,6 +1,6 @@
 """DeepSeek-V4.1-Flash checkpoints in the released layout: reader and tiny-checkpoint writer.
 
-The layout (`../shared/research/deepseek_v41.md` sections 1, 6.3 and 9):
+The layout (the release's config.json, index and shard headers):
 
 - config.json is nested: `text_config` (the architecture), `vision_config`,
   `image_token_id` and a top-level `quantization_config` with

@@ -9,9 +9,9 @@ V4.1). Nothing is read until `models/deepseek_v4.weights_from_hf` asks for it, o
 layer at a time.
 
 Writing (`write_checkpoint`): a model's float weights in the official layout
-(names, dtypes and block shapes of `../shared/research/deepseek_v4_checkpoints.md`
-section 2a), split into shards with an index: the tests' and benchmarks' stand-in
-for the real release.
+(the released names, dtypes and block shapes: the checkpoint's
+`model.safetensors.index.json` and shard headers), split into shards with an index:
+the tests' and benchmarks' stand-in for the real release.
 """
 
 from __future__ import annotations
