@@ -19,8 +19,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
+from tiny_models import write_tiny_hf_llama
 
 from gsm_jax.cli import COMMANDS, build_parser, main
 from gsm_jax.errors import InvalidInputError
@@ -28,56 +28,6 @@ from gsm_jax.planner import parse_bytes
 from gsm_jax.workflow import data
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _tiny_hf_model(root: Path) -> Path:
-    """A 2-layer random Llama as a Hugging Face directory with a byte-level BPE tokenizer
-    (no merges: one token per byte), so it reads the packaged text files."""
-    from safetensors.numpy import save_file
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    vocab = {ch: i for i, ch in enumerate(alphabet)}
-    vocab["<s>"], vocab["</s>"] = len(vocab), len(vocab) + 1
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(["<s>", "</s>"])
-    root.mkdir(parents=True)
-    tok.save(str(root / "tokenizer.json"))
-    (root / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True}))
-    v, d, ff, layers, heads, kv, hd = len(vocab), 32, 64, 2, 4, 2, 8
-    (root / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": v,
-        "hidden_size": d, "intermediate_size": ff, "num_hidden_layers": layers,
-        "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": hd,
-        "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-        "hidden_act": "silu", "tie_word_embeddings": False, "bos_token_id": v - 2,
-        "eos_token_id": v - 1, "torch_dtype": "float32",
-    }))
-    rng = np.random.default_rng(0)
-
-    def w(*shape: int) -> np.ndarray:
-        return (rng.standard_normal(shape) * 0.2).astype(np.float32)
-
-    tensors = {"model.embed_tokens.weight": w(v, d), "model.norm.weight": np.ones(d, np.float32),
-               "lm_head.weight": w(v, d)}
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        tensors |= {
-            p + "input_layernorm.weight": np.ones(d, np.float32),
-            p + "post_attention_layernorm.weight": np.ones(d, np.float32),
-            p + "self_attn.q_proj.weight": w(heads * hd, d),
-            p + "self_attn.k_proj.weight": w(kv * hd, d),
-            p + "self_attn.v_proj.weight": w(kv * hd, d),
-            p + "self_attn.o_proj.weight": w(d, heads * hd),
-            p + "mlp.gate_proj.weight": w(ff, d),
-            p + "mlp.up_proj.weight": w(ff, d),
-            p + "mlp.down_proj.weight": w(d, ff),
-        }
-    save_file(tensors, str(root / "model.safetensors"))
-    return root
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +42,7 @@ def clone(tmp_path_factory):
     _python(["-m", "pip", "install", "-q", "--no-deps", "--no-index", "--no-build-isolation",
              "--target", str(site), str(src)], cwd=base, env=dict(os.environ))
     shutil.rmtree(src)  # only the installed package remains: no repository, no ../shared
-    model = _tiny_hf_model(base / "tiny-model")
+    model = write_tiny_hf_llama(base / "tiny-model", max_positions=512)
     work = base / "work"
     work.mkdir()
     assert not (work.parent / "shared").exists() and not (base.parent / "shared").exists()
@@ -269,7 +219,7 @@ def test_device_memory_nonsense_refused(text):
 
 
 def test_plan_cli_units_and_explanation(tmp_path, capsys):
-    cfg = _tiny_hf_model(tmp_path / "m") / "config.json"
+    cfg = write_tiny_hf_llama(tmp_path / "m", max_positions=512) / "config.json"
     assert main(["plan", "--model", str(cfg), "--context", "256", "--device-memory", "141"]) == 0
     out = capsys.readouterr().out
     assert "of 141.00 GB: fits" in out and "activations (estimate)" in out

@@ -90,3 +90,57 @@ def randomise_hf_dsv4(model, cfg, seed: int) -> None:
                 b.copy_(torch.stack(rows))
             elif name.endswith("e_score_correction_bias"):
                 b.copy_(rnd(b.shape, 0.5))
+
+
+def write_tiny_hf_llama(root: Path, max_positions: int = 256) -> Path:
+    """A 2-layer random Llama as a Hugging Face directory (config, safetensors, byte tokenizer)
+    that both gsm_jax.load and transformers' from_pretrained read. The tokenizer is byte-level
+    BPE without merges (one token per byte), so it reads any text file."""
+    import json
+
+    from safetensors.numpy import save_file
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {ch: i for i, ch in enumerate(alphabet)}
+    vocab["<s>"], vocab["</s>"] = len(vocab), len(vocab) + 1
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<s>", "</s>"])
+    root.mkdir(parents=True)
+    tok.save(str(root / "tokenizer.json"))
+    (root / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True}))
+
+    v, d, ff, layers, heads, kv, hd = len(vocab), 32, 64, 2, 4, 2, 8
+    (root / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": v,
+        "hidden_size": d, "intermediate_size": ff, "num_hidden_layers": layers,
+        "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": hd,
+        "max_position_embeddings": max_positions, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+        "hidden_act": "silu", "tie_word_embeddings": False, "bos_token_id": v - 2,
+        "eos_token_id": v - 1, "torch_dtype": "float32",
+    }))
+    rng = np.random.default_rng(0)
+
+    def w(*shape: int) -> np.ndarray:
+        return (rng.standard_normal(shape) * 0.2).astype(np.float32)
+
+    tensors = {"model.embed_tokens.weight": w(v, d), "model.norm.weight": np.ones(d, np.float32),
+               "lm_head.weight": w(v, d)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        tensors |= {
+            p + "input_layernorm.weight": np.ones(d, np.float32),
+            p + "post_attention_layernorm.weight": np.ones(d, np.float32),
+            p + "self_attn.q_proj.weight": w(heads * hd, d),
+            p + "self_attn.k_proj.weight": w(kv * hd, d),
+            p + "self_attn.v_proj.weight": w(kv * hd, d),
+            p + "self_attn.o_proj.weight": w(d, heads * hd),
+            p + "mlp.gate_proj.weight": w(ff, d),
+            p + "mlp.up_proj.weight": w(ff, d),
+            p + "mlp.down_proj.weight": w(d, ff),
+        }
+    save_file(tensors, str(root / "model.safetensors"))
+    return root
