@@ -119,6 +119,10 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
                    help="stop string, cut from the text (repeatable)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="weights and compute dtype")
+    p.add_argument("--keep-quantized", action="store_true",
+                   help="a block-quantized (FP8 / FP4) DeepSeek checkpoint keeps its "
+                        "low-precision weights as stored, the rest in --dtype (default: "
+                        "dequantized to --dtype at load)")
     p.add_argument("--gsm", type=Path, default=None,
                    help="GSM config file (YAML or JSON; unset: no smoothing)")
 
@@ -137,7 +141,8 @@ def _run_generate(args: argparse.Namespace) -> int:
     # a GSM config file is read (and validated) before the model loads
     gsm = None if args.gsm is None else gsm_jax.GSMConfig.from_file(args.gsm)
     t0 = time.perf_counter()
-    params = gsm_jax.load(args.model, dtype=args.dtype, progress=True)
+    params = gsm_jax.load(args.model, dtype=args.dtype,
+                          keep_quantized=args.keep_quantized or None, progress=True)
     print(f"[gsm-jax] loaded {params} in {time.perf_counter() - t0:.1f}s", flush=True)
     if gsm is not None:
         print(gsm_jax.describe(gsm, params.config.num_layers), flush=True)

@@ -83,10 +83,13 @@ def _placed(params: ModelParams, mesh: Any) -> bool:
 
 def _load(source: Any, dtype: Any, keep_quantized: bool | None, mesh: Any,
           progress: bool) -> ModelParams:
+    explicit_keep = keep_quantized is True
     if keep_quantized is None:
         keep_quantized = dtype is None
     jdtype = _resolve_dtype("float32" if dtype is None else dtype)
     src = os.fspath(source)
+    if explicit_keep and (src in REGISTERED_MODELS or Path(src).exists()):
+        _check_keep_quantized(src)
     if src in REGISTERED_MODELS:
         from gsm_jax.models.gguf_reader import default_gguf_path
 
@@ -109,6 +112,27 @@ def _load(source: Any, dtype: Any, keep_quantized: bool | None, mesh: Any,
     raise ModelLoadError(
         f"{src}: directory has neither config.json (Hugging Face) nor {_SAVE_META} (gsm_jax.save)"
     )
+
+
+def _check_keep_quantized(src: str) -> None:
+    """keep_quantized=True asks for block-quantized (FP8 / FP4) weights as stored: only a
+    Hugging Face directory whose config.json has a quantization_config stores them. Refused
+    before anything is read rather than ignored."""
+    path = Path(src)
+    config = path / "config.json"
+    quantized = False
+    if path.is_dir() and config.exists():
+        try:
+            hf = json.loads(config.read_text())
+        except (OSError, ValueError):
+            return  # the loader itself reports an unreadable config.json
+        text = hf.get("text_config") if isinstance(hf.get("text_config"), dict) else {}
+        quantized = bool(hf.get("quantization_config") or text.get("quantization_config"))
+    if not quantized:
+        raise InvalidInputError(
+            f"keep_quantized=True (--keep-quantized): {src} stores no block-quantized "
+            "(FP8 / FP4) weights (no quantization_config in a Hugging Face config.json); "
+            "leave it unset")
 
 
 def _load_gguf(path: str, dtype: Any, progress: bool, *, name: str) -> ModelParams:

@@ -154,6 +154,11 @@ class DeepseekV41Config:
     tie_word_embeddings: bool = False
     eos_token_ids: tuple[int, ...] = (1,)
     expert_dispatch: str = "auto"
+    # The released cache precisions, simulated by quantize-dequantize (§4.5): FP8 window KV,
+    # FP4 compressed KV and index keys / queries. False keeps them float (an ablation, and
+    # how tests check the cache machinery alone: a QDQ is discontinuous, so an ulp of
+    # difference in a value at a rounding midpoint moves it a whole FP8 / FP4 step).
+    cache_qdq: bool = True
 
     def __post_init__(self) -> None:
         _plan(self)  # validates the schedule
@@ -522,6 +527,11 @@ def mxfp4_qdq(x: jax.Array, block: int = 32) -> jax.Array:
     return _unblock(_e2m1_round(jnp.clip(g / scale, -6, 6)) * scale, c, x.dtype)
 
 
+def _qdq(cfg: DeepseekV41Config, qdq, x: jax.Array) -> jax.Array:
+    """`qdq(x)`, or x itself when the config keeps its caches float (`cache_qdq=False`)."""
+    return qdq(x) if cfg.cache_qdq else x
+
+
 # ----------------------------------------------------------------------------- numerics
 
 
@@ -604,7 +614,7 @@ def index_scores(cfg: DeepseekV41Config, w: dict, x, q_res, positions, keys, spe
     """Indexer scores (§4.4): x [B,T,D], q_res [B,T,q_lora], keys [B,n,ci] -> [B,T,n] f32."""
     hi, ci = cfg.index_n_heads, cfg.index_head_dim
     q = lin("indexer.q_b", q_res, w["q_b"]).reshape(q_res.shape[:2] + (hi, ci))
-    q = mxfp4_qdq(_rope(q, spec, positions))
+    q = _qdq(cfg, mxfp4_qdq, _rope(q, spec, positions))
     head_w = lin("indexer.weights_proj", x, w["weights_proj"]) * (ci**-0.5 * hi**-0.5)
     dots = jnp.einsum("bthc,bnc->bthn", q, keys.astype(q.dtype))
     return jnp.einsum("bthn,bth->btn", jax.nn.relu(dots), head_w).astype(jnp.float32)
@@ -662,7 +672,7 @@ def attention(cfg: DeepseekV41Config, w: dict, layer: int, x: jax.Array, state: 
     q = lin("q_b", q_res, w["q_b"]).reshape(b, t, cfg.num_heads, cfg.head_dim)
     q = _rope(q, spec, positions)
     kv = rms_norm(lin("kv", x, w["kv"]), w["kv_norm"], eps)
-    kv = fp8_qdq(_rope(kv, spec, positions))
+    kv = _qdq(cfg, fp8_qdq, _rope(kv, spec, positions))
     valid = step.valid
     new = None
     if cache is None:  # forward: the call's own tokens
@@ -691,8 +701,8 @@ def attention(cfg: DeepseekV41Config, w: dict, layer: int, x: jax.Array, state: 
                                                         start, end, cache.comp_ring, lin)
             ik = rms_norm(lin("indexer.wk", latent, w["indexer"]["wk"]),
                           w["indexer"]["k_norm"], eps)
-            comp = nvfp4_qdq(_rope(latent, spec, g * r))
-            ikeys = mxfp4_qdq(_rope(ik, spec, g * r))
+            comp = _qdq(cfg, nvfp4_qdq, _rope(latent, spec, g * r))
+            ikeys = _qdq(cfg, mxfp4_qdq, _rope(ik, spec, g * r))
             if cache is not None:
                 comp = _write_slots(cache.comp, g, comp, done)
                 ikeys = _write_slots(cache.index_keys, g, ikeys, done)
@@ -1203,9 +1213,10 @@ def embed(weights: dict, cfg: DeepseekV41Config, tokens: jax.Array):
     return h, pre
 
 
-def logits(weights: dict, cfg: DeepseekV41Config, h: jax.Array, pre: jax.Array) -> jax.Array:
-    """Collapse with the last FFN mix's pre -> final norm -> LM head (f32)."""
-    x = rms_norm(weighted_streams(pre, h), weights["final_norm"], cfg.rms_norm_eps)
+def logits(weights: dict, cfg: DeepseekV41Config, x: jax.Array) -> jax.Array:
+    """Final norm + LM head: the collapsed hidden states [..., D] (`hidden_states`) ->
+    logits [..., V] (f32)."""
+    x = rms_norm(x, weights["final_norm"], cfg.rms_norm_eps)
     with jax.named_scope("lm_head"):
         return jnp.einsum("...d,dv->...v", x.astype(jnp.float32),
                           weights["lm_head"].astype(jnp.float32))
@@ -1253,18 +1264,18 @@ def _run(weights: dict, cfg: DeepseekV41Config, tokens: jax.Array, step: common.
 
 def hidden_states(weights: dict, cfg: DeepseekV41Config, tokens: jax.Array, lengths: jax.Array,
                   sites: Sites | None = None) -> tuple[jax.Array, dict]:
-    """Teacher-forced final hidden states [B, T, D] (collapsed, final-normed) over
-    right-padded rows of `lengths` tokens, and what the hooks sowed {name: [L, ...]}."""
+    """Teacher-forced hidden states [B, T, D] over right-padded rows of `lengths` tokens
+    (the streams collapsed with the last FFN mix's pre weights, before the final norm: what
+    `logits` takes), and what the hooks sowed {name: [L, ...]}."""
     h, pre, sown, _ = _run(weights, cfg, tokens,
                            common.forward_step(lengths, tokens.shape[1], sites))
-    return rms_norm(weighted_streams(pre, h), weights["final_norm"], cfg.rms_norm_eps), sown
+    return weighted_streams(pre, h), sown
 
 
 def forward(weights: dict, cfg: DeepseekV41Config, tokens: jax.Array, lengths: jax.Array,
             gsm: Sites | None = None) -> jax.Array:
     """Teacher-forced logits [B, T, V] (f32) over right-padded rows of `lengths` tokens."""
-    h, pre, _, _ = _run(weights, cfg, tokens, common.forward_step(lengths, tokens.shape[1], gsm))
-    return logits(weights, cfg, h, pre)
+    return logits(weights, cfg, hidden_states(weights, cfg, tokens, lengths, gsm)[0])
 
 
 def prefill(weights: dict, cfg: DeepseekV41Config, tokens: jax.Array, lengths: jax.Array,
@@ -1273,8 +1284,7 @@ def prefill(weights: dict, cfg: DeepseekV41Config, tokens: jax.Array, lengths: j
     """Right-padded prompts into a fresh cache; each row's last-token logits [B, V]."""
     step = common.prefill_step(lengths, tokens.shape[1], cache, gsm)
     h, pre, _, cache = _run(weights, cfg, tokens, step, cache)
-    return logits(weights, cfg, common.last_token(h, lengths),
-                  common.last_token(pre, lengths)), cache
+    return logits(weights, cfg, common.last_token(weighted_streams(pre, h), lengths)), cache
 
 
 def extend(weights: dict, cfg: DeepseekV41Config, tokens: jax.Array, n_new: jax.Array,
@@ -1284,10 +1294,10 @@ def extend(weights: dict, cfg: DeepseekV41Config, tokens: jax.Array, n_new: jax.
     chunked prefill; logits of each row's last new token [B, V] (all_logits: [B, C, V])."""
     step = common.extend_step(n_new, tokens.shape[1], cache, gsm)
     h, pre, _, cache = _run(weights, cfg, tokens, step, cache)
+    x = weighted_streams(pre, h)
     if all_logits:
-        return logits(weights, cfg, h, pre), cache
-    return logits(weights, cfg, common.last_token(h, n_new),
-                  common.last_token(pre, n_new)), cache
+        return logits(weights, cfg, x), cache
+    return logits(weights, cfg, common.last_token(x, n_new)), cache
 
 
 def decode_step(weights: dict, cfg: DeepseekV41Config, tokens: jax.Array,
@@ -1297,7 +1307,7 @@ def decode_step(weights: dict, cfg: DeepseekV41Config, tokens: jax.Array,
     Inactive rows compute but neither advance nor write."""
     step = common.decode_step_ctx(cache, active, gsm)
     h, pre, _, cache = _run(weights, cfg, tokens[:, None], step, cache)
-    return logits(weights, cfg, h[:, 0], pre[:, 0]), cache
+    return logits(weights, cfg, weighted_streams(pre[:, 0], h[:, 0])), cache
 
 
 # ----------------------------------------------------------------------------- family contract

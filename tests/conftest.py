@@ -12,6 +12,41 @@ from pathlib import Path
 
 import pytest
 
+_COMPILE_CACHE = os.environ.get("GSM_JAX_TEST_COMPILE_CACHE", "1")
+
+
+def pytest_configure(config):
+    """One persistent JAX compilation cache for the whole test session, in a fresh temporary
+    folder (never the user's): modules free their programs when they end
+    (`_release_compiled_programs`), and later modules compile many of the same programs again
+    (SmolLM2's generation loop, the tiny models' steps); those become cache loads. pytest-xdist
+    workers share the folder (their controller makes it; a size cap turns on JAX's file lock
+    around reads and writes). Only pytest's processes use it: test subprocesses keep their own
+    settings, so the CLI's cache tests are unaffected. `GSM_JAX_TEST_COMPILE_CACHE=0`: off."""
+    if _COMPILE_CACHE.lower() in ("0", "off", "false", "no"):
+        return
+    import tempfile
+
+    import jax
+
+    folder = os.environ.get("GSM_JAX_TEST_XLA_CACHE_DIR")  # set by the xdist controller
+    if not folder:
+        folder = tempfile.mkdtemp(prefix="gsm_jax_test_xla_cache_")
+        os.environ["GSM_JAX_TEST_XLA_CACHE_DIR"] = folder
+        config._gsm_jax_compile_cache = folder  # the process that made it removes it
+    jax.config.update("jax_compilation_cache_dir", folder)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    jax.config.update("jax_compilation_cache_max_size", 6 * 2**30)
+
+
+def pytest_unconfigure(config):
+    folder = getattr(config, "_gsm_jax_compile_cache", None)
+    if folder:
+        import shutil
+
+        shutil.rmtree(folder, ignore_errors=True)
+        os.environ.pop("GSM_JAX_TEST_XLA_CACHE_DIR", None)
+
 
 @pytest.fixture(scope="session")
 def smollm2_gguf_path() -> str:

@@ -183,7 +183,7 @@ def test_version(capsys):
 
 
 OWN_COMMANDS = ("generate", "profile", "calibrate", "eval", "report", "evidence", "bench",
-                "plan")
+                "serve", "bench-serve", "plan")
 
 
 @pytest.mark.parametrize("name", OWN_COMMANDS)

@@ -250,6 +250,9 @@ def test_every_hook_sees_the_same_activations(tiny):
     base = fam.forward(tiny.weights, cfg, toks, lens)
     x0, raw = fam.hidden_states(tiny.weights, cfg, toks, lens, _SowSites())
     assert set(raw) == set(SITES)
+    # the head convention every tool relies on: forward = logits(hidden_states)
+    head = jax.jit(family_module(cfg.family).logits, static_argnums=1)
+    _close(head(tiny.weights, cfg, x0), base, _scale(base))
     L = cfg.num_layers
     shape = (L, len(SITES))
     center, scale = jnp.zeros(shape), jnp.full(shape, jnp.nan)

@@ -133,3 +133,19 @@ def test_save_names_the_extra_entries_it_cannot_write(tmp_path, tiny_llama):
     path = gsm_jax.save(params, tmp_path / "ckpt")
     meta = json.loads((path / "gsm_jax.json").read_text())
     assert meta["extra"] == {"note": [1, 2]} and meta["extra_not_saved"] == ["mtp"]
+
+
+def test_keep_quantized_on_a_source_without_block_quantized_weights(tmp_path, monkeypatch):
+    """keep_quantized=True (the CLI's --keep-quantized) on a model with nothing stored in
+    FP8 / FP4 is refused before any weight is read, naming the option."""
+    from gsm_jax import loading
+
+    LlamaConfig(**TINY).save_pretrained(tmp_path)  # config.json only: no weights to read
+    monkeypatch.setattr(loading, "_load_hf_dir", lambda *a, **k: pytest.fail("read weights"))
+    with pytest.raises(gsm_jax.InvalidInputError, match="keep-quantized.*no block-quantized"):
+        gsm_jax.load(tmp_path, dtype="float32", keep_quantized=True)
+    monkeypatch.setattr(loading, "_load_gguf", lambda *a, **k: pytest.fail("read the GGUF"))
+    with pytest.raises(gsm_jax.InvalidInputError, match="keep-quantized"):
+        gsm_jax.load("smollm2-135m", keep_quantized=True)
+    with pytest.raises(ModelNotFoundError):  # a missing path is still reported as missing
+        gsm_jax.load(tmp_path / "nowhere", keep_quantized=True)

@@ -459,3 +459,26 @@ def test_unknown_model_exits_with_a_clear_error():
         capture_output=True, text=True, timeout=120, env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert r.returncode == 2, r.stderr[-2000:]
     assert "gsm-jax serve: error:" in r.stderr and "no-such-model" in r.stderr
+
+
+@pytest.mark.parametrize("value", ["100", "0", "-8", "lots"])
+def test_bad_min_attend_is_refused_before_loading(value, capsys, monkeypatch):
+    from gsm_jax.cli import main
+    from gsm_jax.serving import app
+
+    monkeypatch.setattr(app, "serve", lambda *a, **k: pytest.fail("started serving"))
+    assert main(["serve", "--min-attend", value, "--port", str(_free_port())]) == 2
+    err = capsys.readouterr().err
+    assert "--min-attend" in err and value in err
+
+
+def test_min_attend_reaches_the_server_options(monkeypatch):
+    from gsm_jax.cli import main
+    from gsm_jax.serving import app
+
+    seen = []
+    monkeypatch.setattr(app, "serve", lambda options, **k: seen.append(options.min_attend))
+    for value in ("64", "none", "NONE"):
+        assert main(["serve", "--min-attend", value]) == 0
+    assert main(["serve"]) == 0
+    assert seen == [64, None, None, app.ServerOptions().min_attend] and seen[-1] == 128

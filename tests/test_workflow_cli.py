@@ -59,6 +59,10 @@ def test_cli_errors(setup, capsys, tmp_path):
     assert main(["profile", "--model", model, "--data", data, "--samples", "99",
                  "--out", str(tmp_path / "p"), *COMMON]) == 2
     assert "requested" in capsys.readouterr().err
+    # the saved tiny model stores no FP8 / FP4 weights: --keep-quantized is refused, not ignored
+    assert main(["eval", "--model", model, "--keep-quantized", "--gsm", "none", "--data", data,
+                 *SMALL, *COMMON]) == 2
+    assert "no block-quantized" in capsys.readouterr().err
 
 
 def _all_layers(tmp_path):

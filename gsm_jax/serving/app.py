@@ -94,6 +94,7 @@ class ServerOptions:
     seed: int = 0
     mesh: tuple[int, int] | None = None  # (data, model): weights sharded, JAX SPMD
     gsm_ring: int | None = None  # GSM ring rows; default: what `gsm` needs, else 16
+    min_attend: int | None = 128  # smallest decode read bound (power of two); None: all
 
 
 class HTTPError(Exception):
@@ -250,7 +251,8 @@ class GSMServer:
             self.engine = engine = Engine(
                 self.params, max_batch=o.max_batch, max_len=o.max_len, compile_gsm=compile_gsm,
                 gsm=initial, seed=o.seed, prefill_chunk=o.prefill_chunk,
-                gsm_ring=o.gsm_ring or (None if initial is not None else 16))
+                gsm_ring=o.gsm_ring or (None if initial is not None else 16),
+                min_attend=o.min_attend)
             self.live = LiveGSM(initial, check=self._check_gsm, on_change=self._gsm_changed)
             self._gsm_changed(self.live.current)
             engine.warmup(o.warmup_lengths, sample=o.warmup_sampling)

@@ -14,11 +14,17 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="registered name, .gguf file, HF directory or gsm_jax.save directory")
     p.add_argument("--served-model-name", default=None, help="the name clients use "
                    "(default: --model)")
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                   help="weights and compute dtype (unset: float32; a block-quantized "
+                   "DeepSeek checkpoint keeps its FP8 / FP4 weights as stored)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help="TCP port")
     p.add_argument("--max-batch", type=int, default=16, help="decode slots")
     p.add_argument("--max-len", type=int, default=2048, help="tokens per slot (prompt + new)")
+    p.add_argument("--min-attend", default="128",
+                   help="smallest read bound of a decode step, a power of two: each step "
+                   "attends over the power of two above its longest row, at least this "
+                   "('none': every step reads all --max-len slots, one decode program)")
     p.add_argument("--max-queue", type=int, default=1024,
                    help="waiting requests before new ones get 503")
     p.add_argument("--prefill-chunk", type=int, default=512,
@@ -36,11 +42,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="seconds SIGTERM waits for running requests")
     p.add_argument("--warmup-lengths", default="16,32,64,128",
                    help="prompt lengths whose prefill compiles before serving (comma list)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="sampling seed of requests that give none")
     p.add_argument("--mesh", default=None,
                    help="DATAxMODEL devices, e.g. 1x8: weights sharded by the rules table "
                    "(tensor / expert parallel), one engine over the mesh")
-    p.add_argument("--log-level", default="info")
+    p.add_argument("--log-level", default="info",
+                   help="debug, info, warning or error (the server's and uvicorn's logs)")
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -53,6 +61,16 @@ def run_serve(args: argparse.Namespace) -> int:
         warm = tuple(int(x) for x in str(args.warmup_lengths).split(",") if x.strip())
     except ValueError as e:
         raise InvalidInputError(f"--warmup-lengths must be integers: {e}") from e
+    min_attend = None
+    if str(args.min_attend).lower() != "none":
+        try:
+            min_attend = int(args.min_attend)
+        except ValueError:
+            raise InvalidInputError(f"--min-attend must be a power of two or 'none', got "
+                                    f"{args.min_attend!r}") from None
+        if min_attend < 1 or min_attend & (min_attend - 1):
+            raise InvalidInputError(f"--min-attend must be a power of two >= 1 or 'none', got "
+                                    f"{args.min_attend!r}")
     mesh = None
     if args.mesh:
         try:
@@ -69,29 +87,34 @@ def run_serve(args: argparse.Namespace) -> int:
         compile_gsm=not args.no_gsm, admin_token=args.admin_token,
         shutdown_timeout=args.shutdown_timeout, warmup_lengths=warm,
         served_model_name=args.served_model_name, seed=args.seed, mesh=mesh,
-        gsm_ring=args.gsm_ring)
+        gsm_ring=args.gsm_ring, min_attend=min_attend)
     serve(options, host=args.host, port=args.port, log_level=args.log_level)
     return 0
 
 
 def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--url", default="http://127.0.0.1:8000")
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="the server's base URL")
     p.add_argument("--model", default=None, help="default: the server's (GET /v1/models)")
     p.add_argument("--clients", type=int, default=16, help="closed loop: concurrent clients")
     p.add_argument("--rate", type=float, default=None,
                    help="open loop: Poisson arrivals per second (instead of --clients)")
-    p.add_argument("--requests", type=int, default=256)
+    p.add_argument("--requests", type=int, default=256, help="requests in the run")
     p.add_argument("--long-share", type=float, default=0.25,
                    help="share of long requests (prompt 256-512, 64 new; short: 16-64, 16)")
-    p.add_argument("--short-new", type=int, default=16)
-    p.add_argument("--long-new", type=int, default=64)
+    p.add_argument("--short-new", type=int, default=16, help="max_tokens of a short request")
+    p.add_argument("--long-new", type=int, default=64, help="max_tokens of a long request")
     p.add_argument("--gsm-ab", action="store_true",
                    help="split the run into the GSM arms by rollout 0.5 (needs --admin-token)")
-    p.add_argument("--admin-token", default=None)
-    p.add_argument("--slo-ttft-ms", type=float, default=None)
-    p.add_argument("--slo-tpot-ms", type=float, default=None)
-    p.add_argument("--slo-e2e-ms", type=float, default=None)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--admin-token", default=None,
+                   help="the server's --admin-token (for --gsm-ab)")
+    p.add_argument("--slo-ttft-ms", type=float, default=None,
+                   help="time-to-first-token objective: the report gives the share met")
+    p.add_argument("--slo-tpot-ms", type=float, default=None,
+                   help="time-per-output-token objective: the report gives the share met")
+    p.add_argument("--slo-e2e-ms", type=float, default=None,
+                   help="whole-request latency objective: the report gives the share met")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the request mix and the arrivals")
     p.add_argument("--out", default="runs/bench_serve", help="results.json + results.png here")
 
 

@@ -29,6 +29,10 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help="registered name, .gguf file, HF directory or gsm_jax.save directory")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="weights and compute dtype")
+    p.add_argument("--keep-quantized", action="store_true",
+                   help="a block-quantized (FP8 / FP4) DeepSeek checkpoint keeps its "
+                        "low-precision weights as stored, the rest in --dtype (default: "
+                        "dequantized to --dtype at load)")
     p.add_argument("--data", default=None,
                    help="UTF-8 text file (.gz too) or .npy token ids [N, T] (unset: the "
                         "WikiText-2 raw test split shipped with the package)")
@@ -87,7 +91,8 @@ def _load(args: argparse.Namespace):
     import gsm_jax
 
     t0 = time.perf_counter()
-    params = gsm_jax.load(args.model, dtype=args.dtype, progress=not args.quiet)
+    params = gsm_jax.load(args.model, dtype=args.dtype,
+                          keep_quantized=args.keep_quantized or None, progress=not args.quiet)
     print(f"[gsm-jax] loaded {params} in {time.perf_counter() - t0:.1f}s", file=sys.stderr,
           flush=True)
     # INT8 (gsm_jax.quant): GSM then smooths before the per-token activation quantization

@@ -104,11 +104,11 @@ def _compare_recompute(weights, tokens, gsm, *, config):
 @functools.partial(jax.jit, static_argnames=("config",))
 def _greedy_at(weights, tokens, lengths, positions, gsm, *, config):
     """argmax of the next-token logits at `positions` [B, K] only (no full-vocab logits
-    elsewhere): the hidden states are gathered before the LM head. A family whose head
-    needs more than `hidden_states` returns (see `_head_reads_hidden_states`) gets its
-    full teacher-forced logits, gathered at `positions`."""
+    elsewhere): the hidden states are gathered before the LM head (the family contract:
+    `logits(weights, cfg, hidden_states(...)[0])` is `forward`; a family without the two
+    gets its full teacher-forced logits, gathered at `positions`)."""
     fam = family_module(config.family)
-    if not _head_reads_hidden_states(fam):
+    if not (hasattr(fam, "hidden_states") and hasattr(fam, "logits")):  # both optional
         logits = fam.forward(weights, config, tokens, lengths, gsm)
         return jnp.argmax(jnp.take_along_axis(logits, positions[..., None], axis=1),
                           axis=-1).astype(jnp.int32)
@@ -116,19 +116,6 @@ def _greedy_at(weights, tokens, lengths, positions, gsm, *, config):
     idx = positions.reshape(positions.shape + (1,) * (h.ndim - 2))
     logits = fam.logits(weights, config, jnp.take_along_axis(h, idx, axis=1))
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-
-
-def _head_reads_hidden_states(fam: Any) -> bool:
-    """Whether `fam.logits(weights, cfg, h)` turns `fam.hidden_states`' output into logits
-    (Llama, Gemma 3, DeepSeek-V4). DeepSeek-V4.1's `hidden_states` returns the final-normed
-    collapse and its `logits` takes the streams and their collapse weights instead."""
-    import inspect
-
-    head = getattr(fam, "logits", None)
-    if head is None or not hasattr(fam, "hidden_states"):
-        return False
-    params = list(inspect.signature(head).parameters.values())
-    return len(params) == 3 and all(p.default is inspect.Parameter.empty for p in params)
 
 
 def _bucket_up(n: int, step: int) -> int:
