@@ -1284,7 +1284,8 @@ def prefill(weights: dict, cfg: DeepseekV41Config, tokens: jax.Array, lengths: j
     """Right-padded prompts into a fresh cache; each row's last-token logits [B, V]."""
     step = common.prefill_step(lengths, tokens.shape[1], cache, gsm)
     h, pre, _, cache = _run(weights, cfg, tokens, step, cache)
-    return logits(weights, cfg, common.last_token(weighted_streams(pre, h), lengths)), cache
+    last = weighted_streams(common.last_token(pre, lengths), common.last_token(h, lengths))
+    return logits(weights, cfg, last), cache
 
 
 def extend(weights: dict, cfg: DeepseekV41Config, tokens: jax.Array, n_new: jax.Array,
@@ -1294,10 +1295,10 @@ def extend(weights: dict, cfg: DeepseekV41Config, tokens: jax.Array, n_new: jax.
     chunked prefill; logits of each row's last new token [B, V] (all_logits: [B, C, V])."""
     step = common.extend_step(n_new, tokens.shape[1], cache, gsm)
     h, pre, _, cache = _run(weights, cfg, tokens, step, cache)
-    x = weighted_streams(pre, h)
     if all_logits:
-        return logits(weights, cfg, x), cache
-    return logits(weights, cfg, common.last_token(x, n_new)), cache
+        return logits(weights, cfg, weighted_streams(pre, h)), cache
+    last = weighted_streams(common.last_token(pre, n_new), common.last_token(h, n_new))
+    return logits(weights, cfg, last), cache
 
 
 def decode_step(weights: dict, cfg: DeepseekV41Config, tokens: jax.Array,

@@ -61,16 +61,15 @@ def run_serve(args: argparse.Namespace) -> int:
         warm = tuple(int(x) for x in str(args.warmup_lengths).split(",") if x.strip())
     except ValueError as e:
         raise InvalidInputError(f"--warmup-lengths must be integers: {e}") from e
-    min_attend = None
-    if str(args.min_attend).lower() != "none":
-        try:
-            min_attend = int(args.min_attend)
-        except ValueError:
-            raise InvalidInputError(f"--min-attend must be a power of two or 'none', got "
-                                    f"{args.min_attend!r}") from None
-        if min_attend < 1 or min_attend & (min_attend - 1):
-            raise InvalidInputError(f"--min-attend must be a power of two >= 1 or 'none', got "
-                                    f"{args.min_attend!r}")
+    # checked here, before the model loads (the engine is made after it)
+    from gsm_jax.serving.engine import check_min_attend
+
+    text = str(args.min_attend).strip()
+    try:
+        value = None if text.lower() == "none" else int(text)
+    except ValueError:
+        value = text  # refused by check_min_attend, which names it
+    min_attend = check_min_attend(value, "--min-attend")
     mesh = None
     if args.mesh:
         try:

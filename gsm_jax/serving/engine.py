@@ -273,6 +273,15 @@ COMPILED = {"pick": _pick, "prefill": _prefill, "extend": _extend, "insert": _in
             "prefill_insert": _prefill_insert, "decode": _decode}
 
 
+def check_min_attend(value: Any, name: str = "min_attend") -> int | None:
+    """`Engine(min_attend=)`: a power of two >= 1, or None (every step reads all slots).
+    `name` is what the error calls it (the server's CLI: "--min-attend")."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int | np.integer)
+                              or value < 1 or value & (value - 1)):
+        raise InvalidInputError(f"{name} must be a power of two >= 1 or None, got {value!r}")
+    return None if value is None else int(value)
+
+
 def compile_counts() -> dict[str, int]:
     """How many programs each compiled function holds (process-wide): a config change
     that recompiled would show up here."""
@@ -373,12 +382,7 @@ class Engine:
         if gsm_ring is not None and (isinstance(gsm_ring, bool) or int(gsm_ring) < 1):
             raise InvalidInputError(f"gsm_ring must be an integer >= 1, got {gsm_ring!r}")
         self._ring_request = None if gsm_ring is None else int(gsm_ring)
-        if min_attend is not None and (isinstance(min_attend, bool)
-                                       or not isinstance(min_attend, int | np.integer)
-                                       or min_attend < 1 or min_attend & (min_attend - 1)):
-            raise InvalidInputError(f"min_attend must be a power of two >= 1 or None, got "
-                                    f"{min_attend!r}")
-        self.min_attend = None if min_attend is None else int(min_attend)
+        self.min_attend = check_min_attend(min_attend)
         if eos_ids is None:
             tok = params.tokenizer
             eos_ids = tok.eos_ids if tok is not None else self.config.eos_token_ids
