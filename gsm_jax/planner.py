@@ -49,7 +49,8 @@ from gsm_jax.families import family_for_model_type, family_module
 from gsm_jax.sharding import RULES, logical_axes
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
-KNOWN_CONFIGS = {"deepseek-v4-flash": DATA_DIR / "deepseek_v4_flash_config.json"}
+KNOWN_CONFIGS = {"deepseek-v4-flash": DATA_DIR / "deepseek_v4_flash_config.json",
+                 "deepseek-v4.1-flash": DATA_DIR / "deepseek_v41_flash_config.json"}
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -97,8 +98,13 @@ def parse_bytes(text: Any) -> int:
 def load_config(model: Any) -> Any:
     """(config, quantization_config, expert_dtype) from a known name, a config.json path,
     a dict or a config dataclass."""
+    return _load_config(model)[:3]
+
+
+def _load_config(model: Any) -> Any:
+    """load_config's triple plus the config.json dict (None for a dataclass)."""
     if dataclasses.is_dataclass(model):
-        return model, None, "fp8"
+        return model, None, "fp8", None
     hf = model
     if isinstance(model, str | Path):
         path = KNOWN_CONFIGS.get(str(model), Path(model))
@@ -110,7 +116,8 @@ def load_config(model: Any) -> Any:
         hf = json.loads(path.read_text())
     family = family_module(family_for_model_type(hf.get("model_type")))
     cfg = family.CONFIG_CLASS.from_hf_config(hf)
-    return cfg, hf.get("quantization_config"), hf.get("expert_dtype", "fp8")
+    quant = hf.get("quantization_config")
+    return cfg, quant, (quant or {}).get("expert_dtype", hf.get("expert_dtype", "fp8")), hf
 
 
 @dataclasses.dataclass
@@ -124,6 +131,7 @@ class Plan:
     context: int
     lines: dict[str, int]  # name -> bytes per device
     parameters: int
+    notes: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def total(self) -> int:
@@ -138,14 +146,16 @@ class Plan:
 
     def table(self) -> str:
         data, model = self.mesh_shape
+        w = max([38, *map(len, self.lines)])
         rows = [f"{self.model}: {self.parameters / 1e9:.1f}B parameters on a {data} x {model} "
                 f"(data x model) mesh, batch {self.batch}, context {self.context}",
-                f"{'per device':<40} {'GB':>10}"]
-        rows += [f"  {name:<38} {b / 1e9:>10.2f}" for name, b in self.lines.items()]
+                f"{'per device':<{w + 2}} {'GB':>10}"]
+        rows += [f"  {name:<{w}} {b / 1e9:>10.2f}" for name, b in self.lines.items()]
         verdict = "fits" if self.fits else "does NOT fit"
-        rows.append(f"  {'total':<38} {self.total / 1e9:>10.2f}   of "
+        rows.append(f"  {'total':<{w}} {self.total / 1e9:>10.2f}   of "
                     f"{self.device_memory / 1e9:.2f} GB: {verdict} "
                     f"({100 * self.total / self.device_memory:.0f}%)")
+        rows += [f"note: {n}" for n in self.notes]
         rows.append(ACTIVATIONS_NOTE)
         return "\n".join(rows)
 
@@ -164,9 +174,13 @@ def _shard_factor(family: str, path: tuple, ndim: int, mesh: dict[str, int]) -> 
 
 def plan(model: Any, mesh_shape: tuple[int, int] = (1, 1), device_memory: Any = "141GB",
          batch: int = 1, context: int = 4096, *, weights_dtype: str = "bfloat16",
-         gsm_max_window: int | None = 64, prefill_tokens: int | None = None) -> Plan:
-    """Per-device memory of `model` (a config or its path / name) on a data x model mesh."""
-    cfg, quant, expert_dtype = load_config(model)
+         gsm_max_window: int | None = 64, prefill_tokens: int | None = None,
+         vision: bool = False) -> Plan:
+    """Per-device memory of `model` (a config or its path / name) on a data x model mesh.
+    A family with its own released layout (`plan_weights`: DeepSeek-V4.1) counts its
+    weights from it, by part; `vision` counts a vision tower too (skipped by default:
+    gsm_jax runs text only)."""
+    cfg, quant, expert_dtype, hf = _load_config(model)
     data, tp = (int(x) for x in mesh_shape)
     if data < 1 or tp < 1:
         raise InvalidInputError(f"mesh shape {mesh_shape}: both axes must be >= 1")
@@ -190,6 +204,11 @@ def plan(model: Any, mesh_shape: tuple[int, int] = (1, 1), device_memory: Any = 
     lines: dict[str, float] = {}
     params = 0
     per_layer: list[float] = []
+    notes: list[str] = []
+    by_part = getattr(family, "plan_weights", None)
+    if by_part is not None and hf is not None and quant:
+        lines, params, notes = by_part(hf, mesh, weights_dtype, vision=vision)
+        shapes = {}  # counted by part
     for path, leaf in jax.tree_util.tree_flatten_with_path(shapes)[0]:
         name = str(getattr(path[-1], "key", path[-1]))
         params += math.prod(leaf.shape)
@@ -209,7 +228,7 @@ def plan(model: Any, mesh_shape: tuple[int, int] = (1, 1), device_memory: Any = 
     mtp_layers = getattr(family, "mtp_layers", None)
     mtp = mtp_layers(cfg, quant) if mtp_layers is not None else int(
         getattr(cfg, "num_nextn_predict_layers", 0) or 0)
-    if mtp:
+    if mtp and by_part is None:
         lines["weights: MTP block (as a layer)"] = mtp * sum(per_layer)
     # caches, from the model's own init_cache
     cache = jax.eval_shape(lambda: family.init_cache(
@@ -225,7 +244,7 @@ def plan(model: Any, mesh_shape: tuple[int, int] = (1, 1), device_memory: Any = 
     return Plan(model=str(model if isinstance(model, str | Path) else type(cfg).__name__),
                 mesh_shape=(data, tp), device_memory=parse_bytes(device_memory), batch=batch,
                 context=context, lines={k: int(v) for k, v in lines.items()},
-                parameters=int(params))
+                parameters=int(params), notes=notes)
 
 
 class _FakeMesh:
@@ -283,7 +302,7 @@ def compile_check(model: Any, mesh_shape: tuple[int, int], batch: int, context: 
     `gsm-jax plan --compile` starts a child process with them)."""
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from gsm_jax.sharding import check_mesh, check_model, weight_shardings
+    from gsm_jax.sharding import check_mesh, check_model, padded_shape, weight_shardings
 
     cfg, quant, expert_dtype = load_config(model)
     data, tp = mesh_shape
@@ -295,8 +314,9 @@ def compile_check(model: Any, mesh_shape: tuple[int, int], batch: int, context: 
     family = family_module(cfg.family)
     weights = abstract_weights(cfg, quant, expert_dtype, dtype)
     shardings = weight_shardings(cfg.family, weights, mesh)
-    weights = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                           weights, shardings)
+    weights = jax.tree.map(  # padded as `place` pads them (V4.1's Engram table rows)
+        lambda a, s: jax.ShapeDtypeStruct(padded_shape(a.shape, s), a.dtype, sharding=s),
+        weights, shardings)
     rows = NamedSharding(mesh, PartitionSpec("data"))
     rows2 = NamedSharding(mesh, PartitionSpec("data", None))
     cache = jax.eval_shape(lambda: family.init_cache(cfg, batch, context,
@@ -315,6 +335,11 @@ def compile_check(model: Any, mesh_shape: tuple[int, int], batch: int, context: 
             weights, cfg, jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=rows),
             cache).compile()
         out["decode_compile_s"] = time.perf_counter() - t
+    from gsm_jax.collectives import collective_summary
+
+    c = collective_summary(decode.as_text(), data * tp)
+    out["decode_collectives"] = {"bytes_per_device": c["bytes_per_device"],
+                                 "by_kind": c["by_kind"], "by_scope": c["by_scope"]}
     for name, compiled in (("prefill", prefill), ("decode", decode)):
         m = compiled.memory_analysis()
         out[name] = {k: int(getattr(m, k)) for k in
@@ -322,7 +347,7 @@ def compile_check(model: Any, mesh_shape: tuple[int, int], batch: int, context: 
                       "temp_size_in_bytes", "generated_code_size_in_bytes")}
     p = plan(model, mesh_shape, "1TB", batch, context, weights_dtype=dtype,
              gsm_max_window=None, prefill_tokens=prompt_tokens)
-    no_mtp = {k: v for k, v in p.lines.items() if "MTP" not in k}
+    no_mtp = {k: v for k, v in p.lines.items() if "MTP" not in k and "DSpark" not in k}
     out["plan"] = {"weights": sum(v for k, v in no_mtp.items() if k.startswith("weights")),
                    "caches": sum(v for k, v in no_mtp.items() if k.startswith("cache")),
                    "activations": no_mtp["activations (estimate)"]}
@@ -405,6 +430,9 @@ def add_plan_args(p: Any) -> None:
                    help="longest prompt prefilled at once (unset: --context)")
     p.add_argument("--weights-dtype", default="bfloat16", choices=sorted(_BYTES),
                    help="dtype of weights not stored quantized by the checkpoint")
+    p.add_argument("--with-vision", action="store_true",
+                   help="also count a checkpoint's vision tower (DeepSeek-V4.1; gsm_jax runs "
+                        "text only, so it is skipped by default)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--compile", action="store_true",
                    help="also lower and compile the sharded prefill / decode step with "
@@ -426,7 +454,8 @@ def run_plan(args: Any) -> int:
     else:
         data, tp = 1, args.devices or 1
     p = plan(args.model, (data, tp), args.device_memory, args.batch, args.context,
-             weights_dtype=args.weights_dtype, prefill_tokens=args.prefill_tokens)
+             weights_dtype=args.weights_dtype, prefill_tokens=args.prefill_tokens,
+             vision=args.with_vision)
     print(json.dumps(p.to_dict(), indent=1) if args.json else p.table())
     if args.compile:
         args.mesh_shape = (data, tp)

@@ -19,6 +19,8 @@ The rules (mesh axes "data" and "model"):
 | | | V4's q_b columns, o_a head groups, o_b rows and sinks |
 | mlp | model | Llama's gate/up columns and down rows; V4's shared expert (tensor-parallel) |
 | experts | model | V4's routed experts, whole experts per device (expert-parallel) |
+| engram_rows | model | V4.1's Engram table rows (padded with zero rows to a multiple of |
+| | | the axis; each device gathers its own rows, `models/engram.py`) |
 | batch | data | tokens, caches and GSM rings follow the batch the jitted call is given |
 
 Everything else (norms, routers, compressors, the indexer, hyper-connections, V4's
@@ -47,7 +49,14 @@ from gsm_jax.errors import InvalidInputError
 from gsm_jax.families import family_module
 from gsm_jax.models.block_quant import BlockQuantWeight
 from gsm_jax.models.linear import QuantizedWeight
-from gsm_jax.models.partitioning import MESH_AXES, RULES, constrain_rings, table_axes  # noqa: F401
+from gsm_jax.models.partitioning import (  # noqa: F401
+    MESH_AXES,
+    PADDED_AXES,
+    RULES,
+    constrain_rings,
+    padded_size,
+    table_axes,
+)
 from gsm_jax.params import ModelParams
 
 
@@ -115,6 +124,9 @@ def _mesh_spec(axes: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh,
             spec.append(None)
             continue
         n = mesh.shape[mesh_axis]
+        if axis in PADDED_AXES:  # padded to a multiple of n when placed
+            spec.append(mesh_axis)
+            continue
         if blocks is not None and blocks[i] % n:
             # a block-quantized weight splits along whole scale blocks only; one with too
             # few blocks (small models) stays whole on every device
@@ -162,9 +174,46 @@ def weight_shardings(family: str, weights: Any, mesh: Mesh) -> Any:
         lambda path, a: leaf_shardings(family, path, a, mesh), weights, is_leaf=_is_container)
 
 
+def padded_shape(shape: tuple[int, ...], sharding: NamedSharding) -> tuple[int, ...]:
+    """`shape` with every axis split by `sharding` rounded up to a multiple of its mesh
+    axes (only PADDED_AXES axes are placed undivided: see `_mesh_spec`)."""
+    out = []
+    for i, size in enumerate(shape):
+        entry = sharding.spec[i] if i < len(sharding.spec) else None
+        names = entry if isinstance(entry, tuple) else (entry,) if entry else ()
+        n = int(np.prod([sharding.mesh.shape[a] for a in names])) if names else 1
+        out.append(padded_size(size, n))
+    return tuple(out)
+
+
+def _padded_slice(host: Any, index: tuple) -> np.ndarray:
+    """host[index] where index may run past host's end (padding rows): zeros there."""
+    index = tuple(index) + (slice(None),) * (host.ndim - len(index))
+    inside = tuple(slice(min(s.start or 0, n), min(s.stop if s.stop is not None else n, n))
+                   for s, n in zip(index, host.shape, strict=True))
+    part = np.asarray(host[inside])
+    want = tuple((s.stop if s.stop is not None else n) - (s.start or 0)
+                 for s, n in zip(index, host.shape, strict=True))
+    if part.shape == want:
+        return part
+    out = np.zeros(want, part.dtype)
+    out[tuple(slice(0, k) for k in part.shape)] = part
+    return out
+
+
 def place(array: Any, sharding: NamedSharding) -> jax.Array:
     """A host (numpy) or device array onto its sharding; from host, each device gets only
-    its own slice (`make_array_from_callback`), never the whole array."""
+    its own slice (`make_array_from_callback`), never the whole array. An axis the
+    sharding splits unevenly (a PADDED_AXES axis) is padded with zeros."""
+    shape = padded_shape(tuple(np.shape(array)), sharding)
+    if shape != tuple(np.shape(array)):
+        if isinstance(array, jax.Array):  # already whole on a device: pad it there
+            array = jax.numpy.pad(array, [(0, p - s) for p, s in zip(shape, array.shape,
+                                                                     strict=True)])
+            return jax.device_put(array, sharding)
+        host = array if isinstance(array, np.ndarray) else np.asarray(array)
+        return jax.make_array_from_callback(shape, sharding,
+                                            lambda index: _padded_slice(host, index))
     if isinstance(array, jax.Array) and (sharding.is_fully_addressable
                                          or not array.is_fully_addressable):
         return jax.device_put(array, sharding)

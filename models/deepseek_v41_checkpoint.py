@@ -648,3 +648,164 @@ def write_checkpoint(path: str | os.PathLike, hf_config: dict[str, Any],
     if tokenizer_json is not None:
         (path / TOKENIZER_FILE).write_text(tokenizer_json)
     return path
+
+
+# ----------------------------------------------------------------------------- the manifest
+#
+# What a released-layout checkpoint holds, computed from its config alone: every tensor's
+# name, stored shape and safetensors dtype (the names of section 9.2, the encodings of
+# 9.3). The planner counts the 510 GB release from it without reading a byte; its totals
+# are checked against the release's index (`total_size` 510,286,023,000 B, 96,085
+# tensors) and the HF API's per-dtype counts, and its names and shapes against NeMo's
+# state-dict adapters on tiny configs.
+
+STORED_BYTES = {"BF16": 2, "F32": 4, "F8_E4M3": 1, "F8_E8M0": 1, "I8": 1, "U8": 1}
+
+
+def _logical_tensors(hf: dict[str, Any], vision: bool = True,
+                     mtp: bool = True) -> dict[str, tuple[int, ...]]:
+    """name -> logical shape ([out, in] for projections) of every released tensor."""
+    from gsm_jax.models.deepseek_v41 import FULL, REINDEX, DeepseekV41Config
+
+    nested = hf if "text_config" in hf else {"text_config": hf}
+    text = text_config(nested)
+    cfg = DeepseekV41Config.from_hf_config(nested)
+    d, h, hd, n = cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.hc_mult
+    g, ol, ql, inter = cfg.o_groups, cfg.o_lora_rank, cfg.q_lora_rank, cfg.moe_intermediate_size
+    hi, ci, v = cfg.index_n_heads, cfg.index_head_dim, cfg.vocab_size
+    rows = engram_rows(text)
+    n_ids = (int(text.get("engram_max_ngram_size", 4)) - 1) * int(text.get("engram_n_heads", 8))
+    ed = int(text.get("engram_head_dim", 256))
+
+    def block(p: str, role: str | None, ratio: int, experts: int) -> dict:
+        t = {p + "attn_norm.weight": (d,), p + "ffn_norm.weight": (d,)}
+        for s in ("attn", "ffn"):
+            t.update({f"{p}hc_{s}_fn": ((2 + n) * n, n * d), f"{p}hc_{s}_base": ((2 + n) * n,),
+                      f"{p}hc_{s}_scale": (3,)})
+        t.update({p + "attn.attn_sink": (h,), p + "attn.wq_a.weight": (ql, d),
+                  p + "attn.q_norm.weight": (ql,), p + "attn.wq_b.weight": (h * hd, ql),
+                  p + "attn.wkv.weight": (hd, d), p + "attn.kv_norm.weight": (hd,),
+                  p + "attn.wo_a.weight": (g * ol, h * hd // g),
+                  p + "attn.wo_b.weight": (d, g * ol)})
+        if role == FULL:
+            t[p + "attn.compressor.wkv.weight"] = (hd, d)
+            t[p + "attn.compressor.norm.weight"] = (hd,)
+            if ratio > 1:
+                t[p + "attn.compressor.wgate.weight"] = (hd, d)
+        if role in (FULL, REINDEX):
+            t[p + "attn.indexer.wq_b.weight"] = (hi * ci, ql)
+            t[p + "attn.indexer.weights_proj.weight"] = (hi, d)
+            if role == FULL:
+                t[p + "attn.indexer.wk.weight"] = (ci, hd)
+                t[p + "attn.indexer.k_norm.weight"] = (ci,)
+        t.update({p + "ffn.gate.weight": (experts, d), p + "ffn.gate.bias": (experts,),
+                  p + "ffn.gate.bias_vl": (experts,)})
+        for e in range(experts):
+            q = f"{p}ffn.experts.{e}."
+            t.update({q + "w1.weight": (inter, d), q + "w3.weight": (inter, d),
+                      q + "w2.weight": (d, inter)})
+        t.update({p + "ffn.shared_experts.w1.weight": (inter, d),
+                  p + "ffn.shared_experts.w3.weight": (inter, d),
+                  p + "ffn.shared_experts.w2.weight": (d, inter)})
+        return t
+
+    out: dict[str, tuple[int, ...]] = {"embed.weight": (v, d), "head.weight": (v, d),
+                                       "norm.weight": (d,)}
+    for li in range(cfg.num_layers):
+        plan = cfg.plan(li)
+        out.update(block(f"layers.{li}.", plan.role, plan.ratio, cfg.n_routed_experts))
+        if li in rows:
+            p = f"layers.{li}.engram."
+            out.update({p + "embed.weight": (rows[li], ed),
+                        p + "wkv.weight": ((n + 1) * d, n_ids * ed),
+                        p + "q_weight": (n, d), p + "k_weight": (n, d)})
+    stages = int(text.get("num_nextn_predict_layers", text.get("n_mtp_layers", 0)) or 0)
+    if mtp and stages:
+        targets = list(text.get("dspark_target_layer_ids") or [])
+        rank = int(text.get("dspark_markov_rank", 256))
+        experts = int(text.get("dspark_n_routed_experts", cfg.n_routed_experts))
+        for i in range(stages):
+            p = f"mtp.{i}."
+            out.update(block(p, None, 0, experts))
+            if i == 0:
+                out.update({p + "main_proj.weight": (d, len(targets) * d),
+                            p + "main_norm.weight": (d,)})
+            if i == stages - 1:
+                out.update({p + "norm.weight": (d,), p + "markov_head.embed.weight": (v, rank),
+                            p + "markov_head.head.weight": (v, rank),
+                            p + "confidence_head.proj.weight": (1, d + rank)})
+    vc = nested.get("vision_config") or {}
+    layers = int(vc.get("num_hidden_layers", 32))
+    if vision and layers:
+        vd, vi = int(vc.get("hidden_size", 1024)), int(vc.get("intermediate_size", 2816))
+        patch, down = int(vc.get("patch_size", 14)), int(vc.get("downsample_ratio", 3))
+        out.update({"vision.patch_embed.proj.weight": (vd, 3 * patch * patch),
+                    "vision.patch_embed.proj.bias": (vd,), "vision.norm.weight": (vd,)})
+        for b in range(layers):
+            p = f"vision.blocks.{b}."
+            out.update({p + "norm1.weight": (vd,), p + "norm2.weight": (vd,),
+                        p + "attn.wqkv.weight": (3 * vd, vd), p + "attn.wqkv.bias": (3 * vd,),
+                        p + "attn.wo.weight": (vd, vd), p + "attn.wo.bias": (vd,),
+                        p + "mlp.w1.weight": (2 * vi, vd), p + "mlp.w2.weight": (vd, vi)})
+        out.update({"aligner.w1.weight": (d, vd * down * down), "aligner.w1.bias": (d,),
+                    "aligner.w2.weight": (d, d), "aligner.w2.bias": (d,),
+                    "image_start": (d,), "image_end": (d,), "image_newline": (d,)})
+    return out
+
+
+def _stored_shapes(name: str, shape: tuple[int, ...]) -> dict[str, tuple[tuple[int, ...], str]]:
+    """One released tensor as stored (`stored_tensors` without the data)."""
+    fmt = "bf16" if is_vision(name) else stored_format(name, quantize_mtp=True)
+    if fmt in ("f32", "bf16"):
+        return {name: (shape, fmt.upper())}
+    o, i = shape
+    stem = name.removesuffix(".weight")
+    if fmt == "fp4":
+        return {name: ((o, i // 2), "I8"), stem + ".scale": ((o, -(-i // 32)), "F8_E8M0")}
+    bo, bi = BLOCK if fmt == "fp8" else ENGRAM_ROW_BLOCK
+    return {name: ((o, i), "F8_E4M3"), stem + ".scale": ((-(-o // bo), -(-i // bi)), "F8_E8M0")}
+
+
+def released_layout(hf_config: dict[str, Any], *, vision: bool = True,
+                    mtp: bool = True) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Every tensor of a released-layout checkpoint of `hf_config` (nested or the text
+    config alone): name -> (stored shape, safetensors dtype), from the config alone.
+    `vision=False` / `mtp=False` leave out the vision tower / the DSpark draft."""
+    out: dict[str, tuple[tuple[int, ...], str]] = {}
+    for name, shape in _logical_tensors(hf_config, vision, mtp).items():
+        out.update(_stored_shapes(name, shape))
+    return out
+
+
+def stored_nbytes(shape: tuple[int, ...], dtype: str) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n * STORED_BYTES[dtype]
+
+
+def released_part(name: str) -> str:
+    """The planner's line for a released tensor (its scale goes with it)."""
+    if is_vision(name):
+        return "vision tower + aligner (BF16)"
+    if name.startswith("mtp."):
+        return "DSpark draft mtp.* (FP8 / FP4 / BF16)"
+    if _ENGRAM_TABLE_RE.fullmatch(re.sub(r"\.scale$", ".weight", name)):
+        return "Engram tables (FP8 + E8M0)"
+    if _ENGRAM_RE.match(name):
+        return "Engram wkv / q / k (FP8, BF16)"
+    if _EXPERT_RE.fullmatch(re.sub(r"\.scale$", ".weight", name)):
+        return "routed experts (FP4 + E8M0)"
+    if name in ("embed.weight", "head.weight"):
+        return "embed + head (BF16)"
+    return "backbone: attention, shared experts, router, mHC, norms"
+
+
+def layout_totals(layout: dict[str, tuple[tuple[int, ...], str]]) -> dict[str, int]:
+    """tensors, bytes, and elements per safetensors dtype (I8: bytes, each 2 FP4 values)."""
+    out = {"tensors": len(layout), "bytes": 0}
+    for shape, dtype in layout.values():
+        b = stored_nbytes(shape, dtype)
+        out["bytes"] += b
+        out[dtype] = out.get(dtype, 0) + b // STORED_BYTES[dtype]
+    return out

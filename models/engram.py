@@ -330,6 +330,77 @@ def dequantize_rows(rows_fp8: jax.Array, row_scales: jax.Array) -> jax.Array:
     return rows_fp8.astype(jnp.float32) * jnp.repeat(s, block, axis=-1)
 
 
+# ----------------------------------------------------------------------------- over a mesh
+#
+# Where the tables live on 8 x H200 (released: two tables of ~384 M rows x 256 FP8 + one
+# E8M0 byte per 32, 101.4 GB each, 203 GB together; a token reads 24 rows x 264 B = 6.3 KB
+# per Engram layer; D = 5120, n_ids x d = 6144). Per token and Engram layer, M devices:
+#
+# - row-sharded (implemented): each device holds rows/M of each table (25.3 GB of 141 GB),
+#   gathers the rows it owns (zeros for the others), dequantizes them and the partial
+#   [n_ids x d] embeddings are summed over "model" (`gather_rows`):
+#       HBM read:   24 x 264 B = 6.3 KB, spread over the owners
+#       all-reduce: 2 x 6144 x b x (M - 1) / M  = 21.5 KB at b = 2 (bf16), M = 8
+#   The sum is exact (one device contributes each row; the others add zeros). At batch 32
+#   that is ~0.7 MB per Engram layer and step over NVLink (~1.5 us at 450 GB/s), against
+#   ~13 GB of weights read per step (~3 ms at 4.8 TB/s): below the noise.
+# - host memory (not implemented): tables in pinned host RAM, rows gathered by the host
+#   and copied per step: 6.3 KB per token over PCIe (~0.13 us at 50 GB/s), but the ids
+#   are known only when the step's tokens are, so every decode step waits on a host
+#   gather and a host-to-device copy (~10-30 us of latency, twice per step), and XLA:CPU
+#   (this project's CI) has no separate host memory space to test it in. It frees 25.3 GB
+#   per device, which matters only when the KV cache needs it: 890 B/token (released
+#   formats) leaves room for ~60 M cached tokens beside the row-sharded tables.
+# So the cost model favours row-sharding on 8 x H200; host offload is left for a memory-
+# bound deployment (and for the C engines' streaming), not built here.
+#
+# A table whose rows the model axis does not divide is padded with zero rows when it is
+# placed (`gsm_jax.sharding`, the "engram_rows" axis): hash ids never reach them.
+
+
+def gather_bytes(tokens: int, n_ids: int, d: int, devices: int, itemsize: int) -> float:
+    """Bytes each device sends per Engram layer for `tokens` tokens (the model above): the
+    ring all-reduce of the [tokens, n_ids x d] partial rows, 2 S (M - 1) / M."""
+    return 2 * tokens * n_ids * d * itemsize * (devices - 1) / devices if devices > 1 else 0.0
+
+
+def _engram_mesh(rows: int) -> Any:
+    """The mesh set around the call when its "model" axis (> 1) divides the table rows."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or "model" not in mesh.axis_names:
+        return None
+    n = mesh.shape["model"]
+    return mesh if n > 1 and rows % n == 0 else None
+
+
+def gather_rows(rows_fp8: jax.Array, row_scales: jax.Array, ids: jax.Array,
+                dtype: Any = jnp.bfloat16) -> jax.Array:
+    """The table rows of `ids` [B, T, n_ids], dequantized: [B, T, n_ids, d] in `dtype`.
+    Under a mesh whose "model" axis splits the rows (see above), each device gathers the
+    rows it holds and the partial results are summed (`shard_map` + `psum`); otherwise a
+    plain gather (one device, or a table kept whole)."""
+    mesh = _engram_mesh(rows_fp8.shape[0])
+    if mesh is None:
+        return dequantize_rows(jnp.take(rows_fp8, ids, axis=0),
+                               jnp.take(row_scales, ids, axis=0)).astype(dtype)
+    from jax.sharding import PartitionSpec as P
+
+    data = mesh.shape["data"] if "data" in mesh.axis_names else 1
+    rows_spec = P("data") if data > 1 and ids.shape[0] % data == 0 else P()
+
+    def local(table, scale, ids):
+        n_local = table.shape[0]
+        first = jax.lax.axis_index("model") * n_local
+        mine = (ids >= first) & (ids < first + n_local)
+        at = jnp.where(mine, ids - first, 0)
+        e = dequantize_rows(jnp.take(table, at, axis=0), jnp.take(scale, at, axis=0))
+        return jax.lax.psum(jnp.where(mine[..., None], e, 0.0).astype(dtype), "model")
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(P("model", None), P("model", None),
+                                                     rows_spec),
+                         out_specs=rows_spec, check_vma=False)(rows_fp8, row_scales, ids)
+
+
 def engram_update(h: jax.Array, rows_fp8: jax.Array, row_scales: jax.Array,
                   ids: jax.Array | None, wkv: jax.Array | Callable[[jax.Array], jax.Array],
                   q_weight: jax.Array, k_weight: jax.Array, eps: float = 1e-20,
@@ -346,9 +417,9 @@ def engram_update(h: jax.Array, rows_fp8: jax.Array, row_scales: jax.Array,
     reference; exact for e4m3 x 2**k); pass float32 for fp32 parity runs."""
     b, t, n, d = h.shape
     if ids is not None:
-        rows_fp8 = jnp.take(rows_fp8, ids, axis=0)
-        row_scales = jnp.take(row_scales, ids, axis=0)
-    e = dequantize_rows(rows_fp8, row_scales).astype(embed_dtype).reshape(b, t, -1)
+        e = gather_rows(rows_fp8, row_scales, ids, embed_dtype).reshape(b, t, -1)
+    else:
+        e = dequantize_rows(rows_fp8, row_scales).astype(embed_dtype).reshape(b, t, -1)
     if callable(wkv):
         kv = wkv(e)
     else:

@@ -19,8 +19,17 @@ RULES: dict[str, str | None] = {
     "heads": "model",
     "mlp": "model",
     "experts": "model",
+    "engram_rows": "model",
     "batch": "data",
 }
+# Logical axes a mesh axis need not divide: the array is padded (zeros) to a multiple of
+# the mesh axis when placed. Only table rows that nothing indexes past the real size.
+PADDED_AXES = frozenset({"engram_rows"})
+
+
+def padded_size(size: int, n: int) -> int:
+    """`size` rounded up to a multiple of `n` (a PADDED_AXES axis on n devices)."""
+    return -(-size // n) * n
 
 
 def table_axes(table: dict[str, tuple[str | None, ...]], name: str,

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# DeepSeek-V4-Flash at real width (8 of its 43 layers), FP8/FP4 as stored, on one GPU:
+# DeepSeek-V4-Flash (8 of its 43 layers) or V4.1-Flash (--model v4.1: 6 layers, every kind)
+# at real width, FP8/FP4 as stored, on one GPU:
 # decode tokens/s and HBM bytes per step against the H200's 4.8 TB/s. One run < 8 min.
 #   bash scripts/gpu_check_deepseek.sh --out runs/gpu_dsv4   # on the GPU machine (jax[cuda])
 #   bash scripts/gpu_check_deepseek.sh --dry-run             # CPU: same code, reduced width (CI)

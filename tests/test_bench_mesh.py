@@ -55,6 +55,21 @@ def test_gpu_check_script_dry_run(tmp_path):
     assert "of the H200's 4.8 TB/s" in proc.stdout
 
 
+def test_gpu_check_script_dry_run_v41(tmp_path):
+    """The V4.1 device check (6 layers of every kind, one Engram table, GSM off / on) on CPU
+    at reduced width: the same code the accelerator runs."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.run(["bash", "scripts/gpu_check_deepseek.sh", "--dry-run", "--model",
+                           "v4.1", "--out", str(tmp_path)], cwd=REPO, capture_output=True,
+                          text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads((tmp_path / "results.json").read_text())
+    assert r["model"] == "v4.1" and r["layers"] == 6 and set(r["batches"]) == {"1", "2"}
+    for b in r["batches"].values():
+        assert b["decode_tok_s"] > 0 and 0 < b["bytes_read_per_step"] <= r["weight_bytes"]
+        assert b["gsm on"]["decode_tok_s"] > 0
+
+
 def test_llama_gpu_check_script_dry_run(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     proc = subprocess.run(["bash", "scripts/gpu_check.sh", "--dry-run", "--out", str(tmp_path)],

@@ -1,0 +1,242 @@
+"""DeepSeek-V4.1-Flash at real size without its weights: the released layout computed from
+the config alone (`deepseek_v41_checkpoint.released_layout`), the planner by part, and the
+Engram tables row-sharded on a mesh.
+
+The layout is checked against two independent sources: the release's own index and the
+HF API's per-dtype counts (research note §9.1, §9.3, §9.5: 510,286,023,000 B, 96,085
+tensors, 763,205,315,794 logical parameters), and NeMo AutoModel 0.7.0's state-dict
+adapter, whose released names and shapes on a tiny config must be ours exactly. The
+shipped real config (`gsm_jax/data/deepseek_v41_flash_config.json`) is checked against
+NeMo's config defaults, which the note says are the released values.
+
+On a mesh (8 forced host devices, in a subprocess): a tiny released-layout checkpoint
+with two Engram layers, `load(dir, mesh=...)` (tables placed slice by slice, padded to the
+mesh), equals one device (logits to 1e-5 of the scale on 1 x 8 and 2 x 4, greedy tokens
+with GSM on equal on 1 x 8, FP8 / FP4 kept); device 0 holds 1/M of each table; and the planner's per-device weight
+bytes equal the bytes of device 0's shards. The cache QDQ is off in that comparison: a
+sharded sum differs from the unsharded one by ulps, which can cross an FP8 rounding
+midpoint (tests/test_deepseek_v41_load.py) and would test the rounding, not the sharding.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import v41_reference as ref
+from test_sharding import run_on_8_devices
+
+import gsm_jax
+from gsm_jax.models.deepseek_v41_checkpoint import (
+    _logical_tensors,
+    layout_totals,
+    released_layout,
+    write_checkpoint,
+)
+from gsm_jax.models.safetensors_io import SafetensorsStore
+
+REAL_CONFIG = Path(gsm_jax.__file__).parent / "data" / "deepseek_v41_flash_config.json"
+REAL = json.loads(REAL_CONFIG.read_text())
+
+
+def test_released_layout_equals_the_release_index():
+    t = layout_totals(released_layout(REAL))
+    assert t["bytes"] == 510_286_023_000  # index total_size
+    assert t["tensors"] == 96_085
+    # the HF API's per-dtype parameter counts (I8 counted as FP4 values, two per byte)
+    assert t["BF16"] == 1_976_441_856
+    assert t["F32"] == 42_307_282
+    assert t["F8_E4M3"] == 204_015_223_296
+    assert 2 * t["I8"] == 557_171_343_360
+
+
+def test_planner_counts_the_release_to_the_byte():
+    with_vision = gsm_jax.plan("deepseek-v4.1-flash", device_memory="1TB", vision=True)
+    assert with_vision.parameters == 763_205_315_794
+    stored = [n for n in with_vision.notes if n.startswith("weights as stored")]
+    assert stored == ["weights as stored in the release: 510,286,023,000 B per device"]
+    text = gsm_jax.plan("deepseek-v4.1-flash", device_memory="1TB")
+    vision = with_vision.lines["weights: vision tower + aligner (BF16)"]
+    assert vision == 970_536_960
+    assert sum(v for k, v in text.lines.items() if k.startswith("weights")
+               and "held by gsm_jax" not in k) == 510_286_023_000 - vision
+    assert "weights: vision tower + aligner (BF16)" not in text.lines
+
+
+def test_planner_splits_by_part_on_8_devices():
+    one = gsm_jax.plan("deepseek-v4.1-flash", device_memory="1TB")
+    p = gsm_jax.plan("deepseek-v4.1-flash", (1, 8), "141GB", batch=8, context=8192)
+    experts = "weights: routed experts (FP4 + E8M0)"
+    tables = "weights: Engram tables (FP8 + E8M0)"
+    assert p.lines[experts] * 8 == one.lines[experts]  # 384 experts, 48 per device
+    # the tables' rows padded to a multiple of 8 (384016682 is not one): at most 7 rows
+    assert 0 <= p.lines[tables] * 8 - one.lines[tables] <= 2 * 7 * 264
+    assert p.fits, p.table()
+    assert any("890 B per cached token" in n for n in p.notes)
+
+
+def test_shipped_config_is_nemos_default():
+    from nemo_automodel.components.models.deepseek_v41.config import (
+        DeepseekV41TextConfig,
+        DeepseekV41VisionConfig,
+    )
+
+    for ours, theirs, least in ((REAL["text_config"], DeepseekV41TextConfig(), 40),
+                                (REAL["vision_config"], DeepseekV41VisionConfig(), 8)):
+        checked = 0
+        for key, value in ours.items():
+            got = getattr(theirs, key, None)
+            if key in ("model_type", "torch_dtype", "rope_scaling") or got is None:
+                continue
+            assert got == value, key
+            checked += 1
+        assert checked >= least
+    assert ref.tiny_config()["text_config"]["num_hidden_layers"] < 40  # tiny stays tiny
+
+
+@pytest.fixture(scope="module")
+def tiny_nemo():
+    # hash primes from 54: tables of 410 and 580 rows, which 8 devices do not divide; 8
+    # heads in 8 output groups and 8 experts, so that a model axis of 8 splits them
+    config = ref.tiny_config(index_n_heads=8, engram_vocab_size=54, num_attention_heads=8,
+                             o_groups=8)
+    return config, ref.nemo_model(config, seed=1)
+
+
+def test_layout_names_and_shapes_are_nemos(tiny_nemo, tmp_path):
+    """Our layout of the tiny config == the names and shapes NeMo's adapter writes (text
+    model: no DSpark, no vision), and the stored form == what the writer puts on disk."""
+    config, model = tiny_nemo
+    theirs = ref.released_state_dict(model)
+    assert {k: tuple(v.shape) for k, v in theirs.items()} == _logical_tensors(
+        config, vision=False, mtp=False)
+    path = write_checkpoint(tmp_path / "ck", config, theirs, ref.tiny_tokenizer_json(),
+                            shard_bytes=200_000)
+    store = SafetensorsStore(path)
+    on_disk = {k: (tuple(i.shape), i.dtype) for k, i in store.tensors.items()}
+    assert on_disk == released_layout(config, vision=False, mtp=False)
+
+
+def test_vision_layout_is_nemos():
+    """The vision tower's names and shapes (counted by the planner when asked) against
+    NeMo's vision encoder and aligner at a small width."""
+    from nemo_automodel.components.models.deepseek_v41.config import DeepseekV41Config
+    from nemo_automodel.components.models.deepseek_v41.vision import (
+        DeepseekV41VisionAligner,
+        DeepseekV41VisionTransformer,
+    )
+
+    vision = dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=2,
+                  intermediate_size=48, patch_size=4, downsample_ratio=2)
+    config = ref.tiny_config(vision_config=vision)
+    nemo_cfg = DeepseekV41Config(text_config=dict(config["text_config"]), vision_config=vision)
+    theirs = {f"vision.{k}": tuple(v.shape) for k, v in
+              DeepseekV41VisionTransformer(nemo_cfg).state_dict().items()}
+    theirs.update({f"aligner.{k}": tuple(v.shape) for k, v in
+                   DeepseekV41VisionAligner(nemo_cfg).state_dict().items()})
+    d = config["text_config"]["hidden_size"]
+    theirs.update({n: (d,) for n in ("image_start", "image_end", "image_newline")})
+    ours = {k: v for k, v in _logical_tensors(config, vision=True, mtp=False).items()
+            if k.startswith(("vision.", "aligner.", "image_"))}
+    assert ours == theirs
+
+
+def test_engram_tables_row_sharded_on_a_mesh(tiny_nemo, tmp_path):
+    config, model = tiny_nemo
+    path = write_checkpoint(tmp_path / "ck", config, ref.released_state_dict(model),
+                            ref.tiny_tokenizer_json(), shard_bytes=200_000)
+    rows = list(config["text_config"]["engram_num_embeddings"])
+    assert any(r % 8 for r in rows)  # the padding is exercised
+    res = run_on_8_devices(f"""
+import dataclasses, math
+import jax, numpy as np
+import gsm_jax
+from gsm_jax.models.deepseek_v41 import held_weight_bytes
+from gsm_jax.models.deepseek_v41_checkpoint import check_quantization_config
+
+def rel(a, b):
+    a, b = np.asarray(a), np.asarray(b)
+    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-9))
+
+def no_qdq(p):
+    return dataclasses.replace(p, config=dataclasses.replace(p.config, cache_qdq=False))
+
+def device0_bytes(params):
+    total = 0
+    for leaf in jax.tree.leaves(params.weights):
+        total += next(s for s in leaf.addressable_shards if s.device.id == 0).data.nbytes
+    return total
+
+path = {str(path)!r}
+hf = json.load(open(path + "/config.json"))
+one = no_qdq(gsm_jax.load(path, dtype="float32", keep_quantized=True))
+prompts = [[5, 17, 99, 42, 8, 64, 23, 77, 31, 50, 12], [90, 3, 44, 61, 28, 7, 110]]
+gsm = gsm_jax.GSMConfig(window_size=4, smooth_strength=0.2, target_layers="all",
+                        precision="f32")
+ref_logits = gsm_jax.forward(one, prompts)
+ref_tokens = gsm_jax.generate_tokens(one, prompts, max_new_tokens=6, eos_ids=[], gsm=gsm)
+result = {{}}
+for shape in ((1, 8), (2, 4)):  # greedy (GSM on) on 1 x 8 only: each mesh compiles anew
+    mesh = jax.make_mesh(shape, ("data", "model"))
+    on = no_qdq(gsm_jax.load(path, dtype="float32", keep_quantized=True, mesh=mesh))
+    tables = [lw["engram"]["table"] for lw in on.weights["layers"] if "engram" in lw]
+    fractions = [next(s for s in t.addressable_shards if s.device.id == 0).data.shape[0]
+                 / t.shape[0] for t in tables]
+    toks = ref_tokens if shape != (1, 8) else gsm_jax.generate_tokens(
+        on, prompts, max_new_tokens=6, eos_ids=[], gsm=gsm)
+    result["x".join(map(str, shape))] = dict(
+        rel=rel(gsm_jax.forward(on, prompts), ref_logits),
+        tokens_equal=np.array_equal(np.asarray(toks), np.asarray(ref_tokens)),
+        table_rows=[int(t.shape[0]) for t in tables], fractions=fractions,
+        specs=[str(t.sharding.spec) for t in tables],
+        device0=device0_bytes(on),
+        planned=held_weight_bytes(on.config, check_quantization_config(hf),
+                                  {{"data": shape[0], "model": shape[1]}}, "float32"))
+""")
+    for mesh, r in res.items():
+        m = int(mesh.split("x")[1])
+        assert r["rel"] < 1e-5 and r["tokens_equal"], (mesh, r)
+        assert all("model" in s for s in r["specs"]), (mesh, r)
+        assert r["table_rows"] == [-(-n // m) * m for n in rows], (mesh, r)
+        assert all(f == 1 / m for f in r["fractions"]), (mesh, r)
+        assert r["device0"] == r["planned"], (mesh, r)
+
+
+def _real_width(layers: int = 6) -> dict:
+    """The released config at real width with a short schedule covering every layer role
+    and one real-size Engram table (layer 1: 384,006,168 rows): SWA 0, SWA + Engram 1,
+    Full ratio 2 at 2, Full ratio 1 + candidate source at 3, Reindex 4, Reuse 5."""
+    hf = json.loads(json.dumps(REAL))
+    hf["text_config"].update(
+        num_hidden_layers=layers, compress_ratios=[0, 0, 2, 1, 1, 1], kv_source_layer_ids=[2, 3],
+        index_source_layer_ids=[2, 3, 4], candidate_source_layer_id=3, engram_layer_ids=[1],
+        engram_num_embeddings=[384_006_168], num_nextn_predict_layers=0)
+    return hf
+
+
+@pytest.mark.heavy
+def test_real_width_v41_compiles_sharded_and_fits():
+    """Six real-width layers (every role, a 101 GB Engram table, 384 FP4 experts), lowered
+    and compiled with abstract arrays for a 1 x 8 mesh: XLA's per-device arguments equal the
+    planner's weights + caches within 1%, the Engram gather sends what its cost model says
+    (`engram.gather_bytes`) and nothing gathers a table or an expert whole. The full
+    40-layer program: `gsm-jax plan --model deepseek-v4.1-flash --devices 8 --compile`."""
+    from gsm_jax.models.engram import gather_bytes
+
+    batch = 8
+    res = run_on_8_devices(f"""
+from gsm_jax.planner import compile_check, compile_report
+result = compile_check({_real_width()!r}, (1, 8), batch={batch}, context=4096,
+                       prompt_tokens=64)
+print(compile_report(result))
+""", timeout=1200)
+    planned = res["plan"]["weights"] + res["plan"]["caches"]
+    for step in ("prefill", "decode"):
+        m = res[step]
+        assert abs(m["argument_size_in_bytes"] - planned) < 0.01 * planned, (step, m, planned)
+        assert m["temp_size_in_bytes"] < 5e9, (step, m)  # a gathered table would be 101 GB
+    scopes = res["decode_collectives"]["by_scope"]
+    engram = sum(v for k, v in scopes.items() if "engram" in k)
+    assert engram == pytest.approx(gather_bytes(batch, 24, 256, 8, 2)), scopes
+    assert res["decode_collectives"]["bytes_per_device"] < 50e6, res["decode_collectives"]
