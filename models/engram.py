@@ -340,7 +340,9 @@ def dequantize_rows(rows_fp8: jax.Array, row_scales: jax.Array) -> jax.Array:
 #   gathers the rows it owns (zeros for the others), dequantizes them and the partial
 #   [n_ids x d] embeddings are summed over "model" (`gather_rows`):
 #       HBM read:   24 x 264 B = 6.3 KB, spread over the owners
-#       all-reduce: 2 x 6144 x b x (M - 1) / M  = 21.5 KB at b = 2 (bf16), M = 8
+#       all-reduce: 2 x 6144 x 2 x (M - 1) / M  = 21.5 KB at M = 8 (bf16: FP8 rows
+#                   times their power-of-two scales are exact in it; XLA:CPU promotes
+#                   a bf16 all-reduce to f32, so 43 KB there)
 #   The sum is exact (one device contributes each row; the others add zeros). At batch 32
 #   that is ~0.7 MB per Engram layer and step over NVLink (~1.5 us at 450 GB/s), against
 #   ~13 GB of weights read per step (~3 ms at 4.8 TB/s): below the noise.
@@ -358,9 +360,10 @@ def dequantize_rows(rows_fp8: jax.Array, row_scales: jax.Array) -> jax.Array:
 # placed (`gsm_jax.sharding`, the "engram_rows" axis): hash ids never reach them.
 
 
-def gather_bytes(tokens: int, n_ids: int, d: int, devices: int, itemsize: int) -> float:
+def gather_bytes(tokens: int, n_ids: int, d: int, devices: int, itemsize: int = 2) -> float:
     """Bytes each device sends per Engram layer for `tokens` tokens (the model above): the
-    ring all-reduce of the [tokens, n_ids x d] partial rows, 2 S (M - 1) / M."""
+    ring all-reduce of the [tokens, n_ids x d] partial rows (bf16 for FP8 tables),
+    2 S (M - 1) / M."""
     return 2 * tokens * n_ids * d * itemsize * (devices - 1) / devices if devices > 1 else 0.0
 
 
@@ -388,17 +391,22 @@ def gather_rows(rows_fp8: jax.Array, row_scales: jax.Array, ids: jax.Array,
     data = mesh.shape["data"] if "data" in mesh.axis_names else 1
     rows_spec = P("data") if data > 1 and ids.shape[0] % data == 0 else P()
 
+    # FP8 rows times a power of two are exact in bf16: sum them in bf16 (half the bytes
+    # of f32) whatever `dtype` is; a float table (tests) is summed in `dtype`
+    wire = jnp.bfloat16 if rows_fp8.dtype == jnp.float8_e4m3fn else dtype
+
     def local(table, scale, ids):
         n_local = table.shape[0]
         first = jax.lax.axis_index("model") * n_local
         mine = (ids >= first) & (ids < first + n_local)
         at = jnp.where(mine, ids - first, 0)
         e = dequantize_rows(jnp.take(table, at, axis=0), jnp.take(scale, at, axis=0))
-        return jax.lax.psum(jnp.where(mine[..., None], e, 0.0).astype(dtype), "model")
+        return jax.lax.psum(jnp.where(mine[..., None], e, 0.0).astype(wire), "model")
 
     return jax.shard_map(local, mesh=mesh, in_specs=(P("model", None), P("model", None),
                                                      rows_spec),
-                         out_specs=rows_spec, check_vma=False)(rows_fp8, row_scales, ids)
+                         out_specs=rows_spec, check_vma=False)(
+        rows_fp8, row_scales, ids).astype(dtype)
 
 
 def engram_update(h: jax.Array, rows_fp8: jax.Array, row_scales: jax.Array,

@@ -156,8 +156,9 @@ def main() -> int:
                     help="CPU smoke run: reduced width, 2 layers, batch 1, 4 tokens")
     ap.add_argument("--out", default=None, help="write results.json here")
     args = ap.parse_args()
-    if args.dry_run:
-        args.layers, args.batches, args.new_tokens, args.repeats = 3, "1,2", 4, 1
+    if args.dry_run:  # V4.1: batch 1 only (GSM off and on: as many programs as V4's two)
+        args.layers, args.new_tokens, args.repeats = 3, 4, 1
+        args.batches = "1" if args.model == "v4.1" else "1,2"
         args.prompt_len = 16
 
     import jax

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -55,6 +57,7 @@ def test_gpu_check_script_dry_run(tmp_path):
     assert "of the H200's 4.8 TB/s" in proc.stdout
 
 
+@pytest.mark.heavy
 def test_gpu_check_script_dry_run_v41(tmp_path):
     """The V4.1 device check (6 layers of every kind, one Engram table, GSM off / on) on CPU
     at reduced width: the same code the accelerator runs."""
@@ -64,7 +67,7 @@ def test_gpu_check_script_dry_run_v41(tmp_path):
                           text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads((tmp_path / "results.json").read_text())
-    assert r["model"] == "v4.1" and r["layers"] == 6 and set(r["batches"]) == {"1", "2"}
+    assert r["model"] == "v4.1" and r["layers"] == 6 and set(r["batches"]) == {"1"}
     for b in r["batches"].values():
         assert b["decode_tok_s"] > 0 and 0 < b["bytes_read_per_step"] <= r["weight_bytes"]
         assert b["gsm on"]["decode_tok_s"] > 0
