@@ -13,11 +13,13 @@ beside the cost model of `models/moe.py` (expert dispatch) and of tensor paralle
 (two all-reduces of B x D per Llama layer). On real accelerators the same byte
 counts go over NVLink / ICI.
 
-Models: SmolLM2-135M (the real GGUF) and a mid-size random DeepSeek-V4 (the
-`bench_deepseek_v4_lowp` preset, float32), one device against meshes 1x8 and 2x4; for
-V4 both expert dispatches ("psum", "all_to_all") on 1x8. Decode tok/s of the whole
-`generate_tokens` call (median over interleaved rounds of a long call minus a
-1-token call). The load average is recorded around every timed block; a block that
+Models: SmolLM2-135M (the real GGUF), a mid-size random DeepSeek-V4 (the
+`bench_deepseek_v4_lowp` preset, float32) and a mid-size random DeepSeek-V4.1 (the
+`bench_deepseek_v41` preset, float32, Engram tables row-sharded), one device against
+meshes 1x8 and 2x4; for V4 and V4.1 both expert dispatches ("psum", "all_to_all") on
+1x8. V4.1's cost model adds the Engram gather's all-reduce (`models/engram.py`).
+Decode tok/s of the whole `generate_tokens` call (median over interleaved rounds of a
+long call minus a 1-token call). The load average is recorded around every timed block; a block that
 starts above 1.5 (after waiting for the compile's load to settle) is marked not
 comparable. During a block the load rises to ~3 from the benchmark's own device
 threads; that is recorded, and expected.
@@ -67,6 +69,21 @@ def dsv4_mid(preset: str):
     return gsm_jax.ModelParams(dv.init_weights(cfg, jax.random.key(0)), cfg)
 
 
+def dsv41_mid(preset: str):
+    """The `bench_deepseek_v41` mid preset (every CSA2 role, two Engram layers of ~1.2 M
+    rows), random float32 weights, with 32 experts and 8 output groups so that the model
+    axis of 8 divides them; "tiny" for smoke runs."""
+    import jax
+    from bench_deepseek_v41 import PRESETS, _harness
+
+    import gsm_jax
+    from gsm_jax.models import deepseek_v41 as dv
+
+    kw = dict(PRESETS[preset], n_routed_experts=32, num_attention_heads=8, o_groups=8)
+    cfg = dv.DeepseekV41Config.from_hf_config(_harness().tiny_config(**kw))
+    return gsm_jax.ModelParams(dv.init_weights(cfg, jax.random.key(0)), cfg)
+
+
 def variants(params, family: str) -> dict:
     import jax
 
@@ -74,7 +91,8 @@ def variants(params, family: str) -> dict:
 
     out = {"1 device": params}
     # V4 on 1x8: both expert dispatches ("auto" is one of them, psum here)
-    dispatches = ("psum", "all_to_all") if family == "deepseek_v4" else (None,)
+    dispatches = ("psum", "all_to_all") if family in ("deepseek_v4", "deepseek_v41") \
+        else (None,)
     for dispatch in dispatches:
         cfg = params.config if dispatch is None else dataclasses.replace(
             params.config, expert_dispatch=dispatch)
@@ -119,13 +137,20 @@ def cost_model(params, mesh_shape: tuple[int, int], batch: int, dispatch: str) -
     t = batch // data
     share = (m - 1) / m
     out = {}  # (the vocabulary-split logits stay split inside the step: no line for them)
-    if cfg.family == "deepseek_v4":
+    if cfg.family in ("deepseek_v4", "deepseek_v41"):
         if dispatch == "auto":
             dispatch = choose_dispatch(t, cfg.num_experts_per_tok, cfg.hidden_size, m, 4,
                                        ragged=False)
         per_layer = dispatch_bytes(t, cfg.num_experts_per_tok, cfg.hidden_size, m, 4,
                                    ragged=False)[dispatch]
         out["routed experts"] = per_layer * cfg.num_layers
+        if cfg.family == "deepseek_v41" and cfg.active_engram_layers:
+            from gsm_jax.models.engram import gather_bytes
+
+            n_ids = (cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads
+            # float32 tables here: the partial rows are summed in float32
+            out["engram"] = len(cfg.active_engram_layers) * gather_bytes(
+                t, n_ids, cfg.engram_head_dim, m, itemsize=4)
     else:
         out["tensor-parallel all-reduces"] = cfg.num_layers * 2 * 2 * t * cfg.hidden_size * 4 \
             * share
@@ -179,8 +204,9 @@ def main() -> None:
     ap.add_argument("--report-only", action="store_true",
                     help="re-render results.md / .png from --out's results.json")
     ap.add_argument("--out", default="runs/bench_mesh")
-    ap.add_argument("--models", default="smollm2,dsv4")
-    ap.add_argument("--dsv4-preset", default="mid", choices=("mid", "tiny"))
+    ap.add_argument("--models", default="smollm2,dsv4,dsv41")
+    ap.add_argument("--dsv4-preset", default="mid", choices=("mid", "tiny"),
+                    help="size of the random DeepSeek-V4 and V4.1 models")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=32)
@@ -197,7 +223,11 @@ def main() -> None:
     result: dict = {"machine": common.machine_info(), "args": vars(args), "models": {}}
     for model in args.models.split(","):
         print(f"[bench_mesh] {model}: building the variants", flush=True)
-        params = smollm2() if model == "smollm2" else dsv4_mid(args.dsv4_preset)
+        build = {"smollm2": smollm2, "dsv4": lambda: dsv4_mid(args.dsv4_preset),
+                 "dsv41": lambda: dsv41_mid(args.dsv4_preset)}
+        if model not in build:
+            raise SystemExit(f"--models: unknown model {model!r}; one of {sorted(build)}")
+        params = build[model]()
         family = params.config.family
         by_variant = variants(params, family)
         print(f"[bench_mesh] {model}: compiling and timing {list(by_variant)}", flush=True)

@@ -243,3 +243,52 @@ def test_ring_sized_for_the_windows_used(tiny):
         big.check_gsm(adaptive.replace(max_window=8))
     assert Engine(tiny, max_batch=1, max_len=MAX_LEN, gsm=GSM, gsm_ring=32,
                   eos_ids=[]).gsm_static[0] == 32
+
+
+def _penalized_reference(params, prompt, n, freq=0.0, pres=0.0, rep=1.0, bias=None):
+    """Greedy decoding with the penalties applied to `gsm_jax.forward`'s teacher-forced
+    logits in numpy (an independent re-statement of OpenAI's and vLLM's formulas)."""
+    tokens: list[int] = []
+    v = params.config.vocab_size
+    for _ in range(n):
+        logits = np.asarray(gsm_jax.forward(params, [list(prompt) + tokens]))[0, -1]
+        logits = logits.astype(np.float64)
+        for t, b in (bias or {}).items():
+            logits[t] += b
+        counts = np.bincount(np.asarray(tokens, np.int64), minlength=v)
+        hit = np.isin(np.arange(v), prompt) | (counts > 0)
+        logits = np.where(hit, np.where(logits > 0, logits / rep, logits * rep), logits)
+        logits = logits - freq * counts - pres * (counts > 0)
+        tokens.append(int(np.argmax(logits)))
+    return tokens
+
+
+def test_penalties_and_logit_bias_equal_the_reference(tiny, requests):
+    """Rows with different penalties and an unpenalized row share a batch: each equals its
+    own numpy reference, the plain row equals plain greedy; a -100 bias bans a token."""
+    plain, base = requests[0], requests[2]
+    cases = [dict(freq=0.8, pres=0.4), dict(rep=1.6), dict(bias={7: 6.0, 11: -100.0}),
+             dict(freq=-0.5, rep=0.7, bias={9: 2.0})]
+    reqs = [Request(base.prompt, 10, request_id=f"p{i}", frequency_penalty=c.get("freq", 0.0),
+                    presence_penalty=c.get("pres", 0.0),
+                    repetition_penalty=c.get("rep", 1.0), logit_bias=c.get("bias"))
+            for i, c in enumerate(cases)] + [Request(plain.prompt, 10, request_id="plain")]
+    recs = Engine(tiny, max_batch=3, max_len=MAX_LEN, eos_ids=[]).run(reqs)
+    unpenalized = _penalized_reference(tiny, base.prompt, 10)
+    for rec, c in zip(recs[:4], cases, strict=True):
+        want = _penalized_reference(tiny, base.prompt, 10, **c)
+        assert rec.tokens == want, (c, rec.tokens, want)
+    assert any(rec.tokens != unpenalized for rec in recs[:4])  # the penalties did something
+    assert 11 not in recs[2].tokens
+    assert recs[4].tokens == gsm_jax.generate_tokens(tiny, [plain.prompt], max_new_tokens=10,
+                                                     eos_ids=[])[0].tolist()
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("frequency_penalty", 2.5, "frequency_penalty"), ("presence_penalty", -3, "presence_penalty"),
+    ("repetition_penalty", 0.0, "repetition_penalty"), ("logit_bias", {64: 1.0}, "token id 64"),
+    ("logit_bias", {5: 101.0}, r"logit_bias\[5\]")])
+def test_bad_penalties_are_named(tiny, field, value, match):
+    eng = Engine(tiny, max_batch=1, max_len=MAX_LEN, eos_ids=[])
+    with pytest.raises(InvalidInputError, match=match):
+        eng.submit(Request([5, 6], 2, **{field: value}))

@@ -348,7 +348,7 @@ def test_bad_input_gets_openai_errors(url):
     err(post(comp, json={"model": "gpt-5", "prompt": "hi"}), 404, "model_not_found")
     err(post(f"{url}/v1/chat/completions",
                    json={"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}), 400)
-    err(post(comp, json={"model": MODEL, "prompt": "hi", "frequency_penalty": 0.5}), 400,
+    err(post(comp, json={"model": MODEL, "prompt": "hi", "min_p": 0.5}), 400,
         "unsupported")  # known to the API, not implemented: refused, never ignored
     r = post(comp, json={"model": MODEL, "prompt": "hi", "max_tokens": 2, "temperature": 0,
                               "frobnicate": True})

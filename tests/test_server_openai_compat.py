@@ -301,10 +301,14 @@ REFUSED = [
     ("chat", {"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
     ("chat", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ("completion", {"response_format": {"type": "json_object"}}, "response_format"),
-    ("completion", {"frequency_penalty": 0.5}, "frequency_penalty"),
-    ("completion", {"presence_penalty": -0.2}, "presence_penalty"),
-    ("completion", {"repetition_penalty": 1.1}, "repetition_penalty"),
-    ("completion", {"logit_bias": {"5": 100}}, "logit_bias"),
+    # penalties and logit_bias are implemented: out of range or not a token id, a 400
+    ("completion", {"frequency_penalty": 2.5}, "frequency_penalty"),
+    ("completion", {"presence_penalty": -2.2}, "presence_penalty"),
+    ("completion", {"repetition_penalty": 0}, "repetition_penalty"),
+    ("completion", {"logit_bias": {"x": 1}}, "logit_bias"),
+    ("completion", {"logit_bias": {"64": 1}}, "logit_bias"),  # the tiny vocabulary is 64
+    ("completion", {"logit_bias": {"5": 101}}, "logit_bias"),
+    ("completion", {"min_p": 0.1}, "min_p"),
     ("completion", {"best_of": 3}, "best_of"),
     ("completion", {"suffix": "end"}, "suffix"),
     ("completion", {"min_tokens": 4}, "min_tokens"),
@@ -312,6 +316,22 @@ REFUSED = [
     ("completion", {"logprobs": True}, "logprobs"),
     ("completion", {"max_tokens": 0}, "max_tokens"),  # 0 only with echo
 ]
+
+
+def test_logit_bias_and_penalties_through_the_server(client):
+    """A +100 bias makes greedy pick that token every step; a -100 bias on the token greedy
+    picked first makes it pick another one; penalties pass through (the engine's tests
+    check their values against a reference)."""
+    ask = dict(model=NAME, prompt="hello there", max_tokens=4, temperature=0)
+    forced = client.completions.create(**ask, logit_bias={str(_VOCAB["z"]): 100})
+    assert forced.choices[0].text == "zzzz"
+    plain = client.completions.create(**ask).choices[0].text
+    banned = client.completions.create(
+        **ask, logit_bias={str(_VOCAB[plain[0]]): -100}).choices[0].text
+    assert plain[0] not in banned
+    penalized = client.completions.create(**ask, frequency_penalty=2.0, presence_penalty=1.0,
+                                          extra_body={"repetition_penalty": 1.5})
+    assert len(penalized.choices[0].text) == 4
 
 
 def test_unsupported_fields_are_refused_by_name(url):

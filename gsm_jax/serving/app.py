@@ -498,6 +498,10 @@ class GSMServer:
         cfg = version.config if arm == "gsm" else None
         top_k = max(0, body.top_k)
         base_seed = body.seed
+        try:
+            bias = body.logit_bias_ids()
+        except ValueError as e:
+            raise HTTPError(400, str(e), param="logit_bias") from e
         specs = []
         for pi, (ids, limit) in enumerate(zip(prompts, limits, strict=True)):
             for j in range(body.n):
@@ -507,11 +511,18 @@ class GSMServer:
                 seed = None if base_seed is None else base_seed + j
                 req = EngineRequest(ids, limit, request_id=rid, temperature=body.temperature,
                                     top_k=top_k, top_p=body.top_p, seed=seed, gsm=cfg,
-                                    ignore_eos=body.ignore_eos)
+                                    ignore_eos=body.ignore_eos,
+                                    frequency_penalty=body.frequency_penalty,
+                                    presence_penalty=body.presence_penalty,
+                                    repetition_penalty=body.repetition_penalty,
+                                    logit_bias=bias)
                 try:
                     self.engine.check_request(req)
                 except GSMJaxError as e:
-                    raise HTTPError(400, str(e)) from e
+                    field = str(e).split(" ")[0].split("[")[0].rstrip(":")
+                    raise HTTPError(400, str(e), param=field if field in (
+                        "logit_bias", "frequency_penalty", "presence_penalty",
+                        "repetition_penalty") else None) from e
                 specs.append((pi * body.n + j, req))
         call = _Call(self, kind, body, rid, version, arm, stops, specs,
                      asyncio.get_running_loop(), prompts=prompts, prefix=prefix)

@@ -51,7 +51,10 @@ engine built without GSM has no GSM code and no ring buffers at all: the honest
 Sampling per request: temperature, top-k, top-p and a seed; a request's k-th
 token draws from key `fold_in(key(seed), k)`, so a seeded sampled output does not
 depend on the schedule. Greedy outputs equal `gsm_jax.generate_tokens` run on each
-request alone (tested).
+request alone (tested). Penalties (OpenAI's frequency / presence, vLLM's repetition,
+`logit_bias`) adjust a row's logits before it picks (`penalize`); the engine counts each
+penalized row's output tokens on the host, and a batch without penalties runs the same
+programs as before (the penalized pick is its own small program).
 
 Per request the engine records: arrival (given by the caller), admission (prefill
 start), the time of every output token (right after it reached the host) and the
@@ -65,7 +68,7 @@ import functools
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -117,6 +120,15 @@ class Request:
     tag: str = ""  # free label carried into the record (the benchmark uses "short"/"long")
     gsm: Any = DEFAULT  # DEFAULT | None (not smoothed) | a GSMConfig smoothing this request
     ignore_eos: bool = False  # run to max_new_tokens (load tests: equal work per request)
+    # OpenAI's penalties on the tokens generated so far: logit - frequency x count
+    # - presence x (count > 0); vLLM's repetition penalty on the tokens of the prompt and
+    # the output (logit / p where positive, logit x p where not); logit_bias: token id ->
+    # added to its logit. Applied in that order (bias, repetition, frequency / presence)
+    # before temperature / top-k / top-p, as vLLM; log-probabilities stay the model's.
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: Mapping[int, float] | None = None
 
 
 @dataclass
@@ -198,13 +210,28 @@ class RequestRecord:
 # ----------------------------------------------------------------------------- jitted steps
 
 
+def penalize(logits, penalties):
+    """`Request`'s penalties on logits [B, V]: penalties = (frequency [B], presence [B],
+    repetition [B], output token counts [B, V], prompt tokens seen [B, V] bool,
+    logit bias [B, V]); neutral rows (0, 0, 1, ..., 0) come out unchanged."""
+    freq, pres, rep, counts, seen, bias = penalties
+    logits = logits.astype(jnp.float32) + bias
+    r = rep[:, None]
+    logits = jnp.where(seen | (counts > 0), jnp.where(logits > 0, logits / r, logits * r),
+                       logits)
+    return logits - freq[:, None] * counts - pres[:, None] * (counts > 0)
+
+
 @functools.partial(jax.jit, static_argnames=("sample", "filtered"))
-def _pick(logits, sampling, *, sample: bool, filtered: bool):
-    """Next token per row: greedy, or sampled from key fold_in(key(seed), count) per row.
+def _pick(logits, sampling, penalties=None, *, sample: bool, filtered: bool):
+    """Next token per row: greedy, or sampled from key fold_in(key(seed), count) per row,
+    after `penalize` when some row has penalties (None: none has).
 
     Its own (small) program: the model's programs return logits, so each compiles once
     per shape, not once per sampling mode (greedy / sampled / top-k-top-p)."""
     temperature, top_k, top_p, seeds, counts = sampling
+    if penalties is not None:
+        logits = penalize(logits, penalties)
     if not sample:  # greedy: the same argmax generate_tokens takes at temperature 0
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
@@ -297,6 +324,14 @@ class _Sampling:
     top_k: int
     top_p: float
     seed: int
+    frequency: float = 0.0
+    presence: float = 0.0
+    repetition: float = 1.0
+    bias: tuple[tuple[int, float], ...] = ()
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.frequency or self.presence or self.repetition != 1.0 or self.bias)
 
     @property
     def sample(self) -> bool:
@@ -414,6 +449,15 @@ class Engine:
         self._top_p = np.ones((b,), np.float32)
         self._seeds = np.zeros((b,), np.int32)
         self._filtered = np.zeros((b,), bool)
+        # penalties (`Request`): per slot, and the tokens they count
+        v = self.config.vocab_size
+        self._penalized = np.zeros((b,), bool)
+        self._freq = np.zeros((b,), np.float32)
+        self._pres = np.zeros((b,), np.float32)
+        self._rep = np.ones((b,), np.float32)
+        self._out_counts = np.zeros((b, v), np.int32)
+        self._seen = np.zeros((b, v), bool)
+        self._bias = np.zeros((b, v), np.float32)
         if self.gsm_compiled:
             self.set_gsm(gsm)
         else:
@@ -652,6 +696,24 @@ class Engine:
         if req.seed is not None and (isinstance(req.seed, bool)
                                      or not isinstance(req.seed, int | np.integer)):
             raise InvalidInputError(f"seed must be an integer or None, got {req.seed!r}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(req, name)
+            if isinstance(value, bool) or not isinstance(value, int | float | np.number) \
+                    or not -2.0 <= value <= 2.0:
+                raise InvalidInputError(f"{name} must be a number in [-2, 2], got {value!r}")
+        rep = req.repetition_penalty
+        if isinstance(rep, bool) or not isinstance(rep, int | float | np.number) \
+                or not (math.isfinite(rep) and rep > 0):
+            raise InvalidInputError(f"repetition_penalty must be a number > 0, got {rep!r}")
+        for token, value in (req.logit_bias or {}).items():
+            if isinstance(token, bool) or not isinstance(token, int | np.integer) \
+                    or not 0 <= token < self.config.vocab_size:
+                raise InvalidInputError(f"logit_bias: token id {token!r} is not in the "
+                                        f"vocabulary [0, {self.config.vocab_size})")
+            if isinstance(value, bool) or not isinstance(value, int | float | np.number) \
+                    or not -100.0 <= value <= 100.0:
+                raise InvalidInputError(f"logit_bias[{token}] must be a number in "
+                                        f"[-100, 100], got {value!r}")
         if req.gsm is not DEFAULT and req.gsm is not None:
             self.check_gsm(req.gsm)
         return prompt.astype(np.int32)
@@ -670,7 +732,11 @@ class Engine:
         seed = request.seed if request.seed is not None else self._seed * 1_000_003 + \
             self._submitted
         sampling = _Sampling(float(request.temperature), int(request.top_k),
-                             float(request.top_p), int(seed) & 0x7FFFFFFF)
+                             float(request.top_p), int(seed) & 0x7FFFFFFF,
+                             float(request.frequency_penalty), float(request.presence_penalty),
+                             float(request.repetition_penalty),
+                             tuple((int(k), float(v)) for k, v in
+                                   sorted((request.logit_bias or {}).items())))
         gsm = request.gsm
         if gsm is not DEFAULT and gsm is not None:
             gsm = self.check_gsm(gsm)
@@ -709,10 +775,16 @@ class Engine:
         self._temps[slot] = 0.0
         self._filtered[slot] = False
         self._last[slot] = 0
+        if self._penalized[slot]:
+            self._penalized[slot] = False
+            self._freq[slot], self._pres[slot], self._rep[slot] = 0.0, 0.0, 1.0
+            self._out_counts[slot], self._seen[slot], self._bias[slot] = 0, False, 0.0
 
     def _emit(self, slot: int, rec: RequestRecord, token: int, t: float) -> bool:
         """Record one output token; True if the request is finished."""
         rec.tokens.append(token)
+        if self._penalized[slot]:
+            self._out_counts[slot, token] += 1
         rec.token_times.append(t)
         if len(rec.tokens) == 1:
             rec.first_token = t
@@ -736,6 +808,21 @@ class Engine:
                 jnp.asarray([s.seed for s in items], jnp.int32),
                 jnp.asarray(counts, jnp.int32))
 
+    def _one_row_penalties(self, item: _Waiting) -> tuple | None:
+        """`_pick`'s penalties for a request's first token (nothing generated yet)."""
+        s = item.sampling
+        if not s.penalized:
+            return None
+        v = self.config.vocab_size
+        seen = np.zeros((1, v), bool)
+        seen[0, item.prompt] = True
+        bias = np.zeros((1, v), np.float32)
+        for token, value in s.bias:
+            bias[0, token] = value
+        return (jnp.asarray([s.frequency], jnp.float32), jnp.asarray([s.presence], jnp.float32),
+                jnp.asarray([s.repetition], jnp.float32), jnp.zeros((1, v), jnp.int32),
+                jnp.asarray(seen), jnp.asarray(bias))
+
     def _one_row_gsm(self, cfg: Any) -> GSMInputs | None:
         if not self.gsm_compiled:
             return None
@@ -756,6 +843,16 @@ class Engine:
         s = item.sampling
         self._temps[slot], self._top_k[slot], self._top_p[slot] = s.temperature, s.top_k, s.top_p
         self._seeds[slot], self._filtered[slot] = s.seed, s.filtered
+        if s.penalized:
+            self._penalized[slot] = True
+            self._freq[slot], self._pres[slot], self._rep[slot] = (s.frequency, s.presence,
+                                                                   s.repetition)
+            self._out_counts[slot] = 0
+            self._seen[slot] = False
+            self._seen[slot, item.prompt] = True
+            self._bias[slot] = 0.0
+            for t, value in s.bias:
+                self._bias[slot, t] = value
         return self._emit(slot, rec, token, clock())
 
     def _can_admit(self, cfg: Any) -> bool:
@@ -790,7 +887,8 @@ class Engine:
                 logits, self._cache = _prefill_insert(
                     self.params.weights, jnp.asarray(tokens), jnp.asarray([first], jnp.int32),
                     self._cache, jnp.asarray([slot], jnp.int32), gsm, **kw)
-                tok = _pick(logits, sampling, sample=s.sample, filtered=s.filtered)
+                tok = _pick(logits, sampling, self._one_row_penalties(item),
+                            sample=s.sample, filtered=s.filtered)
             else:
                 _, rows = _prefill(self.params.weights, jnp.asarray(tokens),
                                    jnp.asarray([first], jnp.int32), gsm, **kw)
@@ -823,8 +921,8 @@ class Engine:
                 return False
             self._cache = _insert(self._cache, rows, jnp.asarray([p.slot], jnp.int32),
                                   config=self.config)
-            tok = _pick(logits, self._sampling_args([s], [0]), sample=s.sample,
-                        filtered=s.filtered)
+            tok = _pick(logits, self._sampling_args([s], [0]), self._one_row_penalties(item),
+                        sample=s.sample, filtered=s.filtered)
         token = int(np.asarray(tok)[0])
         self.step_times.append(("extend", chunk, clock() - t))
         self._prefilling = None
@@ -857,10 +955,14 @@ class Engine:
                     jnp.asarray(self._top_p), jnp.asarray(self._seeds),
                     jnp.asarray(counts, jnp.int32))
         sample = bool((self._temps[active] > 0).any())
+        penalties = None
+        if self._penalized[active].any():
+            penalties = tuple(jnp.asarray(a) for a in (
+                self._freq, self._pres, self._rep, self._out_counts, self._seen, self._bias))
         t = clock()
         with on_mesh(self._mesh):
             logits, self._cache = _decode(*args, **kw)
-            tok = _pick(logits, sampling, sample=sample,
+            tok = _pick(logits, sampling, penalties, sample=sample,
                         filtered=sample and bool(self._filtered[active].any()))
         tokens = np.asarray(tok)
         self.step_times.append(("decode", int(active.sum()), clock() - t))

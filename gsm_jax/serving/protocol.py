@@ -2,9 +2,11 @@
 
 Types are strict (a string where a number belongs is a 400, not coerced). Fields of
 the OpenAI / vLLM APIs that this server does not implement (`tools`,
-`response_format`, penalties, `logit_bias`, image content parts, ...) are refused
+`response_format`, `min_p`, guided decoding, image content parts, ...) are refused
 with a 400 that names the field (`unsupported`), unless they carry their neutral
-value (`frequency_penalty: 0`, `tools: []`, ...), which changes nothing. Names
+value (`tools: []`, `min_p: 0`, ...), which changes nothing. Penalties
+(`frequency_penalty`, `presence_penalty`, vLLM's `repetition_penalty`) and `logit_bias`
+are implemented (the engine's `penalize`). Names
 neither API knows are accepted, like vLLM, and named back to the client in the
 `x-ignored-fields` response header. Errors use the nested OpenAI body
 `{"error": {"message", "type", "param", "code"}}` with string codes.
@@ -49,6 +51,23 @@ class _Sampling(_Body):
     stream_options: StreamOptions | None = None
     user: str | None = None
     ignore_eos: bool = False  # vLLM's extra: generate exactly max_tokens (load tests)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0)  # vLLM's extra
+    # token id (as a JSON string key, OpenAI's form) -> bias added to its logit
+    logit_bias: dict[str, float] | None = None
+
+    def logit_bias_ids(self) -> dict[int, float] | None:
+        """`logit_bias` with integer token ids; a key that is not one is a ValueError."""
+        if not self.logit_bias:
+            return None
+        out = {}
+        for key, value in self.logit_bias.items():
+            try:
+                out[int(key)] = value
+            except ValueError:
+                raise ValueError(f"logit_bias: key {key!r} is not a token id") from None
+        return out
 
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -108,12 +127,11 @@ _NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
     "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
     "function_call": (None, "none"), "parallel_tool_calls": (None, False, True),
     "response_format": (None, {"type": "text"}),
-    "frequency_penalty": (None, 0, 0.0), "presence_penalty": (None, 0, 0.0),
-    "logit_bias": (None, {}), "suffix": (None, ""), "best_of": (None, 1),
+    "suffix": (None, ""), "best_of": (None, 1),
     "modalities": (None, ["text"]), "audio": (None,), "prediction": (None,),
     "web_search_options": (None,),
     # vLLM's sampling and decoding extras
-    "repetition_penalty": (None, 1, 1.0), "min_p": (None, 0, 0.0), "min_tokens": (None, 0),
+    "min_p": (None, 0, 0.0), "min_tokens": (None, 0),
     "stop_token_ids": (None, []), "bad_words": (None, []), "allowed_token_ids": (None,),
     "use_beam_search": (None, False), "length_penalty": (None, 1, 1.0),
     "include_stop_str_in_output": (None, False), "skip_special_tokens": (None, True),
