@@ -191,6 +191,17 @@ def _loads(before, after) -> dict:
             "comparable": max((before or [0])[0], (after or [0])[0]) <= MAX_COMPARABLE_LOAD}
 
 
+SETTLE_S = 120.0  # set by --settle-s (0 for smoke runs)
+
+
+def settle(limit: float = 1.0) -> None:
+    """Wait (at most SETTLE_S) for the 1-minute load average to fall below `limit` after
+    compiling (XLA's compile threads raise it), so a timed block starts quiet."""
+    end = time.time() + SETTLE_S
+    while time.time() < end and (common.load_average() or [0])[0] >= limit:
+        time.sleep(5)
+
+
 def measure_prefill(params, model, batch: int, prompt_len: int, repeats: int,
                     seed: int) -> dict:
     import jax
@@ -221,6 +232,7 @@ def measure_prefill(params, model, batch: int, prompt_len: int, repeats: int,
     ours = np.asarray(jax.block_until_ready(fns["gsm_jax"]()))
     compile_s = time.perf_counter() - t
     theirs = nemo()  # warm-up at this shape (allocator, kernels)
+    settle()
     before = common.load_average()
     times = common.interleaved(fns, repeats)
     after = common.load_average()
@@ -233,6 +245,10 @@ def measure_prefill(params, model, batch: int, prompt_len: int, repeats: int,
         s = common.summarize(ts)
         out[name] = {"s": s, "tok_s": batch * prompt_len / s["median"]}
     out["x_nemo"] = out["gsm_jax"]["tok_s"] / out["nemo"]["tok_s"]
+    # where gsm_jax's prefill spends its time, by jax.named_scope (after the timing)
+    text = prefill.lower(params.weights, jnp.asarray(tokens), lengths).compile().as_text()
+    out["gsm_jax_profile_ms_by_scope"] = common.profile_breakdown(fns["gsm_jax"], steps=2,
+                                                                  hlo_text=text)
     return out
 
 
@@ -244,6 +260,7 @@ def measure_decode(params: dict, batch: int, prompt_len: int, new_tokens: int,
     fns = common.short_and_long_calls(params, batch, prompt_len, new_tokens, vocab)
     for fn in fns.values():  # compile every program before timing
         fn()
+    settle()
     before = common.load_average()
     times = common.interleaved(fns, repeats)
     after = common.load_average()
@@ -299,7 +316,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", choices=sorted(PRESETS), default="mid")
     ap.add_argument("--out", default="runs/bench_deepseek_v41")
-    ap.add_argument("--batches", default="1,4", help="decode batch sizes")
+    ap.add_argument("--batches", default="1,4",
+                    help="decode batch sizes ('' skips the decode part)")
+    ap.add_argument("--settle-s", type=float, default=SETTLE_S,
+                    help="before each timed block, wait at most this long for the load "
+                         "average to fall below 1 (compiling raises it)")
     ap.add_argument("--prefill-batch", type=int, default=1)
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--new-tokens", type=int, default=32)
@@ -317,7 +338,9 @@ def main() -> None:
         return
     if args.quick:
         args.preset, args.repeats, args.prompt_len, args.new_tokens = "tiny", 1, 16, 4
-        args.batches = "1"
+        args.batches, args.settle_s = "1", 0.0
+    global SETTLE_S
+    SETTLE_S = args.settle_s
     import torch
 
     if args.threads is not None:
@@ -367,7 +390,7 @@ def main() -> None:
         del model
         vocab = params["bf16"].config.vocab_size
         result["decode"] = {}
-        for i, b in enumerate(int(x) for x in args.batches.split(",")):
+        for i, b in enumerate(int(x) for x in args.batches.split(",") if x.strip()):
             print(f"[bench] decode, batch {b}", flush=True)
             d = measure_decode(params, b, min(args.prompt_len, 64), args.new_tokens,
                                args.repeats, vocab, profile=i == 0)
@@ -420,6 +443,10 @@ def write_report(out: Path, r: dict) -> None:
     text += (f"\ngsm_jax: jitted `prefill` into a fresh cache (compiled once before timing, "
              f"{p['gsm_jax_compile_s']:.1f} s); NeMo: `model(ids)` under no_grad. Medians "
              "of interleaved repeats.\n")
+    if p.get("gsm_jax_profile_ms_by_scope"):
+        text += ("\ngsm_jax's prefill by `jax.named_scope` (ms per call, jax.profiler "
+                 "trace):\n\n" + common.markdown_table(
+                     ["scope", "ms"], list(p["gsm_jax_profile_ms_by_scope"].items())[:10]))
     dec_rows, reasons = [], []
     for b, d in r["decode"].items():
         base, fp32 = d["variants"]["bf16"]["decode_tok_s"], d["variants"]["fp32"]["decode_tok_s"]
