@@ -1541,7 +1541,8 @@ def held_weight_bytes(cfg: DeepseekV41Config, quant: dict, mesh: dict[str, int],
                       weights_dtype: str) -> float:
     """Bytes per device of the weight tree `gsm_jax.load(dir, keep_quantized=True)`
     holds (`abstract_stored_weights`), split by the sharding rules."""
-    from gsm_jax.sharding import logical_axes as family_axes
+    def family_axes(path, ndim):
+        return logical_axes([str(getattr(p, "key", getattr(p, "idx", p))) for p in path], ndim)
 
     tree = abstract_stored_weights(weight_shapes(cfg, jnp.dtype(weights_dtype)), quant, "fp4")
     total = 0.0
@@ -1549,14 +1550,14 @@ def held_weight_bytes(cfg: DeepseekV41Config, quant: dict, mesh: dict[str, int],
     def one(path, leaf):
         nonlocal total
         if isinstance(leaf, BlockQuantWeight):
-            axes = family_axes(FAMILY, path, len(leaf.shape))
+            axes = family_axes(path, len(leaf.shape))
             axes = (*axes[:-2], axes[-1], axes[-2])  # stored [.., out, in]
             blocks = (*leaf.scale.shape[:-2], leaf.scale.shape[-2], leaf.scale.shape[-1])
             for a in (leaf.values, leaf.scale):
                 _, local = _split(axes, a.shape, mesh, blocks)
                 total += float(np.prod(local)) * jnp.dtype(a.dtype).itemsize
             return
-        _, local = _split(family_axes(FAMILY, path, len(leaf.shape)), leaf.shape, mesh)
+        _, local = _split(family_axes(path, len(leaf.shape)), leaf.shape, mesh)
         total += float(np.prod(local)) * jnp.dtype(leaf.dtype).itemsize
 
     jax.tree_util.tree_map_with_path(one, tree, is_leaf=lambda a: isinstance(a, BlockQuantWeight))
