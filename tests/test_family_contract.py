@@ -343,12 +343,12 @@ _SHARDED = textwrap.dedent("""
         rng = np.random.default_rng(8)
         rows = [list(map(int, rng.integers(1, p.config.vocab_size, n))) for n in (12, 9, 12, 7)]
         sp = gsm_jax.shard(p, mesh)
-        err = 0.0
-        for gsm in (None, cfg):
-            one = np.asarray(gsm_jax.forward(p, rows, gsm=gsm))
-            many = np.asarray(gsm_jax.forward(sp, rows, gsm=gsm))
-            ok = [np.abs(one[i, :len(r)] - many[i, :len(r)]).max() for i, r in enumerate(rows)]
-            err = max(err, float(max(ok) / np.abs(one).max()))
+        # GSM on only: the same layers plus the smoothing and its ring buffers (GSM off is
+        # the families' own sharded tests, tests/test_sharding.py)
+        one = np.asarray(gsm_jax.forward(p, rows, gsm=cfg))
+        many = np.asarray(gsm_jax.forward(sp, rows, gsm=cfg))
+        ok = [np.abs(one[i, :len(r)] - many[i, :len(r)]).max() for i, r in enumerate(rows)]
+        err = float(max(ok) / np.abs(one).max())
         gen1 = gsm_jax.generate_tokens(p, rows[:2], max_new_tokens=5, gsm=cfg)
         gen8 = gsm_jax.generate_tokens(sp, rows[:2], max_new_tokens=5, gsm=cfg)
         out[name] = {"err": err, "greedy_equal": [list(map(int, g)) for g in gen1]
