@@ -313,6 +313,7 @@ def decode_reason(d: dict) -> str:
 
 
 def main() -> None:
+    global SETTLE_S
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", choices=sorted(PRESETS), default="mid")
     ap.add_argument("--out", default="runs/bench_deepseek_v41")
@@ -339,7 +340,6 @@ def main() -> None:
     if args.quick:
         args.preset, args.repeats, args.prompt_len, args.new_tokens = "tiny", 1, 16, 4
         args.batches, args.settle_s = "1", 0.0
-    global SETTLE_S
     SETTLE_S = args.settle_s
     import torch
 
