@@ -51,6 +51,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from gsm_jax.models.partitioning import batch_spec, model_axis_mesh
+
 # ----------------------------------------------------------------------------- §6.1 token map
 
 _LONE_SPACE = "\ue000"  # private-use sentinel that carries a lone space through Strip()
@@ -367,29 +369,19 @@ def gather_bytes(tokens: int, n_ids: int, d: int, devices: int, itemsize: int = 
     return 2 * tokens * n_ids * d * itemsize * (devices - 1) / devices if devices > 1 else 0.0
 
 
-def _engram_mesh(rows: int) -> Any:
-    """The mesh set around the call when its "model" axis (> 1) divides the table rows."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or "model" not in mesh.axis_names:
-        return None
-    n = mesh.shape["model"]
-    return mesh if n > 1 and rows % n == 0 else None
-
-
 def gather_rows(rows_fp8: jax.Array, row_scales: jax.Array, ids: jax.Array,
                 dtype: Any = jnp.bfloat16) -> jax.Array:
     """The table rows of `ids` [B, T, n_ids], dequantized: [B, T, n_ids, d] in `dtype`.
     Under a mesh whose "model" axis splits the rows (see above), each device gathers the
     rows it holds and the partial results are summed (`shard_map` + `psum`); otherwise a
     plain gather (one device, or a table kept whole)."""
-    mesh = _engram_mesh(rows_fp8.shape[0])
+    mesh = model_axis_mesh(rows_fp8.shape[0])
     if mesh is None:
         return dequantize_rows(jnp.take(rows_fp8, ids, axis=0),
                                jnp.take(row_scales, ids, axis=0)).astype(dtype)
     from jax.sharding import PartitionSpec as P
 
-    data = mesh.shape["data"] if "data" in mesh.axis_names else 1
-    rows_spec = P("data") if data > 1 and ids.shape[0] % data == 0 else P()
+    rows_spec = batch_spec(mesh, ids.shape[0])
 
     # FP8 rows times a power of two are exact in bf16: sum them in bf16 (half the bytes
     # of f32) whatever `dtype` is; a float table (tests) is summed in `dtype`

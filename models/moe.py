@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from gsm_jax.models.linear import linear
+from gsm_jax.models.partitioning import batch_spec, model_axis_mesh
 
 
 def swiglu(gate_up: jax.Array, limit: float) -> jax.Array:
@@ -161,13 +162,8 @@ DISPATCHES = ("auto", "psum", "all_to_all")
 
 
 def _expert_mesh(n_experts: int) -> Any:
-    """The mesh set around the call (`jax.set_mesh`, done by gsm_jax.generate / forward
-    for sharded params) when its "model" axis splits the experts, else None."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or "model" not in mesh.axis_names:
-        return None
-    n = mesh.shape["model"]
-    return mesh if n > 1 and n_experts % n == 0 else None
+    """The mesh whose "model" axis splits the experts, else None."""
+    return model_axis_mesh(n_experts)
 
 
 def dispatch_bytes(tokens: int, k: int, hidden: int, devices: int, itemsize: int,
@@ -186,11 +182,7 @@ def choose_dispatch(tokens: int, k: int, hidden: int, devices: int, itemsize: in
 
 
 def _data_rows(mesh, rows: int):
-    from jax.sharding import PartitionSpec as P
-
-    if "data" in mesh.axis_names and rows % mesh.shape["data"] == 0:
-        return P("data", None)
-    return P()
+    return batch_spec(mesh, rows)
 
 
 def _experts_psum(x, idx, w, gate_up, down, limit, mesh):

@@ -32,6 +32,25 @@ def padded_size(size: int, n: int) -> int:
     return -(-size // n) * n
 
 
+def model_axis_mesh(size: int) -> Any:
+    """The mesh set around the call (`jax.set_mesh`, done by gsm_jax.generate / forward
+    for sharded params) when its "model" axis (> 1) divides `size` (the routed experts,
+    an Engram table's rows), else None: who may split that axis under `shard_map`."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or "model" not in mesh.axis_names:
+        return None
+    n = mesh.shape["model"]
+    return mesh if n > 1 and size % n == 0 else None
+
+
+def batch_spec(mesh: Any, rows: int) -> PartitionSpec:
+    """`shard_map`'s spec of an input whose leading axis is the batch: split over "data"
+    when that divides it, else whole."""
+    if "data" in mesh.axis_names and rows % mesh.shape["data"] == 0:
+        return PartitionSpec("data")
+    return PartitionSpec()
+
+
 def table_axes(table: dict[str, tuple[str | None, ...]], name: str,
                ndim: int) -> tuple[str | None, ...]:
     """The logical axes of a weight named `name` with `ndim` axes, from a family's
