@@ -12,7 +12,9 @@ the Engram layers the streams differ from NeMo's by ~3e-7 of their scale (roundi
 and XLA's fusion under jit: eager and jitted JAX differ by ~4e-9 after an Engram layer), which
 is enough to move a window-KV value across an FP8 rounding midpoint in some inputs (seen:
 keeps_all inputs 1-3; input 3 traced: layer 2, one token, everything after it then off by
-~1e-3); the "keeps_all" inputs 0 and 4 have no such flip.
+~1e-3). So the load parity holds at 1e-4 with float caches on both sides (NeMo's
+`quantize_cache` patched to the identity), and with the roundings on it checks the top-1 and
+a 1e-2 bound.
 """
 
 from __future__ import annotations
@@ -328,8 +330,14 @@ def _rel_err(out, ref):
 @pytest.mark.parametrize("name", sorted(PARITY))
 def test_load_matches_nemo(released, name):
     """gsm_jax.load(dir, float32, keep_quantized=True) of a released-layout checkpoint:
-    FP8 / FP4 kept as stored, logits of gsm_jax.forward equal NeMo's forward on the same
-    file within 1e-4 of the logit scale, same top-1 everywhere."""
+    FP8 / FP4 weights kept as stored. With float caches on both sides (`cache_qdq=False`,
+    NeMo's `quantize_cache` the identity) the logits of gsm_jax.forward equal NeMo's within
+    1e-4 of the logit scale. With the released cache roundings on both sides the top-1 is the
+    same everywhere and the logits agree within 1e-2: XLA's fused sums differ from torch's in
+    the last ulp, and a value on an FP8 / FP4 rounding midpoint then rounds the other way
+    (one such flip moved the logits by 9.5e-4 of the scale on inputs 4 of keeps_all)."""
+    import dataclasses
+
     import v41_reference as ref_mod
 
     import gsm_jax
@@ -344,13 +352,22 @@ def test_load_matches_nemo(released, name):
     assert lw["attn"]["kv_norm"].dtype == jnp.float32
     assert params.extra["unused_tensors"] == ("vision.norm.weight",)
     np.testing.assert_array_equal(params.extra["mtp"]["mtp.0.main_norm.weight"], 0.5)
+    assert params.config.cache_qdq
+    float_caches = dataclasses.replace(
+        params, config=dataclasses.replace(params.config, cache_qdq=False))
     for s in PARITY[name][2]:
         ids = np.random.default_rng(s).integers(3, 128, size=(2, 32))
-        ref = ref_mod.nemo_logits(model, ids)
-        out = np.asarray(gsm_jax.forward(params, ids))
+        ref = ref_mod.nemo_logits(model, ids, cache_qdq=False)
+        out = np.asarray(gsm_jax.forward(float_caches, ids))
         err = _rel_err(out, ref)
         assert err < REL_TOL, f"{name} inputs {s}: max logit error {err:.2e} of the scale"
         np.testing.assert_array_equal(out.argmax(-1), ref.argmax(-1))
+        ref_q = ref_mod.nemo_logits(model, ids)
+        out_q = np.asarray(gsm_jax.forward(params, ids))
+        assert _rel_err(ref_q, ref) > 1e-5  # the roundings do act on these inputs
+        err_q = _rel_err(out_q, ref_q)
+        assert err_q < 1e-2, f"{name} inputs {s}, cache roundings: {err_q:.2e} of the scale"
+        np.testing.assert_array_equal(out_q.argmax(-1), ref_q.argmax(-1))
 
 
 def test_load_dequantized_and_bf16(released):

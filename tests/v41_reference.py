@@ -17,7 +17,8 @@ Provides
 - `nemo_model(config_dict, tokenizer=None, seed=0)`: NeMo's `DeepseekV41ForCausalLM` on CPU,
   fp32, `initialize_weights`, then non-identity sinks / router biases / norms / Engram q,k weights.
   Cached per (config, seed) for the pytest session; treat the result as read-only.
-- `nemo_logits(model, ids, attention_mask=None) -> np.ndarray[B, T, V]` (fp32).
+- `nemo_logits(model, ids, attention_mask=None, *, cache_qdq=True) -> np.ndarray[B, T, V]`
+  (fp32); `cache_qdq=False` makes NeMo's cache quantize/dequantize the identity.
 - `nemo_streams(model, ids, attention_mask=None) -> list[np.ndarray[B, T, hc_mult, D]]`: the
   residual streams entering each decoder block.
 - `nemo_engram_hash(model, ids, attention_mask=None) -> np.ndarray[B, T, n_engram_layers, n_ids]`.
@@ -243,14 +244,34 @@ def _ids_tensor(ids):
     return torch.as_tensor(np.asarray(ids, dtype=np.int64))
 
 
-def nemo_logits(model, ids, attention_mask=None) -> np.ndarray:
-    """Full-sequence logits [B, T, V] (fp32). Right padding only (NeMo's contract)."""
+def nemo_logits(model, ids, attention_mask=None, *, cache_qdq: bool = True) -> np.ndarray:
+    """Full-sequence logits [B, T, V] (fp32). Right padding only (NeMo's contract).
+    `cache_qdq=False` runs NeMo with its cache quantize/dequantize boundaries (window KV FP8,
+    compressed KV NVFP4, index keys and queries MXFP4) as the identity, the counterpart of our
+    `cache_qdq=False`: the comparison then does not hinge on which side of a rounding midpoint
+    a value that differs in its last ulp falls."""
     import torch
 
-    with torch.no_grad():
+    with torch.no_grad(), _cache_qdq(cache_qdq):
         mask = None if attention_mask is None else _ids_tensor(attention_mask)
         out = model(_ids_tensor(ids), attention_mask=mask)
     return out.logits.float().numpy()
+
+
+def _cache_qdq(on: bool):
+    """A context in which NeMo's `quantize_cache` is itself (on) or the identity (off)."""
+    import contextlib
+    from unittest import mock
+
+    from nemo_automodel.components.models.deepseek_v41 import attention, dspark
+
+    if on:
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    for mod in (attention, dspark):
+        stack.enter_context(mock.patch.object(mod, "quantize_cache",
+                                              lambda values, **_: values))
+    return stack
 
 
 def nemo_streams(model, ids, attention_mask=None) -> list[np.ndarray]:
