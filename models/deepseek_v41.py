@@ -148,6 +148,16 @@ class DeepseekV41Config:
     engram_pad_token_id: int = 2
     engram_num_embeddings: tuple[int, ...] = ()
     num_nextn_predict_layers: int = 0
+    # DSpark (§7; models/deepseek_v41_dspark.py): a block of dspark_block_size draft
+    # positions, [accepted token, noise x (block - 1)]; target features = the stream mean
+    # of h before attention at dspark_target_layer_ids; stages: dspark_n_routed_experts
+    # experts, top dspark_num_experts_per_tok; a rank dspark_markov_rank Markov bias
+    dspark_block_size: int = 5
+    dspark_noise_token_id: int = 128799
+    dspark_target_layer_ids: tuple[int, ...] = (37, 38, 39)
+    dspark_markov_rank: int = 256
+    dspark_n_routed_experts: int = 128
+    dspark_num_experts_per_tok: int = 3
     image_token_id: int = -1
     weight_block_size: tuple[int, int] = (32, 32)
     max_position_embeddings: int = 1048576
@@ -297,6 +307,13 @@ class DeepseekV41Config:
                                                             default=())),
             num_nextn_predict_layers=int(get("num_nextn_predict_layers", "n_mtp_layers",
                                              default=0)),
+            dspark_block_size=int(get("dspark_block_size", default=5)),
+            dspark_noise_token_id=int(get("dspark_noise_token_id", default=128799)),
+            dspark_target_layer_ids=tuple(int(i) for i in get("dspark_target_layer_ids",
+                                                              default=(37, 38, 39))),
+            dspark_markov_rank=int(get("dspark_markov_rank", default=256)),
+            dspark_n_routed_experts=int(get("dspark_n_routed_experts", default=128)),
+            dspark_num_experts_per_tok=int(get("dspark_num_experts_per_tok", default=3)),
             image_token_id=int(hf.get("image_token_id", text.get("image_token_id", -1))),
             weight_block_size=block,
             max_position_embeddings=int(get("max_position_embeddings", default=1048576)),
@@ -786,6 +803,8 @@ def layer(cfg: DeepseekV41Config, w: dict, index: int, x, cache, step: common.St
     eps = cfg.rms_norm_eps
     if "engram" in w:  # before the block's mHC mix, on all streams (§6.3)
         h = engram_layer(cfg, w["engram"], index, h, state, step)
+    if index in state.get("feature_layers", ()):  # DSpark's target feature (§2 step 5.2)
+        state = {**state, "features": state["features"] + (jnp.mean(h, axis=2),)}
     a_pre, a_post, a_comb = hc_mix(w["hc_attn"], h, cfg)
     out, state, cache = attention(cfg, w["attn"], index,
                                   rms_norm(weighted_streams(pre, h), w["attn_norm"], eps),
@@ -931,12 +950,14 @@ _LAYER_NAMES = {
 
 
 class MtpTensors(dict):
-    """The DSpark draft's `mtp.*` tensors as stored (name -> numpy array, or a
-    `BlockQuantWeight` with numpy leaves when loaded with keep_quantized), kept in
-    `params.extra["mtp"]` for speculative decoding; nothing runs them yet. Hashed by
-    identity (ModelParams' extra is part of its static tree structure)."""
+    """The DSpark draft's `mtp.*` tensors as read (name -> numpy [out, in], or the
+    checkpoint's FP8 / FP4 `StoredQuant`), kept in `params.extra["mtp"]`;
+    `deepseek_v41_dspark.draft_weights` turns them into the draft's weight tree (FP8 / FP4
+    kept as stored when `keep_quantized`, as the backbone was loaded). Hashed by identity
+    (ModelParams' extra is part of its static tree structure)."""
 
     __hash__ = object.__hash__
+    keep_quantized: bool = False
 
     def __eq__(self, other: object) -> bool:
         return self is other
@@ -1045,6 +1066,48 @@ def _to_device(tree: Any, _prefix: tuple = ()) -> Any:
     return jax.tree.map(put, tree, is_leaf=lambda a: isinstance(a, BlockQuantWeight))
 
 
+def _take(src: dict, key: str, where: str) -> Any:
+    if key not in src:
+        raise ModelLoadError(f"deepseek_v41: tensor {where + key!r} is missing")
+    return _resolve(src.pop(key))
+
+
+def layer_tree(cfg: DeepseekV41Config, src: dict[str, Any], p: str, keep: bool) -> dict:
+    """One block's weight tree from its released tensors `src` (names after the prefix `p`,
+    e.g. "layers.3." or "mtp.0."; consumed): a backbone layer, or a DSpark stage with its
+    stage-only tensors taken out first. Refuses a missing or an unexpected tensor by name."""
+    lw: dict[str, Any] = {}
+    for rest in [r for r in src if r in _LAYER_NAMES]:
+        path, is_proj = _LAYER_NAMES[rest]
+        v = _take(src, rest, p)
+        node = lw
+        for q in path[:-1]:
+            node = node.setdefault(q, {})
+        node[path[-1]] = _proj(v, keep) if is_proj else v
+    if "attn.wo_a.weight" in src:
+        lw.setdefault("attn", {})["o_a"] = _o_a(_take(src, "attn.wo_a.weight", p), cfg, keep)
+    if "engram.embed.weight" in src:
+        rows, scale = _engram_table(_take(src, "engram.embed.weight", p), cfg.engram_head_dim)
+        lw.setdefault("engram", {}).update(table=rows, table_scale=scale)
+    moe_w = lw.setdefault("moe", {})
+    gate_up, down = [], []
+    for k in range(cfg.n_routed_experts):
+        q = f"ffn.experts.{k}."
+        gate_up.append(_cat_rows([_take(src, q + "w1.weight", p), _take(src, q + "w3.weight", p)]))
+        down.append(_take(src, q + "w2.weight", p))
+    moe_w["experts_gate_up"] = _proj(_stack(gate_up), keep)
+    moe_w["experts_down"] = _proj(_stack(down), keep)
+    del gate_up, down
+    moe_w["shared_gate_up"] = _proj(_cat_rows(
+        [_take(src, "ffn.shared_experts.w1.weight", p),
+         _take(src, "ffn.shared_experts.w3.weight", p)]), keep)
+    moe_w["shared_down"] = _proj(_take(src, "ffn.shared_experts.w2.weight", p), keep)
+    if src:
+        raise ModelLoadError(f"deepseek_v41: unexpected tensors "
+                             f"{sorted(p + r for r in src)[:8]}")
+    return lw
+
+
 def weights_from_hf(cfg: DeepseekV41Config, tensors: dict[str, Any], dtype: Any = jnp.float32,
                     *, keep_quantized: bool = False, mtp: dict | None = None,
                     unused: list[str] | None = None, place: Any = None,
@@ -1090,12 +1153,8 @@ def weights_from_hf(cfg: DeepseekV41Config, tensors: dict[str, Any], dtype: Any 
     unknown, skipped = [], []
     for name, value in tensors.items():
         if name.startswith("mtp."):
-            if mtp is not None:
-                v = _resolve(value)
-                if _is_stored_quant(v):
-                    v = BlockQuantWeight(v.values, v.scale, v.fmt, tuple(v.block)) if keep \
-                        else v.dequantize()
-                mtp[name] = v
+            if mtp is not None:  # as read (numpy [out, in] or a StoredQuant); converted by
+                mtp[name] = _resolve(value)  # deepseek_v41_dspark.draft_weights
             continue
         if _VISION.match(name):
             if unused is None:
@@ -1127,52 +1186,15 @@ def weights_from_hf(cfg: DeepseekV41Config, tensors: dict[str, Any], dtype: Any 
         raise ModelLoadError(f"deepseek_v41: unexpected tensors {sorted(unknown)[:8]}"
                              f"{' ...' if len(unknown) > 8 else ''}")
 
-    def take(src: dict, key: str, where: str) -> Any:
-        if key not in src:
-            raise ModelLoadError(f"deepseek_v41: tensor {where + key!r} is missing")
-        return _resolve(src.pop(key))
-
     layers = []
     for li in range(cfg.num_layers):
-        src, p = by_layer[li], f"layers.{li}."
-        lw: dict[str, Any] = {}
-        for rest in [r for r in src if r in _LAYER_NAMES]:
-            path, is_proj = _LAYER_NAMES[rest]
-            v = take(src, rest, p)
-            node = lw
-            for q in path[:-1]:
-                node = node.setdefault(q, {})
-            node[path[-1]] = _proj(v, keep) if is_proj else v
-        if "attn.wo_a.weight" in src:
-            lw.setdefault("attn", {})["o_a"] = _o_a(take(src, "attn.wo_a.weight", p), cfg, keep)
-        if "engram.embed.weight" in src:
-            rows, scale = _engram_table(take(src, "engram.embed.weight", p),
-                                        cfg.engram_head_dim)
-            lw.setdefault("engram", {}).update(table=rows, table_scale=scale)
-        e = cfg.n_routed_experts
-        moe_w = lw.setdefault("moe", {})
-        gate_up, down = [], []
-        for k in range(e):
-            q = f"ffn.experts.{k}."
-            gate_up.append(_cat_rows([take(src, q + "w1.weight", p),
-                                      take(src, q + "w3.weight", p)]))
-            down.append(take(src, q + "w2.weight", p))
-        moe_w["experts_gate_up"] = _proj(_stack(gate_up), keep)
-        moe_w["experts_down"] = _proj(_stack(down), keep)
-        del gate_up, down
-        moe_w["shared_gate_up"] = _proj(_cat_rows(
-            [take(src, "ffn.shared_experts.w1.weight", p),
-             take(src, "ffn.shared_experts.w3.weight", p)]), keep)
-        moe_w["shared_down"] = _proj(take(src, "ffn.shared_experts.w2.weight", p), keep)
-        if src:
-            raise ModelLoadError(f"deepseek_v41: unexpected tensors "
-                                 f"{sorted(p + r for r in src)[:8]}")
+        lw = layer_tree(cfg, by_layer[li], f"layers.{li}.", keep)
         _check(lw, want["layers"][li], f"layers.{li}")
         layers.append(place(_host_cast(lw, want["layers"][li]), ("layers", li)))
         del lw
-    head = {"embed": take(top, "embed.weight", ""), "lm_head": _proj(take(top, "head.weight", ""),
-                                                                     False),
-            "final_norm": take(top, "norm.weight", "")}
+    head = {"embed": _take(top, "embed.weight", ""),
+            "lm_head": _proj(_take(top, "head.weight", ""), False),
+            "final_norm": _take(top, "norm.weight", "")}
     if specs:
         head["engram_token_map"] = token_map
     want_top = {k: v for k, v in want.items() if k != "layers"}
@@ -1250,19 +1272,30 @@ def _engram_inputs(weights: dict, cfg: DeepseekV41Config, tokens: jax.Array,
 
 
 def _run(weights: dict, cfg: DeepseekV41Config, tokens: jax.Array, step: common.Step,
-         cache: DeepseekV41Cache | None = None):
+         cache: DeepseekV41Cache | None = None, features: bool = False):
+    """The layer stack. features: also the DSpark target features [B, T, n_target * D] (the
+    stream mean of h before attention at cfg.dspark_target_layer_ids, concatenated), else
+    None."""
     h, pre = embed(weights, cfg, tokens)
     ids, valid, history = _engram_inputs(weights, cfg, tokens, step, cache)
     state = {"engram_ids": ids, "engram_valid": valid} if ids else {}
+    if features:
+        missing = [i for i in cfg.dspark_target_layer_ids if i >= cfg.num_layers]
+        if missing or not cfg.dspark_target_layer_ids:
+            raise InvalidInputError(
+                f"deepseek_v41: dspark_target_layer_ids {list(cfg.dspark_target_layer_ids)} "
+                f"must be layers of this {cfg.num_layers}-layer model")
+        state.update(feature_layers=cfg.dspark_target_layer_ids, features=())
     layers = common.layer_weights(weights, cfg.num_layers, scan_ok=False)
     pieces = None if cache is None else tuple(cache.layers)
-    (h, pre, _), pieces, sown = common.run_layers(layer, cfg, layers, (h, pre, state), pieces,
-                                                  step)
+    (h, pre, state), pieces, sown = common.run_layers(layer, cfg, layers, (h, pre, state),
+                                                      pieces, step)
     if cache is not None:
         cache = cache.replace(layers=pieces,
                               lengths=common.new_lengths(step).astype(jnp.int32),
                               rings=common.rings_out(step, cache), engram_history=history)
-    return h, pre, sown, cache
+    feats = jnp.concatenate(state["features"], axis=-1) if features else None
+    return h, pre, sown, cache, feats
 
 
 def hidden_states(weights: dict, cfg: DeepseekV41Config, tokens: jax.Array, lengths: jax.Array,
@@ -1270,8 +1303,8 @@ def hidden_states(weights: dict, cfg: DeepseekV41Config, tokens: jax.Array, leng
     """Teacher-forced hidden states [B, T, D] over right-padded rows of `lengths` tokens
     (the streams collapsed with the last FFN mix's pre weights, before the final norm: what
     `logits` takes), and what the hooks sowed {name: [L, ...]}."""
-    h, pre, sown, _ = _run(weights, cfg, tokens,
-                           common.forward_step(lengths, tokens.shape[1], sites))
+    h, pre, sown, _, _ = _run(weights, cfg, tokens,
+                              common.forward_step(lengths, tokens.shape[1], sites))
     return weighted_streams(pre, h), sown
 
 
@@ -1286,9 +1319,31 @@ def prefill(weights: dict, cfg: DeepseekV41Config, tokens: jax.Array, lengths: j
             ) -> tuple[jax.Array, DeepseekV41Cache]:
     """Right-padded prompts into a fresh cache; each row's last-token logits [B, V]."""
     step = common.prefill_step(lengths, tokens.shape[1], cache, gsm)
-    h, pre, _, cache = _run(weights, cfg, tokens, step, cache)
+    h, pre, _, cache, _ = _run(weights, cfg, tokens, step, cache)
     last = weighted_streams(common.last_token(pre, lengths), common.last_token(h, lengths))
     return logits(weights, cfg, last), cache
+
+
+def prefill_with_features(weights: dict, cfg: DeepseekV41Config, tokens: jax.Array,
+                          lengths: jax.Array, cache: DeepseekV41Cache, gsm: Sites | None = None
+                          ) -> tuple[jax.Array, jax.Array, DeepseekV41Cache]:
+    """`prefill` that also returns the DSpark target features [B, T, n_target * D] of every
+    prompt position: (last-token logits [B, V], features, cache)."""
+    step = common.prefill_step(lengths, tokens.shape[1], cache, gsm)
+    h, pre, _, cache, feats = _run(weights, cfg, tokens, step, cache, features=True)
+    last = weighted_streams(common.last_token(pre, lengths), common.last_token(h, lengths))
+    return logits(weights, cfg, last), feats, cache
+
+
+def extend_with_features(weights: dict, cfg: DeepseekV41Config, tokens: jax.Array,
+                         n_new: jax.Array, cache: DeepseekV41Cache, gsm: Sites | None = None
+                         ) -> tuple[jax.Array, jax.Array, DeepseekV41Cache]:
+    """`extend(..., all_logits=True)` that also returns the DSpark target features
+    [B, C, n_target * D] of every position of the chunk (a fresh cache: a prefill):
+    (logits [B, C, V], features, cache). Speculative decoding's verifier."""
+    step = common.extend_step(n_new, tokens.shape[1], cache, gsm)
+    h, pre, _, cache, feats = _run(weights, cfg, tokens, step, cache, features=True)
+    return logits(weights, cfg, weighted_streams(pre, h)), feats, cache
 
 
 def extend(weights: dict, cfg: DeepseekV41Config, tokens: jax.Array, n_new: jax.Array,
@@ -1297,7 +1352,7 @@ def extend(weights: dict, cfg: DeepseekV41Config, tokens: jax.Array, n_new: jax.
     """A chunk [B, C] (the first n_new [B] real) after each row's cache.lengths tokens:
     chunked prefill; logits of each row's last new token [B, V] (all_logits: [B, C, V])."""
     step = common.extend_step(n_new, tokens.shape[1], cache, gsm)
-    h, pre, _, cache = _run(weights, cfg, tokens, step, cache)
+    h, pre, _, cache, _ = _run(weights, cfg, tokens, step, cache)
     if all_logits:
         return logits(weights, cfg, weighted_streams(pre, h)), cache
     last = weighted_streams(common.last_token(pre, n_new), common.last_token(h, n_new))
@@ -1310,7 +1365,7 @@ def decode_step(weights: dict, cfg: DeepseekV41Config, tokens: jax.Array,
     """One token per row at position cache.lengths -> logits [B, V] and the new cache.
     Inactive rows compute but neither advance nor write."""
     step = common.decode_step_ctx(cache, active, gsm)
-    h, pre, _, cache = _run(weights, cfg, tokens[:, None], step, cache)
+    h, pre, _, cache, _ = _run(weights, cfg, tokens[:, None], step, cache)
     return logits(weights, cfg, weighted_streams(pre[:, 0], h[:, 0])), cache
 
 
@@ -1400,6 +1455,7 @@ def load_checkpoint(cfg: DeepseekV41Config, hf_config: dict, store: Any, dtype: 
         token_map = token_class_map(ckpt.tokenizer_file)
     unused: list[str] = []
     mtp = MtpTensors()
+    mtp.keep_quantized = keep_quantized
     progress(f"converting {len(ckpt.tensors)} tensors "
              f"({'FP8/FP4 kept as stored' if keep_quantized else jnp.dtype(dtype).name}; "
              "Engram tables as stored)")

@@ -29,6 +29,11 @@ Provides
   released-layout checkpoint at `path` (FP8 / FP4 / Engram FP8 as written), decoded and loaded
   by NeMo's own `state_dict_adapter.from_hf` (0 missing, 0 unexpected keys). Cached per
   (model, path) for the pytest session; treat the result as read-only.
+- DSpark: `dspark_config(**overrides)` (tiny_config with 3 stages targeting layers 5-7),
+  `nemo_dspark(model, seed)` (NeMo's `DeepseekV41DSparkModel`), `dspark_state_dict(draft)`
+  (released `mtp.*` names), `nemo_dspark_from_checkpoint(draft, path)`,
+  `nemo_dspark_features(model, ids)` (the target features) and
+  `nemo_draft_logits(draft, features, ids, anchor, previous)`.
 """
 
 from __future__ import annotations
@@ -342,3 +347,123 @@ def nemo_from_checkpoint(model, path):
     target.eval()
     _FROM_CHECKPOINT[key] = (model, target)  # the model kept alive: its id stays unique
     return target
+
+
+# ------------------------------------------------------------------------------------------------
+# DSpark (the `mtp.*` draft, research note §7; NeMo's dspark.py)
+
+
+def dspark_config(**overrides) -> dict:
+    """`tiny_config` with 3 DSpark stages: target layers 5, 6, 7 (the last three, as V4.1-Flash's
+    37-39 of 40), 4 experts top 2, Markov rank 8, block 5, noise token 127."""
+    base = dict(num_nextn_predict_layers=3, compress_ratios=[0, 0, 2, 2, 2, 1, 1, 1, 0, 0, 0],
+                dspark_target_layer_ids=[5, 6, 7], dspark_markov_rank=8,
+                dspark_n_routed_experts=4, dspark_num_experts_per_tok=2, dspark_block_size=5)
+    base.update(overrides)
+    return tiny_config(**base)
+
+
+def nemo_dspark(model, seed: int = 0):
+    """NeMo's `DeepseekV41DSparkModel` for the target `model` (its text config), fp32 on CPU,
+    seeded and randomised like the target, with the target's embedding and LM head copied in."""
+    import torch
+    from nemo_automodel.components.models.deepseek_v41.dspark import DeepseekV41DSparkModel
+
+    torch.manual_seed(1000 + seed)
+    with torch.no_grad():
+        draft = DeepseekV41DSparkModel(model.config.text_config, backend=_cpu_backend(),
+                                       num_anchors=1, enable_confidence_head=True).float()
+        _randomise(draft, seed)
+        draft.initialize_embeddings_and_head(embed_tokens=model.get_input_embeddings(),
+                                             lm_head=model.get_output_embeddings())
+    draft.eval()
+    return draft
+
+
+def dspark_state_dict(draft) -> dict[str, np.ndarray]:
+    """The draft's `mtp.*` tensors under the released names (fp32 numpy, unquantised)."""
+    import torch
+
+    with torch.no_grad():
+        hf = draft.state_dict_adapter.to_hf(draft.state_dict())
+    return {k: v.detach().float().numpy().copy() for k, v in hf.items()
+            if k.startswith("mtp.") and torch.is_tensor(v) and v.is_floating_point()}
+
+
+def nemo_dspark_from_checkpoint(draft, path, target_model):
+    """A copy of `draft` whose `mtp.*` weights are those of the checkpoint at `path`, decoded by
+    NeMo's own `DeepseekV41DSparkStateDictAdapter.from_hf` (0 missing, 0 unexpected keys
+    besides the embedding and head), with the embedding and head of `target_model` (the
+    target as loaded from the same checkpoint: `nemo_from_checkpoint`)."""
+    import copy
+    from pathlib import Path
+
+    import torch
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    hf = {}
+    for shard in sorted({f for k, f in index["weight_map"].items() if k.startswith("mtp.")}):
+        hf.update({k: v for k, v in load_file(path / shard).items() if k.startswith("mtp.")})
+    target = copy.deepcopy(draft)
+    with torch.no_grad():
+        native = target.state_dict_adapter.from_hf(hf)
+        result = target.load_state_dict(native, strict=False)
+        missing = [k for k in result.missing_keys
+                   if k not in ("embed_tokens.weight", "lm_head.weight")]
+        if missing or result.unexpected_keys:
+            raise RuntimeError(f"NeMo DSpark from_hf of {path}: missing {missing}, "
+                               f"unexpected {result.unexpected_keys}")
+        target.initialize_embeddings_and_head(
+            embed_tokens=target_model.get_input_embeddings(),
+            lm_head=target_model.get_output_embeddings())
+    target.eval()
+    return target
+
+
+def nemo_dspark_features(model, ids, *, cache_qdq: bool = True) -> np.ndarray:
+    """The DSpark target features [B, T, n_target * D]: the stream mean of the input of each
+    target layer's attention hyper-connection (NeMo's `get_dspark_target_feature_modules`)."""
+    import torch
+
+    layer_ids = list(model.config.text_config.dspark_target_layer_ids)
+    got: list = []
+    hooks = [m.register_forward_hook(lambda mod, args, out: got.append(args[0].mean(dim=2)))
+             for m in model.get_dspark_target_feature_modules(layer_ids)]
+    try:
+        with torch.no_grad(), _cache_qdq(cache_qdq):
+            model(_ids_tensor(ids))
+    finally:
+        for h in hooks:
+            h.remove()
+    return torch.cat(got, dim=-1).float().numpy()
+
+
+def nemo_draft_logits(draft, features, ids, anchor: int, previous, *,
+                      cache_qdq: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """NeMo's draft for one anchor per row (the same anchor in every row): the backbone run on
+    [ids[:, anchor], noise x (block - 1)] at positions anchor .., with the target features of
+    every position of `ids` as context (the mask keeps [anchor - window, anchor)), and the
+    Markov bias of `previous` [B, K]. Returns (logits [B, K, V] = head + Markov, confidence
+    logits [B, K])."""
+    import torch
+    from nemo_automodel.components.models.deepseek_v41.dspark import DeepseekV41DSparkBackbone
+    from nemo_automodel.components.speculative.dspark.common import create_noise_embed
+
+    ids_t = _ids_tensor(ids)
+    b, s = ids_t.shape
+    anchors = torch.full((b, 1), anchor, dtype=torch.long)
+    keep = torch.ones((b, 1), dtype=torch.bool)
+    cfg = draft.config
+    with torch.no_grad(), _cache_qdq(cache_qdq):
+        noise = create_noise_embed(draft.embed_tokens, ids_t, anchors, keep,
+                                   mask_token_id=cfg.dspark_noise_token_id,
+                                   block_size=cfg.dspark_block_size)
+        out = DeepseekV41DSparkBackbone.forward(
+            draft, noise, torch.as_tensor(np.asarray(features, np.float32)),
+            position_ids=draft.build_position_ids(anchors, s),
+            attention_mask=draft.build_attention_mask(anchors, keep, s, noise.dtype),
+            previous_token_ids=_ids_tensor(previous))
+        logits = draft.compute_logits(out.normalized_hidden_states) + out.transition_logits
+    return logits.float().numpy(), out.confidence_pred.float().numpy()
