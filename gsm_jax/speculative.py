@@ -356,3 +356,189 @@ def speculative_generate(
     return SpecResult(tokens=np.asarray(out, np.int32), rounds=rounds, drafted=drafted,
                       accepted=accepted, wall_s=time.perf_counter() - start,
                       accepted_per_round=tuple(per_round))
+
+
+# ----------------------------------------------------------------------------- DSpark
+# DeepSeek-V4.1's own drafter (models/deepseek_v41_dspark.py): one parallel draft call per
+# round proposes dspark_block_size tokens from the target's features of the last
+# sliding_window positions, the verifier scores [cur, proposals] in one chunked call that
+# also returns those positions' features, and the features of the accepted positions enter
+# a ring of sliding_window rows (slot = position % window) that the next draft reads.
+
+
+def _ring_write(ring: jax.Array, ring_pos: jax.Array, feats: jax.Array, pos: jax.Array,
+                n: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Write feats [1, C, F] of positions pos [1, C] into the ring [1, W, F] (positions
+    ring_pos [1, W]); only the last min(n, W) of the first n [1] rows (no slot twice)."""
+    w, c = ring.shape[1], feats.shape[1]
+    j = jnp.arange(c)
+    keep = (j < n[0]) & (j >= n[0] - w)
+    slot = jnp.where(keep, pos[0] % w, w)  # w: out of range, dropped
+    ring = ring.at[0, slot].set(feats[0].astype(ring.dtype), mode="drop")
+    ring_pos = ring_pos.at[0, slot].set(pos[0].astype(ring_pos.dtype), mode="drop")
+    return ring, ring_pos
+
+
+@functools.partial(jax.jit, static_argnames=("config", "cache_len"))
+def _dspark_prefill(weights, tokens, lengths, gsm, *, config, cache_len: int):
+    """A fresh cache holding the prompt, the greedy first token [1], and the feature ring."""
+    from gsm_jax.models import deepseek_v41 as dv
+
+    cache = dv.init_cache(config, tokens.shape[0], cache_len,
+                          dtype=jax.tree.leaves(weights)[0].dtype,
+                          gsm_max_window=None if gsm is None else gsm.max_window)
+    logits, feats, cache = dv.prefill_with_features(weights, config, tokens, lengths, cache,
+                                                    gsm)
+    w = config.sliding_window
+    ring = jnp.zeros((1, w, feats.shape[-1]), feats.dtype)
+    ring_pos = jnp.full((1, w), -1, jnp.int32)
+    pos = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
+    ring, ring_pos = _ring_write(ring, ring_pos, feats, pos, lengths)
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32), cache, ring, ring_pos
+
+
+@functools.partial(jax.jit, static_argnames=("config", "draft_len"))
+def _dspark_draft(weights, dw, cur, anchor, ring, ring_pos, *, config, draft_len: int):
+    """The draft's proposals [1, draft_len] after cur [1] at position anchor [1]."""
+    from gsm_jax.models import deepseek_v41_dspark as ds
+
+    picks, _ = ds.propose(weights, dw, config, cur, anchor, ring, ring_pos)
+    return picks[:, :draft_len]
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def _dspark_verify(weights, cur, drafts, cache, gsm, *, config):
+    """The verifier's greedy token after cur and after each proposal, v [1, K+1]; the
+    number m [1] of leading proposals it agrees with; the features [1, K+1, F] of those
+    positions; the cache grown by all K+1."""
+    from gsm_jax.models import deepseek_v41 as dv
+
+    tokens = jnp.concatenate([cur[:, None], drafts], axis=1)
+    n = jnp.full((1,), tokens.shape[1], jnp.int32)
+    logits, feats, cache = dv.extend_with_features(weights, config, tokens, n, cache, gsm)
+    v = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    agree = jnp.cumprod((drafts == v[:, :-1]).astype(jnp.int32), axis=1)
+    return v, agree.sum(axis=1), feats, cache
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def _dspark_commit(weights, saved, grown, cur, drafts, m, gsm, ring, ring_pos, feats, anchor,
+                   *, config):
+    """After accepting m proposals: the cache holding saved + cur + the m accepted, and the
+    ring with the features of those m + 1 positions."""
+    fam = family_module(config.family)
+    tokens = jnp.concatenate([cur[:, None], drafts], axis=1)
+    cache = jax.lax.cond(
+        m[0] == drafts.shape[1], lambda: grown,
+        lambda: _rollback(fam, weights, config, saved, grown, tokens, m + 1, gsm))
+    pos = anchor[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
+    ring, ring_pos = _ring_write(ring, ring_pos, feats, pos, m + 1)
+    return cache, ring, ring_pos
+
+
+def _check_dspark_model(cfg: Any) -> None:
+    from gsm_jax.models import deepseek_v41_dspark as ds
+
+    if getattr(cfg, "family", None) != "deepseek_v41":
+        raise InvalidInputError(f"DSpark drafting needs a DeepSeek-V4.1 model, not "
+                                f"{getattr(cfg, 'family', type(cfg).__name__)!r}")
+    ds.check_config(cfg)
+
+
+def dspark_weights(params: ModelParams) -> dict:
+    """The DSpark draft's weight tree of a loaded V4.1 checkpoint (`params.extra["mtp"]`),
+    built on first use and kept with those tensors."""
+    from gsm_jax.models import deepseek_v41_dspark as ds
+
+    cfg = params.config
+    _check_dspark_model(cfg)
+    mtp = params.extra.get("mtp")
+    if not mtp:
+        raise InvalidInputError("this DeepSeek-V4.1 checkpoint has no DSpark tensors (mtp.*); "
+                                "pass draft weights with dspark_generate(..., draft=...)")
+    dtype = jax.tree.leaves(params.weights["embed"])[0].dtype
+    built = getattr(mtp, "_draft_trees", None)
+    if built is None:
+        built = {}
+        mtp._draft_trees = built  # an MtpTensors: hashed by identity, may carry attributes
+    if dtype not in built:
+        built[dtype] = ds.draft_weights(cfg, mtp, dtype)
+    return built[dtype]
+
+
+def dspark_generate(
+    params: ModelParams,
+    prompt_ids: Any,
+    *,
+    max_new_tokens: int,
+    draft_len: int | None = None,
+    gsm: Any = None,
+    eos_ids: Sequence[int] | None = None,
+    draft: dict | None = None,
+) -> SpecResult:
+    """Greedy-decode one prompt with DeepSeek-V4.1's DSpark drafter proposing `draft_len`
+    (default: dspark_block_size) tokens per round, verified by the model in one chunked
+    call. Returns the tokens of `generate_tokens(params, [prompt], gsm=gsm)` (up to the
+    float rounding of a chunked forward, which could only flip an exact argmax tie); the
+    draft only decides how many tokens a round yields.
+
+    `draft`: the draft's weight tree (`deepseek_v41_dspark.draft_weights` /
+    `init_weights`); default: built from the checkpoint's `mtp.*` tensors."""
+    start = time.perf_counter()
+    params = check_params(params)
+    cfg = params.config
+    _check_dspark_model(cfg)
+    dw = dspark_weights(params) if draft is None else draft
+    rows = _prompt_rows(prompt_ids, cfg.vocab_size)
+    check_refused_tokens(rows, cfg)
+    if len(rows) != 1:
+        raise InvalidInputError(
+            f"dspark_generate takes one prompt at a time, got {len(rows)}; loop over them")
+    prompt = rows[0]
+    max_new = _check_int("max_new_tokens", max_new_tokens, 1)
+    k = cfg.dspark_block_size
+    n_draft = k if draft_len is None else _check_int("draft_len", draft_len, 1, k)
+    if prompt.size + max_new > cfg.max_position_embeddings:
+        raise InvalidInputError(
+            f"the prompt has {prompt.size} tokens; with max_new_tokens={max_new} it exceeds "
+            f"the model's context of {cfg.max_position_embeddings} tokens")
+    if eos_ids is None:
+        eos_ids = params.tokenizer.eos_ids if params.tokenizer is not None else cfg.eos_token_ids
+    eos = {int(e) for e in eos_ids}
+
+    total = int(prompt.size) + max_new
+    cache_len = bucket(total + n_draft + 1, MIN_PROMPT_BUCKET)
+    prompt_len = bucket(int(prompt.size), MIN_PROMPT_BUCKET)
+    tokens = np.zeros((1, prompt_len), np.int32)
+    tokens[0, : prompt.size] = prompt
+    lengths = np.asarray([prompt.size], np.int32)
+    g = _gsm_inputs(gsm, cfg.num_layers, cfg.num_layers, total)
+    cur, cache, ring, ring_pos = _dspark_prefill(params.weights, tokens, lengths, g,
+                                                 config=cfg, cache_len=cache_len)
+    anchor = jnp.asarray(lengths)
+    out = [int(cur[0])]
+    rounds = drafted = accepted = 0
+    per_round: list[int] = []
+    while len(out) < max_new and out[-1] not in eos:
+        drafts = _dspark_draft(params.weights, dw, cur, anchor, ring, ring_pos, config=cfg,
+                               draft_len=n_draft)
+        v, m_dev, feats, grown = _dspark_verify(params.weights, cur, drafts, cache, g,
+                                                config=cfg)
+        m = int(m_dev[0])  # the one host sync per round
+        v_host, d_host = np.asarray(v[0]), np.asarray(drafts[0])
+        rounds, drafted, accepted = rounds + 1, drafted + n_draft, accepted + m
+        per_round.append(m)
+        for t in [int(t) for t in d_host[:m]] + [int(v_host[m])]:
+            out.append(t)
+            if t in eos or len(out) == max_new:
+                break
+        if len(out) >= max_new or out[-1] in eos:
+            break
+        cache, ring, ring_pos = _dspark_commit(params.weights, cache, grown, cur, drafts,
+                                               m_dev, g, ring, ring_pos, feats, anchor,
+                                               config=cfg)
+        anchor = anchor + m + 1
+        cur = jnp.asarray(v_host[m : m + 1])
+    return SpecResult(tokens=np.asarray(out, np.int32), rounds=rounds, drafted=drafted,
+                      accepted=accepted, wall_s=time.perf_counter() - start,
+                      accepted_per_round=tuple(per_round))

@@ -1,0 +1,206 @@
+"""DeepSeek-V4.1's DSpark drafter (models/deepseek_v41_dspark.py) and speculative decoding
+with it (gsm_jax.speculative.dspark_generate).
+
+Reference: NeMo AutoModel 0.7.0's `DeepseekV41DSparkBackbone` (dspark.py) and its target-feature
+capture (`get_dspark_target_feature_modules`), on a tiny config whose draft targets layers
+5-7 (as V4.1-Flash's 37-39 of 40), both sides loading the same released-layout checkpoint
+(FP8 stage projections and main_proj, FP4 experts). Tolerance 1e-5 of the scale with float
+caches on both sides (everything is fp32; ~1e-6 seen); with the FP8 cache rounding on, the
+same top-1 and 1e-2 (a rounding midpoint may flip, see tests/test_deepseek_v41.py).
+The index top-k keeps every visible entry (index_topk 64), so a near-tie in the indexer
+cannot make the two backbones pick differently.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from gsm_jax.errors import InvalidInputError, ModelLoadError
+from gsm_jax.models import deepseek_v41 as dv
+from gsm_jax.models import deepseek_v41_dspark as ds
+
+REL_TOL = 1e-5
+DRAFT = dict(num_nextn_predict_layers=3, compress_ratios=[0, 0, 2, 2, 2, 1, 1, 1, 0, 0, 0],
+             dspark_target_layer_ids=[5, 6, 7], dspark_markov_rank=8,
+             dspark_n_routed_experts=4, dspark_num_experts_per_tok=2, dspark_block_size=5,
+             dspark_noise_token_id=127)
+
+
+def _rel(a, b):
+    a, b = np.asarray(a), np.asarray(b)
+    return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+@pytest.fixture(scope="module")
+def released(tmp_path_factory):
+    """(checkpoint dir with the backbone and the mtp.* stages written as released, NeMo's
+    target and draft loaded from it by NeMo's own adapters, gsm_jax.load of it)."""
+    import v41_reference as ref
+
+    import gsm_jax
+    from gsm_jax.models.deepseek_v41_checkpoint import write_checkpoint
+
+    hf = ref.dspark_config(engram_layer_ids=[1, 5], index_topk=64, candidate_topk_blocks=16)
+    model = ref.nemo_model(hf, seed=1)
+    draft = ref.nemo_dspark(model, seed=1)
+    tensors = {**ref.released_state_dict(model), **ref.dspark_state_dict(draft)}
+    path = write_checkpoint(tmp_path_factory.mktemp("dspark"), hf, tensors,
+                            ref.tiny_tokenizer_json(), shard_bytes=200_000, quantize_mtp=True)
+    target = ref.nemo_from_checkpoint(model, path)
+    return path, target, ref.nemo_dspark_from_checkpoint(draft, path, target), \
+        gsm_jax.load(path, dtype="float32", keep_quantized=True)
+
+
+def test_draft_weights_as_stored(released):
+    """The mtp.* stages load as the backbone does: FP8 32x32 projections (main_proj too) and
+    FP4 experts kept as stored, with the draft's own expert count."""
+    from gsm_jax.models.block_quant import BlockQuantWeight
+
+    _, _, _, params = released
+    dw = ds.draft_weights(params.config, params.extra["mtp"])
+    assert len(dw["stages"]) == 3
+    st = dw["stages"][0]
+    assert isinstance(dw["main_proj"], BlockQuantWeight) and dw["main_proj"].fmt == "e4m3"
+    assert st["attn"]["q_b"].fmt == "e4m3" and st["moe"]["experts_gate_up"].fmt == "e2m1"
+    assert st["moe"]["router"].shape == (64, 4)
+    assert dw["markov_embed"].shape == (128, 8) and dw["confidence"].shape == (72, 1)
+    floats = ds.draft_weights(params.config, params.extra["mtp"], keep_quantized=False)
+    np.testing.assert_array_equal(np.asarray(dw["main_proj"].dequantize()),
+                                  np.asarray(floats["main_proj"]))
+
+
+@pytest.mark.parametrize("cache_qdq", [False, True], ids=["float_caches", "released_caches"])
+def test_features_and_draft_match_nemo(released, cache_qdq):
+    """Target features (prefill_with_features) equal NeMo's captured attn_hc inputs' stream
+    means; draft logits (LM head + Markov bias) and confidence logits for anchors 3, 12, 19
+    (context: the window before each anchor) equal NeMo's backbone given the same features."""
+    import v41_reference as ref
+
+    _, target, nemo_draft, params = released
+    cfg = dataclasses.replace(params.config, cache_qdq=cache_qdq)
+    dw = ds.draft_weights(cfg, params.extra["mtp"])
+    ids = np.random.default_rng(0).integers(3, 127, size=(2, 24))
+    feats_ref = ref.nemo_dspark_features(target, ids, cache_qdq=cache_qdq)
+    cache = dv.init_cache(cfg, 2, 32)
+    _, feats, _ = jax.jit(lambda w, t, c: dv.prefill_with_features(
+        w, cfg, t, jnp.full((2,), 24, jnp.int32), c))(params.weights, jnp.asarray(ids), cache)
+    tol = REL_TOL if not cache_qdq else 1e-2
+    assert feats.shape == (2, 24, 3 * 64)
+    assert _rel(feats, feats_ref) < tol
+    pos = jnp.broadcast_to(jnp.arange(24), (2, 24))
+    run = jax.jit(lambda w, d, b, a, f, p, prev: ds.draft_logits(w, d, cfg, b, a, f, p, prev))
+    for anchor in (3, 12, 19):
+        prev = ids[:, anchor:anchor + 5]  # teacher-forced previous tokens for the Markov bias
+        want, want_conf = ref.nemo_draft_logits(nemo_draft, feats_ref, ids, anchor, prev,
+                                                cache_qdq=cache_qdq)
+        block = np.concatenate([ids[:, anchor:anchor + 1], np.full((2, 4), 127)], axis=1)
+        got, conf = run(params.weights, dw, jnp.asarray(block), jnp.full((2,), anchor),
+                        jnp.asarray(feats_ref), pos, jnp.asarray(prev))
+        err = _rel(got, want)
+        assert err < tol, f"anchor {anchor}: draft logits off by {err:.2e} of the scale"
+        np.testing.assert_array_equal(np.asarray(got).argmax(-1), want.argmax(-1))
+        assert np.abs(np.asarray(conf) - want_conf).max() < tol * max(1, np.abs(want_conf).max())
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """A random tiny V4.1 with a random 3-stage draft; float caches (the oracle test compares
+    features across chunkings, which a rounding midpoint could flip)."""
+    from test_deepseek_v41 import ENGRAM, small_hf_config
+
+    from gsm_jax.params import ModelParams
+
+    cfg = dv.DeepseekV41Config.from_hf_config(small_hf_config(index_n_heads=8, **DRAFT,
+                                                              **ENGRAM))
+    cfg = dataclasses.replace(cfg, cache_qdq=False)
+    return ModelParams(dv.init_weights(cfg, jax.random.key(3)), cfg), \
+        ds.init_weights(cfg, jax.random.key(4))
+
+
+PROMPT = np.random.default_rng(0).integers(3, 128, 13)
+
+
+@pytest.fixture(scope="module")
+def greedy(tiny):
+    from gsm_jax.generation import generate_tokens
+
+    params, _ = tiny  # 24 + a block: the oracle below proposes up to 5 tokens past the end
+    return generate_tokens(params, [PROMPT], max_new_tokens=29, eos_ids=[])[0]
+
+
+def test_dspark_generate_equals_greedy(tiny, greedy):
+    """The tokens of dspark_generate with the (random) draft are plain greedy decoding's."""
+    from gsm_jax.speculative import dspark_generate
+
+    params, dw = tiny
+    res = dspark_generate(params, PROMPT, max_new_tokens=24, eos_ids=[], draft=dw)
+    np.testing.assert_array_equal(res.tokens, greedy[:24])
+    assert res.drafted == 5 * res.rounds and len(res.accepted_per_round) == res.rounds
+
+
+def test_accept_and_rollback_paths(tiny, greedy, monkeypatch):
+    """With proposals that are the greedy continuation with one wrong token at a chosen
+    place, every acceptance count 0..5 occurs; the tokens stay greedy decoding's, and at
+    every round the feature ring the draft reads holds exactly the positions
+    [anchor - window, anchor) with the teacher-forced features of the sequence."""
+    import gsm_jax.speculative as spec
+
+    params, dw = tiny
+    cfg = params.config
+    seq = np.concatenate([PROMPT, greedy]).astype(np.int32)
+    _, want_feats, _ = dv.prefill_with_features(
+        params.weights, cfg, jnp.asarray(seq[None]), jnp.asarray([seq.size], jnp.int32),
+        dv.init_cache(cfg, 1, 48))  # 13 + 29 tokens
+    want_feats = np.asarray(want_feats[0])
+    plan = iter([5, 0, 3, 1, 4, 2, 5, 5, 5, 5, 5, 5, 5, 5])
+    seen: list[int] = []
+
+    def oracle(weights, dw_, cur, anchor, ring, ring_pos, *, config, draft_len):
+        a = int(anchor[0])
+        assert int(cur[0]) == seq[a]
+        pos = np.asarray(ring_pos[0])
+        assert sorted(pos[pos >= 0]) == list(range(max(0, a - cfg.sliding_window), a))
+        got = np.asarray(ring[0])[pos >= 0]
+        assert _rel(got, want_feats[pos[pos >= 0]]) < 1e-5
+        right = next(plan)
+        seen.append(right)
+        prop = seq[a + 1:a + 1 + draft_len].copy()
+        if right < draft_len:
+            prop[right] = (prop[right] + 1) % cfg.vocab_size  # wrong from here on
+        return jnp.asarray(prop[None])
+
+    monkeypatch.setattr(spec, "_dspark_draft", oracle)
+    res = spec.dspark_generate(params, PROMPT, max_new_tokens=24, eos_ids=[], draft=dw)
+    np.testing.assert_array_equal(res.tokens, greedy[:24])
+    assert set(res.accepted_per_round) >= {0, 1, 2, 3, 4, 5}
+    assert list(res.accepted_per_round) == seen[:res.rounds]
+
+
+def test_errors(tiny):
+    """Each refusal names the problem before any compilation."""
+    from gsm_jax.params import ModelParams
+    from gsm_jax.speculative import dspark_generate
+
+    params, dw = tiny
+    with pytest.raises(InvalidInputError, match="no DSpark tensors"):
+        dspark_generate(params, PROMPT, max_new_tokens=4)
+    with pytest.raises(InvalidInputError, match="draft_len"):
+        dspark_generate(params, PROMPT, max_new_tokens=4, draft=dw, draft_len=6)
+    cut = dataclasses.replace(params.config, num_layers=6, compress_ratios=(0, 0, 2, 2, 2, 1),
+                              kv_source_layer_ids=(2, 5), index_source_layer_ids=(2, 5))
+    with pytest.raises(InvalidInputError, match="dspark_target_layer_ids"):
+        dspark_generate(ModelParams(params.weights, cut), PROMPT, max_new_tokens=4, draft=dw)
+    none = dataclasses.replace(params.config, num_nextn_predict_layers=0)
+    with pytest.raises(InvalidInputError, match="no DSpark stages"):
+        ds.draft_weights(none, {})
+    mtp = {f"mtp.{s}.{k}": v for s in range(3)
+           for k, v in {"attn_norm.weight": np.ones(64, np.float32)}.items()}
+    with pytest.raises(ModelLoadError, match="mtp.0.main_proj.weight"):
+        ds.draft_weights(params.config, mtp)
+    with pytest.raises(ModelLoadError, match="mtp.3.norm.weight"):
+        ds.draft_weights(params.config, {**mtp, "mtp.3.norm.weight": np.ones(64)})
