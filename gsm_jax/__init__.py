@@ -39,6 +39,8 @@ _LAZY = {
     "quantize": ("gsm_jax.quant", "quantize"),
     "shard": ("gsm_jax.sharding", "shard"),
     "plan": ("gsm_jax.planner", "plan"),
+    "speculative_generate": ("gsm_jax.speculative", "speculative_generate"),
+    "dspark_generate": ("gsm_jax.speculative", "dspark_generate"),
 }
 
 
@@ -63,6 +65,8 @@ __all__ = [
     "quantize",
     "plan",
     "shard",
+    "speculative_generate",
+    "dspark_generate",
     "ConfigWatcher",
     "GSMConfig",
     "GSMConfigError",

@@ -59,6 +59,7 @@ SLOWEST_FILES_FIRST = (
     "test_workflow_notebook.py", "test_server.py", "test_speculative.py",
     "test_deepseek_v41_load.py", "test_bench_best_of_each.py", "test_deepseek_v4.py",
     "test_quant_bench.py", "test_gemma3.py", "test_deepseek_v41_plan.py",
+    "test_deepseek_v41_dspark.py",
 )
 
 

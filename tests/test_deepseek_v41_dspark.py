@@ -125,37 +125,49 @@ def tiny():
 PROMPT = np.random.default_rng(0).integers(3, 128, 13)
 
 
+GSM = dict(target_layers="all", smooth_strength=0.3, window_size=8)
+
+
 @pytest.fixture(scope="module")
 def greedy(tiny):
+    """Plain greedy continuations of PROMPT, {"off": GSM off, "on": GSM at every layer with
+    a window of 8 (rings to roll back)}; 24 + a block of tokens: the oracle below proposes up
+    to 5 tokens past the 24th."""
+    import gsm_jax
     from gsm_jax.generation import generate_tokens
 
-    params, _ = tiny  # 24 + a block: the oracle below proposes up to 5 tokens past the end
-    return generate_tokens(params, [PROMPT], max_new_tokens=29, eos_ids=[])[0]
+    params, _ = tiny
+    return {k: generate_tokens(params, [PROMPT], max_new_tokens=29, eos_ids=[],
+                               gsm=None if k == "off" else gsm_jax.GSMConfig(**GSM))[0]
+            for k in ("off", "on")}
 
 
 def test_dspark_generate_equals_greedy(tiny, greedy):
-    """The tokens of dspark_generate with the (random) draft are plain greedy decoding's."""
+    """The tokens of dspark_generate with the (random) draft are plain greedy decoding's.
+    (Random weights: the draft is accepted ~never; the figure means nothing.)"""
     from gsm_jax.speculative import dspark_generate
 
     params, dw = tiny
     res = dspark_generate(params, PROMPT, max_new_tokens=24, eos_ids=[], draft=dw)
-    np.testing.assert_array_equal(res.tokens, greedy[:24])
+    np.testing.assert_array_equal(res.tokens, greedy["off"][:24])
     assert res.drafted == 5 * res.rounds and len(res.accepted_per_round) == res.rounds
 
 
 def test_accept_and_rollback_paths(tiny, greedy, monkeypatch):
-    """With proposals that are the greedy continuation with one wrong token at a chosen
-    place, every acceptance count 0..5 occurs; the tokens stay greedy decoding's, and at
-    every round the feature ring the draft reads holds exactly the positions
+    """GSM on (rings). With proposals that are the greedy continuation with one wrong token
+    at a chosen place, every acceptance count 0..5 occurs; the tokens stay greedy decoding's,
+    and at every round the feature ring the draft reads holds exactly the positions
     [anchor - window, anchor) with the teacher-forced features of the sequence."""
+    import gsm_jax
     import gsm_jax.speculative as spec
 
     params, dw = tiny
     cfg = params.config
-    seq = np.concatenate([PROMPT, greedy]).astype(np.int32)
+    seq = np.concatenate([PROMPT, greedy["on"]]).astype(np.int32)
+    g = spec._gsm_inputs(gsm_jax.GSMConfig(**GSM), cfg.num_layers, cfg.num_layers, seq.size)
     _, want_feats, _ = dv.prefill_with_features(
         params.weights, cfg, jnp.asarray(seq[None]), jnp.asarray([seq.size], jnp.int32),
-        dv.init_cache(cfg, 1, 48))  # 13 + 29 tokens
+        dv.init_cache(cfg, 1, 48, gsm_max_window=g.max_window), g)  # 13 + 29 tokens
     want_feats = np.asarray(want_feats[0])
     plan = iter([5, 0, 3, 1, 4, 2, 5, 5, 5, 5, 5, 5, 5, 5])
     seen: list[int] = []
@@ -175,10 +187,48 @@ def test_accept_and_rollback_paths(tiny, greedy, monkeypatch):
         return jnp.asarray(prop[None])
 
     monkeypatch.setattr(spec, "_dspark_draft", oracle)
-    res = spec.dspark_generate(params, PROMPT, max_new_tokens=24, eos_ids=[], draft=dw)
-    np.testing.assert_array_equal(res.tokens, greedy[:24])
+    res = spec.dspark_generate(params, PROMPT, max_new_tokens=24, eos_ids=[], draft=dw,
+                               gsm=gsm_jax.GSMConfig(**GSM))
+    np.testing.assert_array_equal(res.tokens, greedy["on"][:24])
     assert set(res.accepted_per_round) >= {0, 1, 2, 3, 4, 5}
     assert list(res.accepted_per_round) == seen[:res.rounds]
+
+
+@pytest.mark.parametrize("m", [2, 5])
+def test_commit_leaves_the_plain_decoding_cache(tiny, m):
+    """After a verify of [cur, 5 proposals] and a commit of m accepted, every cache leaf
+    (window rings, compressed KV, index keys, compressor state, Engram history, GSM rings,
+    lengths) equals the cache of m + 1 plain decode steps from the same state, GSM on."""
+    import gsm_jax
+    import gsm_jax.speculative as spec
+
+    params, _ = tiny
+    cfg = params.config
+    # the shapes dspark_generate uses in the test above (13 + 24 tokens: cache 64, prompt
+    # bucket 16), so its compiled programs are reused
+    g = spec._gsm_inputs(gsm_jax.GSMConfig(**GSM), cfg.num_layers, cfg.num_layers, 37)
+    tokens = np.zeros((1, 16), np.int32)
+    tokens[0, :13] = PROMPT
+    cur, saved, ring, ring_pos = spec._dspark_prefill(
+        params.weights, tokens, np.asarray([13], np.int32), g, config=cfg, cache_len=64)
+    drafts = jnp.asarray(np.random.default_rng(m).integers(3, 128, (1, 5)), jnp.int32)
+    _, _, feats, grown = spec._dspark_verify(params.weights, cur, drafts, saved, g, config=cfg)
+    got, _, _ = spec._dspark_commit(params.weights, saved, grown, cur, drafts,
+                                    jnp.asarray([m], jnp.int32), g, ring, ring_pos, feats,
+                                    jnp.asarray([13], jnp.int32), config=cfg)
+    want = saved
+    step = jax.jit(lambda w, t, c, g: dv.decode_step(w, cfg, t, c, g)[1])
+    for t in np.concatenate([np.asarray(cur), np.asarray(drafts[0, :m])]):
+        want = step(params.weights, jnp.asarray([t], jnp.int32), want, g)
+    leaves = jax.tree_util.tree_leaves_with_path(want)
+    assert len(leaves) == len(jax.tree.leaves(got)) > 10
+    for (path, a), b in zip(leaves, jax.tree.leaves(got), strict=True):
+        a, b = np.asarray(a), np.asarray(b)
+        if a.dtype.kind in "iub":
+            np.testing.assert_array_equal(b, a, err_msg=jax.tree_util.keystr(path))
+        else:
+            np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6,
+                                       err_msg=jax.tree_util.keystr(path))
 
 
 def test_errors(tiny):
