@@ -428,9 +428,13 @@ def _dspark_commit(weights, saved, grown, cur, drafts, m, gsm, ring, ring_pos, f
     ring with the features of those m + 1 positions."""
     fam = family_module(config.family)
     tokens = jnp.concatenate([cur[:, None], drafts], axis=1)
-    cache = jax.lax.cond(
-        m[0] == drafts.shape[1], lambda: grown,
-        lambda: _rollback(fam, weights, config, saved, grown, tokens, m + 1, gsm))
+
+    def rerun():  # nothing accepted: one decode step of cur, not a chunk of K + 1 positions
+        return jax.lax.cond(
+            m[0] == 0, lambda: fam.decode_step(weights, config, cur, saved, gsm)[1],
+            lambda: _rollback(fam, weights, config, saved, grown, tokens, m + 1, gsm))
+
+    cache = jax.lax.cond(m[0] == drafts.shape[1], lambda: grown, rerun)
     pos = anchor[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
     ring, ring_pos = _ring_write(ring, ring_pos, feats, pos, m + 1)
     return cache, ring, ring_pos

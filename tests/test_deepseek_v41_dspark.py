@@ -194,7 +194,7 @@ def test_accept_and_rollback_paths(tiny, greedy, monkeypatch):
     assert list(res.accepted_per_round) == seen[:res.rounds]
 
 
-@pytest.mark.parametrize("m", [2, 5])
+@pytest.mark.parametrize("m", [0, 2, 5])
 def test_commit_leaves_the_plain_decoding_cache(tiny, m):
     """After a verify of [cur, 5 proposals] and a commit of m accepted, every cache leaf
     (window rings, compressed KV, index keys, compressor state, Engram history, GSM rings,
