@@ -43,8 +43,11 @@ Weights (`weights_from_hf`, `load_checkpoint`): the released names (§9.2); FP8 
 E8M0) and FP4 (1 x 32) weights are `BlockQuantWeight`s as stored with `keep_quantized`
 (every projection goes through `step.linear` -> `models.linear.linear`, which multiplies
 them block by block), else dequantized; Engram tables are always kept as stored. The
-DSpark draft (`mtp.*`) is loaded into `params.extra["mtp"]`; the vision tower is reported
-unused (text-only).
+DSpark draft (`mtp.*`) is kept as read in `params.extra["mtp"]` and run by
+`models/deepseek_v41_dspark.py` (its stages are built by the same `layer_tree`); its
+target features (the stream mean of h before attention at `dspark_target_layer_ids`) come
+from `prefill_with_features` / `extend_with_features`. The vision tower is reported unused
+(text-only).
 """
 
 from __future__ import annotations
