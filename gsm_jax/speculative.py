@@ -210,6 +210,14 @@ def _draft(weights, cur, cache, gsm, *, config, draft_len: int):
     return drafts.T, cache
 
 
+def _agreement(logits: jax.Array, drafts: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The verifier's greedy tokens v [1, K+1] from its logits [1, K+1, V] over [cur,
+    proposals], and the number m [1] of leading proposals [1, K] equal to them."""
+    v = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    agree = jnp.cumprod((drafts == v[:, :-1]).astype(jnp.int32), axis=1)
+    return v, agree.sum(axis=1)
+
+
 @functools.partial(jax.jit, static_argnames=("config",))
 def _verify(weights, cur, drafts, cache, gsm, *, config):
     """The verifier's greedy token after cur and after each proposal, v [1, K+1]; the
@@ -218,9 +226,8 @@ def _verify(weights, cur, drafts, cache, gsm, *, config):
     tokens = jnp.concatenate([cur[:, None], drafts], axis=1)
     n = jnp.full((tokens.shape[0],), tokens.shape[1], jnp.int32)
     logits, cache = _append(fam, weights, config, tokens, n, cache, gsm, want_logits=True)
-    v = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    agree = jnp.cumprod((drafts == v[:, :-1]).astype(jnp.int32), axis=1)
-    return v, agree.sum(axis=1), cache
+    v, m = _agreement(logits, drafts)
+    return v, m, cache
 
 
 @functools.partial(jax.jit, static_argnames=("config",))
@@ -275,6 +282,42 @@ def _prompt_rows(prompt_ids: Any, vocab_size: int) -> list[np.ndarray]:
     return as_token_rows([prompt_ids], vocab_size)
 
 
+def _one_prompt(params: ModelParams, prompt_ids: Any, max_new: int, n_draft: int,
+                eos_ids: Sequence[int] | None, who: str):
+    """The one prompt of a speculative call, checked, and what both loops derive from it:
+    (prompt, EOS ids, total tokens, cache slots, the padded prompt [1, P], lengths [1])."""
+    cfg = params.config
+    rows = _prompt_rows(prompt_ids, cfg.vocab_size)
+    check_refused_tokens(rows, cfg)  # e.g. V4.1's image token: text only
+    if len(rows) != 1:
+        raise InvalidInputError(
+            f"{who} takes one prompt at a time, got {len(rows)}; loop over them")
+    prompt = rows[0]
+    if prompt.size + max_new > cfg.max_position_embeddings:
+        raise InvalidInputError(
+            f"the prompt has {prompt.size} tokens; with max_new_tokens={max_new} it exceeds "
+            f"the model's context of {cfg.max_position_embeddings} tokens")
+    if eos_ids is None:
+        eos_ids = params.tokenizer.eos_ids if params.tokenizer is not None else cfg.eos_token_ids
+    eos = {int(e) for e in eos_ids}
+    total = int(prompt.size) + max_new  # as generate_tokens sizes rings and short-request bypass
+    # A round scores positions up to n_draft past the cache length, which stays below
+    # total - 1: the cache needs total + n_draft slots (what lies past total is discarded).
+    cache_len = bucket(total + n_draft + 1, MIN_PROMPT_BUCKET)
+    tokens = np.zeros((1, bucket(int(prompt.size), MIN_PROMPT_BUCKET)), np.int32)
+    tokens[0, : prompt.size] = prompt  # generate_tokens' padding
+    return prompt, eos, total, cache_len, tokens, np.asarray([prompt.size], np.int32)
+
+
+def _take(out: list[int], new: list[int], eos: set[int], max_new: int) -> bool:
+    """Append a round's tokens to `out` up to EOS (included) or max_new; True when done."""
+    for t in new:
+        out.append(t)
+        if t in eos or len(out) == max_new:
+            break
+    return len(out) >= max_new or out[-1] in eos
+
+
 def speculative_generate(
     params: ModelParams,
     prompt_ids: Any,
@@ -299,31 +342,11 @@ def speculative_generate(
     start = time.perf_counter()
     params = check_params(params)
     cfg = params.config
-    rows = _prompt_rows(prompt_ids, cfg.vocab_size)
-    check_refused_tokens(rows, cfg)  # e.g. V4.1's image token: text only
-    if len(rows) != 1:
-        raise InvalidInputError(
-            f"speculative_generate takes one prompt at a time, got {len(rows)}; loop over them")
-    prompt = rows[0]
     max_new = _check_int("max_new_tokens", max_new_tokens, 1)
     k = _check_int("draft_layers", draft_layers, 1, cfg.num_layers)
     n_draft = _check_int("draft_len", draft_len, 1)
-    if prompt.size + max_new > cfg.max_position_embeddings:
-        raise InvalidInputError(
-            f"the prompt has {prompt.size} tokens; with max_new_tokens={max_new} it exceeds "
-            f"the model's context of {cfg.max_position_embeddings} tokens")
-    if eos_ids is None:
-        eos_ids = params.tokenizer.eos_ids if params.tokenizer is not None else cfg.eos_token_ids
-    eos = {int(e) for e in eos_ids}
-
-    total = int(prompt.size) + max_new  # as generate_tokens sizes rings and short-request bypass
-    # A round scores positions up to draft_len past the cache length, which stays below
-    # total - 1: the cache needs total + draft_len slots (what lies past total is discarded).
-    cache_len = bucket(total + n_draft + 1, MIN_PROMPT_BUCKET)
-    prompt_len = bucket(int(prompt.size), MIN_PROMPT_BUCKET)  # generate_tokens' padding
-    tokens = np.zeros((1, prompt_len), np.int32)
-    tokens[0, : prompt.size] = prompt
-    lengths = np.asarray([prompt.size], np.int32)
+    prompt, eos, total, cache_len, tokens, lengths = _one_prompt(
+        params, prompt_ids, max_new, n_draft, eos_ids, "speculative_generate")
     d_cfg, d_weights = draft_config(cfg, k), draft_weights(params.weights, k)
     g_v = _gsm_inputs(gsm_verifier, cfg.num_layers, cfg.num_layers, total)
     g_d = _gsm_inputs(gsm_draft, cfg.num_layers, k, total)
@@ -341,12 +364,7 @@ def speculative_generate(
         v_host, d_host = np.asarray(v[0]), np.asarray(drafts[0])
         rounds, drafted, accepted = rounds + 1, drafted + n_draft, accepted + m
         per_round.append(m)
-        new = [int(t) for t in d_host[:m]] + [int(v_host[m])]
-        for t in new:
-            out.append(t)
-            if t in eos or len(out) == max_new:
-                break
-        if len(out) >= max_new or out[-1] in eos:
+        if _take(out, [int(t) for t in d_host[:m]] + [int(v_host[m])], eos, max_new):
             break  # the caches are not needed any more
         v_cache = _commit_verifier(params.weights, v_cache, v_grown, cur, drafts, m_dev, g_v,
                                    config=cfg)
@@ -416,9 +434,8 @@ def _dspark_verify(weights, cur, drafts, cache, gsm, *, config):
     tokens = jnp.concatenate([cur[:, None], drafts], axis=1)
     n = jnp.full((1,), tokens.shape[1], jnp.int32)
     logits, feats, cache = dv.extend_with_features(weights, config, tokens, n, cache, gsm)
-    v = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    agree = jnp.cumprod((drafts == v[:, :-1]).astype(jnp.int32), axis=1)
-    return v, agree.sum(axis=1), feats, cache
+    v, m = _agreement(logits, drafts)
+    return v, m, feats, cache
 
 
 @functools.partial(jax.jit, static_argnames=("config",))
@@ -493,29 +510,11 @@ def dspark_generate(
     cfg = params.config
     _check_dspark_model(cfg)
     dw = dspark_weights(params) if draft is None else draft
-    rows = _prompt_rows(prompt_ids, cfg.vocab_size)
-    check_refused_tokens(rows, cfg)
-    if len(rows) != 1:
-        raise InvalidInputError(
-            f"dspark_generate takes one prompt at a time, got {len(rows)}; loop over them")
-    prompt = rows[0]
     max_new = _check_int("max_new_tokens", max_new_tokens, 1)
     k = cfg.dspark_block_size
     n_draft = k if draft_len is None else _check_int("draft_len", draft_len, 1, k)
-    if prompt.size + max_new > cfg.max_position_embeddings:
-        raise InvalidInputError(
-            f"the prompt has {prompt.size} tokens; with max_new_tokens={max_new} it exceeds "
-            f"the model's context of {cfg.max_position_embeddings} tokens")
-    if eos_ids is None:
-        eos_ids = params.tokenizer.eos_ids if params.tokenizer is not None else cfg.eos_token_ids
-    eos = {int(e) for e in eos_ids}
-
-    total = int(prompt.size) + max_new
-    cache_len = bucket(total + n_draft + 1, MIN_PROMPT_BUCKET)
-    prompt_len = bucket(int(prompt.size), MIN_PROMPT_BUCKET)
-    tokens = np.zeros((1, prompt_len), np.int32)
-    tokens[0, : prompt.size] = prompt
-    lengths = np.asarray([prompt.size], np.int32)
+    prompt, eos, total, cache_len, tokens, lengths = _one_prompt(
+        params, prompt_ids, max_new, n_draft, eos_ids, "dspark_generate")
     g = _gsm_inputs(gsm, cfg.num_layers, cfg.num_layers, total)
     cur, cache, ring, ring_pos = _dspark_prefill(params.weights, tokens, lengths, g,
                                                  config=cfg, cache_len=cache_len)
@@ -532,11 +531,7 @@ def dspark_generate(
         v_host, d_host = np.asarray(v[0]), np.asarray(drafts[0])
         rounds, drafted, accepted = rounds + 1, drafted + n_draft, accepted + m
         per_round.append(m)
-        for t in [int(t) for t in d_host[:m]] + [int(v_host[m])]:
-            out.append(t)
-            if t in eos or len(out) == max_new:
-                break
-        if len(out) >= max_new or out[-1] in eos:
+        if _take(out, [int(t) for t in d_host[:m]] + [int(v_host[m])], eos, max_new):
             break
         cache, ring, ring_pos = _dspark_commit(params.weights, cache, grown, cur, drafts,
                                                m_dev, g, ring, ring_pos, feats, anchor,
