@@ -176,8 +176,14 @@ def _rollback(fam: Any, weights: dict, config: Any, saved: Any, grown: Any,
     """
     if _can_rewind(grown, config):
         return dataclasses.replace(grown, lengths=saved.lengths + keep.astype(jnp.int32))
-    _, cache = _append(fam, weights, config, tokens, keep, saved, gsm, want_logits=False)
-    return cache
+
+    def one():  # only the current token kept: one decode step, not a chunk of C positions
+        return fam.decode_step(weights, config, tokens[:, 0], saved, gsm)[1]
+
+    def chunk():
+        return _append(fam, weights, config, tokens, keep, saved, gsm, want_logits=False)[1]
+
+    return jax.lax.cond(keep[0] == 1, one, chunk)
 
 
 # ----------------------------------------------------------------------------- jitted steps
@@ -446,12 +452,9 @@ def _dspark_commit(weights, saved, grown, cur, drafts, m, gsm, ring, ring_pos, f
     fam = family_module(config.family)
     tokens = jnp.concatenate([cur[:, None], drafts], axis=1)
 
-    def rerun():  # nothing accepted: one decode step of cur, not a chunk of K + 1 positions
-        return jax.lax.cond(
-            m[0] == 0, lambda: fam.decode_step(weights, config, cur, saved, gsm)[1],
-            lambda: _rollback(fam, weights, config, saved, grown, tokens, m + 1, gsm))
-
-    cache = jax.lax.cond(m[0] == drafts.shape[1], lambda: grown, rerun)
+    cache = jax.lax.cond(
+        m[0] == drafts.shape[1], lambda: grown,
+        lambda: _rollback(fam, weights, config, saved, grown, tokens, m + 1, gsm))
     pos = anchor[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
     ring, ring_pos = _ring_write(ring, ring_pos, feats, pos, m + 1)
     return cache, ring, ring_pos
