@@ -50,7 +50,7 @@ def _progress(message: str, progress: bool) -> None:
 
 def load(source: str | os.PathLike = DEFAULT_MODEL, *, dtype: Any = None,
          keep_quantized: bool | None = None, mesh: Any = None,
-         progress: bool = False) -> ModelParams:
+         engram_memory: str = "device", progress: bool = False) -> ModelParams:
     """Load a model and its tokenizer.
 
     dtype: the float dtype of the weights ("float32" or "bfloat16"). Left unset, it is
@@ -63,16 +63,30 @@ def load(source: str | os.PathLike = DEFAULT_MODEL, *, dtype: Any = None,
     the sharding rules of `gsm_jax.sharding`, each device receiving only its slices
     (`jax.make_array_from_callback`). A DeepSeek-V4 directory is placed layer by layer
     as it is read; the other sources are built on the host first, then placed.
+
+    engram_memory: where DeepSeek-V4.1's Engram tables live: "device" (default; row-sharded
+    over the mesh's "model" axis) or "host" (pinned host memory, the same split; the rows a
+    step needs are gathered there and copied: `models/engram.py` weighs the two). Without
+    a mesh, "host" places the model on a 1 x 1 mesh of the first device.
     """
+    from gsm_jax.sharding import host_axes
+
+    host = host_axes(engram_memory)  # checked before anything is read
+    if mesh is None and host:
+        from gsm_jax.sharding import one_device_mesh
+
+        mesh = one_device_mesh()
     if mesh is not None:
-        from gsm_jax.sharding import check_mesh
+        from gsm_jax.sharding import check_host_memory, check_mesh
 
         mesh = check_mesh(mesh)
-    params = _load(source, dtype, keep_quantized, mesh, progress)
+        if host:
+            check_host_memory(mesh)
+    params = _load(source, dtype, keep_quantized, mesh, progress, host)
     if mesh is not None and not _placed(params, mesh):
         from gsm_jax.sharding import shard
 
-        params = shard(params, mesh)
+        params = shard(params, mesh, engram_memory=engram_memory)
     return params
 
 
@@ -82,7 +96,7 @@ def _placed(params: ModelParams, mesh: Any) -> bool:
 
 
 def _load(source: Any, dtype: Any, keep_quantized: bool | None, mesh: Any,
-          progress: bool) -> ModelParams:
+          progress: bool, host: frozenset = frozenset()) -> ModelParams:
     explicit_keep = keep_quantized is True
     if keep_quantized is None:
         keep_quantized = dtype is None
@@ -90,6 +104,9 @@ def _load(source: Any, dtype: Any, keep_quantized: bool | None, mesh: Any,
     src = os.fspath(source)
     if explicit_keep and (src in REGISTERED_MODELS or Path(src).exists()):
         _check_keep_quantized(src)
+    if host and (src in REGISTERED_MODELS or src.lower().endswith(".gguf")):
+        raise InvalidInputError(f"engram_memory='host': {src} is a GGUF model (Llama / "
+                                "Gemma), which has no Engram tables; leave it 'device'")
     if src in REGISTERED_MODELS:
         from gsm_jax.models.gguf_reader import default_gguf_path
 
@@ -108,7 +125,7 @@ def _load(source: Any, dtype: Any, keep_quantized: bool | None, mesh: Any,
         return _load_saved(path, jdtype, progress)
     if (path / "config.json").exists():
         return _load_hf_dir(path, None if dtype is None else jdtype, keep_quantized, mesh,
-                            progress)
+                            progress, host)
     raise ModelLoadError(
         f"{src}: directory has neither config.json (Hugging Face) nor {_SAVE_META} (gsm_jax.save)"
     )
@@ -150,7 +167,7 @@ def _load_gguf(path: str, dtype: Any, progress: bool, *, name: str) -> ModelPara
 
 
 def _load_hf_dir(path: Path, dtype: Any, keep_quantized: bool, mesh: Any,
-                 progress: bool) -> ModelParams:
+                 progress: bool, host: frozenset = frozenset()) -> ModelParams:
     """config.json + safetensors (sharded with model.safetensors.index.json or not), read
     tensor by tensor through memory maps (models/safetensors_io.py)."""
     from gsm_jax.models.safetensors_io import SafetensorsStore
@@ -162,6 +179,10 @@ def _load_hf_dir(path: Path, dtype: Any, keep_quantized: bool, mesh: Any,
         raise ModelLoadError(f"{path / 'config.json'}: not valid JSON ({e})") from e
     family = family_module(family_for_model_type(hf_config.get("model_type")))
     cfg = family.CONFIG_CLASS.from_hf_config(hf_config)
+    if host:
+        from gsm_jax.sharding import check_engram_memory
+
+        check_engram_memory(cfg, host)
     _progress(f"indexing safetensors in {path}", progress)
     store = SafetensorsStore(path)
     extra: dict[str, Any] = {}
@@ -175,7 +196,7 @@ def _load_hf_dir(path: Path, dtype: Any, keep_quantized: bool, mesh: Any,
                 from gsm_jax.sharding import check_model, place_tree
 
                 check_model(cfg, mesh)
-                return lambda tree, prefix: place_tree(cfg.family, tree, mesh, prefix)
+                return lambda tree, prefix: place_tree(cfg.family, tree, mesh, prefix, host)
 
             weights, extra = load_checkpoint(cfg, hf_config, store, dtype, keep_quantized,
                                              placer, lambda msg: _progress(msg, progress))

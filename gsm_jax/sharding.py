@@ -23,6 +23,11 @@ The rules (mesh axes "data" and "model"):
 | | | the axis; each device gathers its own rows, `models/engram.py`) |
 | batch | data | tokens, caches and GSM rings follow the batch the jitted call is given |
 
+Memory kinds: `engram_memory="host"` (`shard`, `load`) keeps V4.1's Engram tables in
+pinned host memory (the same row split, 0 bytes of device memory; the rows a step needs
+are gathered on the host and copied: `models/engram.py` has the cost model of both
+placements). Everything else lives in device memory.
+
 Everything else (norms, routers, compressors, the indexer, hyper-connections, V4's
 single K=V head and low-rank q_a) is replicated: small, and needed whole by every
 device. Quantized weights shard with their scales: int8 (`QuantizedWeight`) along its
@@ -102,6 +107,35 @@ def _path_names(path: tuple) -> list[str]:
     return [str(getattr(p, "key", getattr(p, "name", getattr(p, "idx", p)))) for p in path]
 
 
+ENGRAM_MEMORY = ("device", "host")
+
+
+def host_axes(engram_memory: str = "device") -> frozenset:
+    """The logical axes whose weights live in pinned host memory for an `engram_memory`
+    choice ("device": none; "host": the Engram tables' rows)."""
+    if engram_memory not in ENGRAM_MEMORY:
+        raise InvalidInputError(f"engram_memory must be one of {ENGRAM_MEMORY}, got "
+                                f"{engram_memory!r}")
+    return frozenset({"engram_rows"}) if engram_memory == "host" else frozenset()
+
+
+def check_engram_memory(config: Any, host: frozenset) -> None:
+    """Refuse engram_memory="host" for a model without Engram tables (nothing to place)."""
+    if host and not getattr(config, "active_engram_layers", ()):
+        raise InvalidInputError(
+            f"engram_memory='host': this {config.family} model has no Engram tables "
+            "(only DeepSeek-V4.1 with Engram layers has); leave it 'device'")
+
+
+def check_host_memory(mesh: Mesh) -> None:
+    """Refuse host placement on devices without a pinned-host memory space."""
+    device = mesh.devices.flat[0]
+    kinds = [m.kind for m in device.addressable_memories()]
+    if "pinned_host" not in kinds:
+        raise InvalidInputError(f"engram_memory='host': {device.platform} devices have no "
+                                f"'pinned_host' memory (they have {kinds})")
+
+
 def logical_axes(family: str, path: tuple, ndim: int) -> tuple[str | None, ...]:
     """The logical axes of the float weight at `path` (replicated: all None)."""
     names = _path_names(path)
@@ -144,8 +178,10 @@ def _swap_last(t: tuple) -> tuple:
     return (*t[:-2], t[-1], t[-2])
 
 
-def leaf_shardings(family: str, path: tuple, leaf: Any, mesh: Mesh) -> Any:
-    """NamedSharding(s) for one weight: an array's, or a container of its arrays'."""
+def leaf_shardings(family: str, path: tuple, leaf: Any, mesh: Mesh,
+                   host: frozenset = frozenset()) -> Any:
+    """NamedSharding(s) for one weight: an array's, or a container of its arrays'. A
+    weight with a logical axis in `host` (`host_axes`) is placed in pinned host memory."""
     what = "weight " + "/".join(_path_names(path))
     if isinstance(leaf, BlockQuantWeight):
         axes = _swap_last(logical_axes(family, path, len(leaf.shape)))  # stored [.., out, in]
@@ -160,7 +196,10 @@ def leaf_shardings(family: str, path: tuple, leaf: Any, mesh: Mesh) -> Any:
         return leaf.replace(values=NamedSharding(mesh, spec),
                             scale=NamedSharding(mesh, PartitionSpec(*spec[:-2], spec[-1])))
     shape = tuple(np.shape(leaf))
-    spec = _mesh_spec(logical_axes(family, path, len(shape)), shape, mesh, what)
+    axes = logical_axes(family, path, len(shape))
+    spec = _mesh_spec(axes, shape, mesh, what)
+    if host and host.intersection(axes):
+        return NamedSharding(mesh, spec, memory_kind="pinned_host")
     return NamedSharding(mesh, spec)
 
 
@@ -168,10 +207,12 @@ def _is_container(a: Any) -> bool:
     return isinstance(a, BlockQuantWeight | QuantizedWeight)
 
 
-def weight_shardings(family: str, weights: Any, mesh: Mesh) -> Any:
+def weight_shardings(family: str, weights: Any, mesh: Mesh,
+                     host: frozenset = frozenset()) -> Any:
     """A tree like `weights` with a NamedSharding (or a container of them) per leaf."""
     return jax.tree_util.tree_map_with_path(
-        lambda path, a: leaf_shardings(family, path, a, mesh), weights, is_leaf=_is_container)
+        lambda path, a: leaf_shardings(family, path, a, mesh, host), weights,
+        is_leaf=_is_container)
 
 
 def padded_shape(shape: tuple[int, ...], sharding: NamedSharding) -> tuple[int, ...]:
@@ -221,10 +262,12 @@ def place(array: Any, sharding: NamedSharding) -> jax.Array:
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
-def place_tree(family: str, tree: Any, mesh: Mesh, prefix: tuple = ()) -> Any:
-    """`tree` (a subtree of the weights at `prefix`) with every leaf placed by the rules."""
+def place_tree(family: str, tree: Any, mesh: Mesh, prefix: tuple = (),
+               host: frozenset = frozenset()) -> Any:
+    """`tree` (a subtree of the weights at `prefix`) with every leaf placed by the rules
+    (`host`: the logical axes whose weights go to pinned host memory)."""
     def put(path, a):
-        s = leaf_shardings(family, prefix + path, a, mesh)
+        s = leaf_shardings(family, prefix + path, a, mesh, host)
         if _is_container(a):
             return a.replace(values=place(a.values, s.values), scale=place(a.scale, s.scale))
         return place(a, s)
@@ -249,14 +292,27 @@ def check_model(config: Any, mesh: Any) -> None:
                 "choose a model axis size that divides it")
 
 
-def shard(params: ModelParams, mesh: Mesh) -> ModelParams:
-    """The same params with every weight placed on `mesh` by the sharding rules."""
+def shard(params: ModelParams, mesh: Mesh, *, engram_memory: str = "device") -> ModelParams:
+    """The same params with every weight placed on `mesh` by the sharding rules.
+    engram_memory: "device" (default) or "host" (V4.1's Engram tables in pinned host
+    memory, same row split)."""
     if not isinstance(params, ModelParams):
         raise InvalidInputError("shard expects the ModelParams returned by gsm_jax.load")
+    host = host_axes(engram_memory)
     mesh = check_mesh(mesh)
+    if host:
+        check_engram_memory(params.config, host)
+        check_host_memory(mesh)
     check_model(params.config, mesh)
-    weights = place_tree(params.config.family, params.weights, mesh)
+    weights = place_tree(params.config.family, params.weights, mesh, host=host)
     return dataclasses.replace(params, weights=weights)
+
+
+def one_device_mesh(device: Any = None) -> Mesh:
+    """A 1 x 1 ("data", "model") mesh of one device (default: the first): placement with
+    memory kinds on a single device (`engram_memory="host"` without a mesh)."""
+    device = jax.devices()[0] if device is None else device
+    return Mesh(np.array([[device]]), MESH_AXES)
 
 
 def mesh_of(weights: Any) -> Mesh | None:

@@ -1393,8 +1393,9 @@ LOGICAL_AXES = {
     "experts_down": ("experts", None, None),
     "shared_gate_up": (None, "mlp"),
     "shared_down": ("mlp", None),
-    # Engram: the tables row-sharded (each device gathers its own rows: models/engram.py,
-    # which writes out why this and not host memory); wkv / q / k replicated
+    # Engram: the tables row-sharded (each device gathers its own rows), in device memory
+    # or, with engram_memory="host", pinned host memory: models/engram.py weighs the two;
+    # wkv / q / k replicated
     "table": ("engram_rows", None),
     "table_scale": ("engram_rows", None),
 }

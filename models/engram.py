@@ -332,31 +332,39 @@ def dequantize_rows(rows_fp8: jax.Array, row_scales: jax.Array) -> jax.Array:
     return rows_fp8.astype(jnp.float32) * jnp.repeat(s, block, axis=-1)
 
 
-# ----------------------------------------------------------------------------- over a mesh
+# ----------------------------------------------------------------------------- placement
 #
 # Where the tables live on 8 x H200 (released: two tables of ~384 M rows x 256 FP8 + one
 # E8M0 byte per 32, 101.4 GB each, 203 GB together; a token reads 24 rows x 264 B = 6.3 KB
 # per Engram layer; D = 5120, n_ids x d = 6144). Per token and Engram layer, M devices:
 #
-# - row-sharded (implemented): each device holds rows/M of each table (25.3 GB of 141 GB),
-#   gathers the rows it owns (zeros for the others), dequantizes them and the partial
-#   [n_ids x d] embeddings are summed over "model" (`gather_rows`):
+# - row-sharded in device memory (the default): each device holds rows/M of each table
+#   (25.3 GB of 141 GB), gathers the rows it owns (zeros for the others), dequantizes them
+#   and the partial [n_ids x d] embeddings are summed over "model" (`gather_rows`):
 #       HBM read:   24 x 264 B = 6.3 KB, spread over the owners
 #       all-reduce: 2 x 6144 x 2 x (M - 1) / M  = 21.5 KB at M = 8 (bf16: FP8 rows
 #                   times their power-of-two scales are exact in it; XLA:CPU promotes
-#                   a bf16 all-reduce to f32, so 43 KB there)
+#                   a bf16 all-reduce to f32, so 43 KB there)   -> `gather_bytes`
 #   The sum is exact (one device contributes each row; the others add zeros). At batch 32
 #   that is ~0.7 MB per Engram layer and step over NVLink (~1.5 us at 450 GB/s), against
 #   ~13 GB of weights read per step (~3 ms at 4.8 TB/s): below the noise.
-# - host memory (not implemented): tables in pinned host RAM, rows gathered by the host
-#   and copied per step: 6.3 KB per token over PCIe (~0.13 us at 50 GB/s), but the ids
-#   are known only when the step's tokens are, so every decode step waits on a host
-#   gather and a host-to-device copy (~10-30 us of latency, twice per step), and XLA:CPU
-#   (this project's CI) has no separate host memory space to test it in. It frees 25.3 GB
-#   per device, which matters only when the KV cache needs it: 890 B/token (released
-#   formats) leaves room for ~60 M cached tokens beside the row-sharded tables.
-# So the cost model favours row-sharding on 8 x H200; host offload is left for a memory-
-# bound deployment (and for the C engines' streaming), not built here.
+# - row-sharded in host memory (`load(..., engram_memory="host")`, JAX's "pinned_host"
+#   memory kind): the same split, but each device's rows/M stay in pinned host RAM (203 GB
+#   per 8-GPU node, 0 B of HBM). The gather runs on the host (`compute_on("device_host")`);
+#   each device copies the 24 gathered FP8 rows + scales to itself, 24 x 264 B = 6.3 KB
+#   per token over PCIe (~0.13 us at 50 GB/s; `host_copy_bytes`), dequantizes and masks
+#   them there, then the same all-reduce. The bytes are small; the cost is latency: the
+#   ids are known only when the step's tokens are, so every decode step waits on a
+#   device -> host copy of the ids, a host gather and a host -> device copy (~10-30 us
+#   on a GPU, per Engram layer). It frees 25.3 GB per device, which matters only when the
+#   KV cache needs it: 890 B/token (released formats) leaves room for ~60 M cached tokens
+#   beside the row-sharded tables.
+# So the cost model favours device memory on 8 x H200 (no extra latency on the step's
+# critical path); host memory is the option for a memory-bound deployment. Both run the
+# same jitted programs: `gather_rows` dispatches on the table's memory space, as
+# `linear()` dispatches on the weight type. XLA:CPU has a pinned-host memory space too
+# (the same RAM), so CI runs the host path; benchmarks/bench_mesh.py puts both side by
+# side.
 #
 # A table whose rows the model axis does not divide is padded with zero rows when it is
 # placed (`gsm_jax.sharding`, the "engram_rows" axis): hash ids never reach them.
@@ -369,16 +377,48 @@ def gather_bytes(tokens: int, n_ids: int, d: int, devices: int, itemsize: int = 
     return 2 * tokens * n_ids * d * itemsize * (devices - 1) / devices if devices > 1 else 0.0
 
 
+def host_copy_bytes(tokens: int, n_ids: int, d: int, itemsize: int = 1,
+                    scale_itemsize: int = 1, scale_block: int = 32) -> int:
+    """Bytes each device copies from host memory per Engram layer for `tokens` tokens when
+    the tables live there: the gathered rows as stored (FP8: 1 byte per value) and their
+    scales (E8M0: one byte per `scale_block` values; a float table's are float32)."""
+    return tokens * n_ids * (d * itemsize + -(-d // scale_block) * scale_itemsize)
+
+
+def in_host_memory(x: Any) -> bool:
+    """Is `x` (an array, or a tracer inside jit / shard_map) in host memory?"""
+    space = getattr(jax.typeof(x), "memory_space", None)
+    return space is not None and space == jax.memory.Space.Host
+
+
+def _take_rows(table: jax.Array, scale: jax.Array, at: jax.Array
+               ) -> tuple[jax.Array, jax.Array]:
+    """table[at], scale[at]: on the device, or, for tables in host memory, gathered on the
+    host and only the rows copied to the device (`at` holds valid row indices)."""
+    if not in_host_memory(table):
+        return jnp.take(table, at, axis=0), jnp.take(scale, at, axis=0)
+    from jax.experimental.compute_on import compute_on
+
+    host, device = jax.memory.Space.Host, jax.memory.Space.Device
+    with compute_on("device_host"):
+        at_host = jax.device_put(at, host)
+        # indices are in range by construction ("promise": no clamp, whose constants would
+        # live in device memory)
+        rows = table.at[at_host].get(mode="promise_in_bounds")
+        scales = scale.at[at_host].get(mode="promise_in_bounds")
+    return jax.device_put(rows, device), jax.device_put(scales, device)
+
+
 def gather_rows(rows_fp8: jax.Array, row_scales: jax.Array, ids: jax.Array,
                 dtype: Any = jnp.bfloat16) -> jax.Array:
     """The table rows of `ids` [B, T, n_ids], dequantized: [B, T, n_ids, d] in `dtype`.
     Under a mesh whose "model" axis splits the rows (see above), each device gathers the
     rows it holds and the partial results are summed (`shard_map` + `psum`); otherwise a
-    plain gather (one device, or a table kept whole)."""
+    plain gather (one device, or a table kept whole). Tables in host memory are gathered
+    there (`_take_rows`)."""
     mesh = model_axis_mesh(rows_fp8.shape[0])
     if mesh is None:
-        return dequantize_rows(jnp.take(rows_fp8, ids, axis=0),
-                               jnp.take(row_scales, ids, axis=0)).astype(dtype)
+        return dequantize_rows(*_take_rows(rows_fp8, row_scales, ids)).astype(dtype)
     from jax.sharding import PartitionSpec as P
 
     rows_spec = batch_spec(mesh, ids.shape[0])
@@ -392,7 +432,7 @@ def gather_rows(rows_fp8: jax.Array, row_scales: jax.Array, ids: jax.Array,
         first = jax.lax.axis_index("model") * n_local
         mine = (ids >= first) & (ids < first + n_local)
         at = jnp.where(mine, ids - first, 0)
-        e = dequantize_rows(jnp.take(table, at, axis=0), jnp.take(scale, at, axis=0))
+        e = dequantize_rows(*_take_rows(table, scale, at))
         return jax.lax.psum(jnp.where(mine[..., None], e, 0.0).astype(wire), "model")
 
     return jax.shard_map(local, mesh=mesh, in_specs=(P("model", None), P("model", None),

@@ -194,7 +194,46 @@ for shape in ((1, 8),):  # 2 x 4 (the batch split too): test_family_contract's s
         device0=device0_bytes(on),
         planned=held_weight_bytes(on.config, check_quantization_config(hf),
                                   {{"data": shape[0], "model": shape[1]}}, "float32"))
+
+# the tables in pinned host memory (engram_memory="host"), on 1 x 8 and on one device
+def kinds(params):
+    out = {{}}
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params.weights):
+        key = jax.tree_util.keystr(path)
+        name = "engram" if key.endswith(("['table']", "['table_scale']")) else "rest"
+        out.setdefault(name, set()).add(leaf.sharding.memory_kind)
+    return {{k: sorted(v) for k, v in out.items()}}
+
+def device0_by_kind(params):
+    out = {{}}
+    for leaf in jax.tree.leaves(params.weights):
+        s = next(s for s in leaf.addressable_shards if s.device.id == 0)
+        out[leaf.sharding.memory_kind] = out.get(leaf.sharding.memory_kind, 0) + s.data.nbytes
+    return out
+
+mesh = jax.make_mesh((1, 8), ("data", "model"))
+for name, m in (("1x8 host", mesh), ("1 device host", None)):
+    on = no_qdq(gsm_jax.load(path, dtype="float32", keep_quantized=True, mesh=m,
+                             engram_memory="host"))
+    result[name] = dict(
+        rel=rel(gsm_jax.forward(on, prompts), ref_logits),
+        tokens_equal=m is None or np.array_equal(np.asarray(gsm_jax.generate_tokens(
+            on, prompts, max_new_tokens=6, eos_ids=[], gsm=gsm)), np.asarray(ref_tokens)),
+        kinds=kinds(on), by_kind=device0_by_kind(on),
+        mesh_shape=list(on.weights["embed"].sharding.mesh.devices.shape),
+        planned=held_weight_bytes(on.config, check_quantization_config(hf),
+                                  {{"data": 1, "model": 8 if m is not None else 1}},
+                                  "float32"))
 """)
+    for name in ("1x8 host", "1 device host"):
+        r = res.pop(name)
+        assert r["rel"] < 1e-5 and r["tokens_equal"], (name, r)
+        # the Engram tables (and their row scales) in pinned host memory, nothing else
+        assert r["kinds"] == {"engram": ["pinned_host"], "rest": ["device"]}, (name, r)
+        assert r["mesh_shape"] == ([1, 8] if "1x8" in name else [1, 1]), (name, r)
+        # device 0 holds the same slices, the tables' in host memory: 0 B of them on-chip
+        assert sum(r["by_kind"].values()) == r["planned"], (name, r)
+        assert 0 < r["by_kind"]["pinned_host"] < r["planned"], (name, r)
     for mesh, r in res.items():
         m = int(mesh.split("x")[1])
         assert r["rel"] < 1e-5 and r["tokens_equal"], (mesh, r)

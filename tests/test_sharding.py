@@ -273,6 +273,25 @@ def test_shard_needs_a_mesh():
         gsm_jax.shard(tiny_dsv4(), "2x4")
 
 
+def test_engram_memory_choices_are_checked_before_reading():
+    """engram_memory: an unknown value, a model without Engram tables (V4; a GGUF model,
+    refused before the file is read) are named errors. The host placement itself:
+    tests/test_deepseek_v41_plan.py (1 x 8 and one device)."""
+    from tiny_models import tiny_dsv4
+
+    import gsm_jax
+    from gsm_jax.sharding import one_device_mesh
+
+    with pytest.raises(InvalidInputError, match=r"engram_memory must be one of.*'disk'"):
+        gsm_jax.shard(tiny_dsv4(), one_device_mesh(), engram_memory="disk")
+    with pytest.raises(InvalidInputError, match="deepseek_v4 model has no Engram tables"):
+        gsm_jax.shard(tiny_dsv4(), one_device_mesh(), engram_memory="host")
+    with pytest.raises(InvalidInputError, match="GGUF model.*no Engram tables"):
+        gsm_jax.load("/nonexistent/model.gguf", engram_memory="host")
+    with pytest.raises(InvalidInputError, match="engram_memory must be one of"):
+        gsm_jax.load("/nonexistent/dir", engram_memory="HBM")
+
+
 # ----------------------------------------------------------------------------- planner
 
 
