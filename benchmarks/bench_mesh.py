@@ -17,7 +17,11 @@ Models: SmolLM2-135M (the real GGUF), a mid-size random DeepSeek-V4 (the
 `bench_deepseek_v4_lowp` preset, float32) and a mid-size random DeepSeek-V4.1 (the
 `bench_deepseek_v41` preset, float32, Engram tables row-sharded), one device against
 meshes 1x8 and 2x4; for V4 and V4.1 both expert dispatches ("psum", "all_to_all") on
-1x8. V4.1's cost model adds the Engram gather's all-reduce (`models/engram.py`).
+1x8. V4.1's cost model adds the Engram gather's all-reduce (`models/engram.py`), and V4.1
+runs both Engram placements on 1x8 psum: tables row-sharded in device memory (the default)
+and in pinned host memory (`engram_memory="host"`: gathered on the host, the rows copied
+to the device; on XLA:CPU both memories are the same RAM, so the step time shows the
+host path's extra work, not a PCIe transfer).
 Decode tok/s of the whole `generate_tokens` call (median over interleaved rounds of a
 long call minus a 1-token call). The load average is recorded around every timed block; a block that
 starts above 1.5 (after waiting for the compile's load to settle) is marked not
@@ -99,7 +103,27 @@ def variants(params, family: str) -> dict:
         out[f"1x8 {dispatch}" if dispatch else "1x8"] = gsm_jax.shard(
             gsm_jax.ModelParams(params.weights, cfg, params.tokenizer),
             jax.make_mesh((1, 8), ("data", "model")))
+    if getattr(params.config, "active_engram_layers", ()):
+        # the other Engram placement: the same row split in pinned host memory
+        cfg = dataclasses.replace(params.config, expert_dispatch="psum")
+        out["1x8 psum engram-in-host-memory"] = gsm_jax.shard(
+            gsm_jax.ModelParams(params.weights, cfg, params.tokenizer),
+            jax.make_mesh((1, 8), ("data", "model")), engram_memory="host")
     out["2x4"] = gsm_jax.shard(params, jax.make_mesh((2, 4), ("data", "model")))
+    return out
+
+
+def engram_bytes_on_device0(params) -> dict:
+    """Bytes of the Engram tables (and row scales) device 0 holds, by memory kind."""
+    import jax
+
+    out: dict = {}
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params.weights):
+        if not jax.tree_util.keystr(path).endswith(("['table']", "['table_scale']")):
+            continue
+        shard = next(s for s in leaf.addressable_shards if s.device.id == 0)
+        kind = getattr(leaf.sharding, "memory_kind", None) or "device"
+        out[kind] = out.get(kind, 0) + shard.data.nbytes
     return out
 
 
@@ -128,8 +152,10 @@ def decode_collectives(params, batch: int, prompt_len: int) -> dict | None:
     return collective_summary(text, mesh.size)
 
 
-def cost_model(params, mesh_shape: tuple[int, int], batch: int, dispatch: str) -> dict:
-    """Bytes per device per decode step predicted for the parts with a model."""
+def cost_model(params, mesh_shape: tuple[int, int], batch: int, dispatch: str,
+               host_tables: bool = False) -> dict:
+    """Bytes per device per decode step predicted for the parts with a model
+    (`host_tables`: V4.1's Engram tables in host memory)."""
     from gsm_jax.models.moe import choose_dispatch, dispatch_bytes
 
     cfg = params.config
@@ -151,6 +177,12 @@ def cost_model(params, mesh_shape: tuple[int, int], batch: int, dispatch: str) -
             # float32 tables here: the partial rows are summed in float32
             out["engram"] = len(cfg.active_engram_layers) * gather_bytes(
                 t, n_ids, cfg.engram_head_dim, m, itemsize=4)
+            if host_tables:  # + the gathered rows copied host -> device (not a collective)
+                from gsm_jax.models.engram import host_copy_bytes
+
+                out["engram host copy (not a collective)"] = len(
+                    cfg.active_engram_layers) * host_copy_bytes(
+                    t, n_ids, cfg.engram_head_dim, itemsize=4, scale_itemsize=4)
     else:
         out["tensor-parallel all-reduces"] = cfg.num_layers * 2 * 2 * t * cfg.hidden_size * 4 \
             * share
@@ -240,7 +272,11 @@ def main() -> None:
             dispatch = name.split()[1] if " " in name else "auto"
             r["variants"][name]["collectives"] = decode_collectives(p, args.batch,
                                                                     args.prompt_len)
-            r["variants"][name]["cost_model"] = cost_model(p, shape, args.batch, dispatch)
+            host_tables = "engram-in-host-memory" in name
+            r["variants"][name]["cost_model"] = cost_model(p, shape, args.batch, dispatch,
+                                                           host_tables)
+            if getattr(p.config, "active_engram_layers", ()):
+                r["variants"][name]["engram_bytes_device0"] = engram_bytes_on_device0(p)
         result["models"][model] = r
         common.write_json(out / "results.json", result)
     write_report(out, result)
@@ -269,6 +305,10 @@ def write_report(out: Path, r: dict) -> None:
                 scopes = ", ".join(f"{s} {b / kb:.1f}" for s, b in sorted(
                     c["by_scope"].items(), key=lambda kv: -kv[1])[:4])
                 model_kb = ", ".join(f"{k} {b / kb:.1f}" for k, b in v["cost_model"].items())
+                eng = v.get("engram_bytes_device0")
+                if eng:
+                    model_kb += "; Engram tables on device 0: " + ", ".join(
+                        f"{k} {b / 1e6:.2f} MB" for k, b in sorted(eng.items()))
                 coll_rows.append((model, name, c["ops"], c["bytes_per_device"] / kb,
                                   scopes, model_kb))
     text += common.markdown_table(["model", "devices", "decode tok/s", "x one device",

@@ -132,6 +132,8 @@ class Plan:
     lines: dict[str, int]  # name -> bytes per device
     parameters: int
     notes: list[str] = dataclasses.field(default_factory=list)
+    # bytes per device kept in the device's pinned host memory (not counted in `total`)
+    host_lines: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @property
     def total(self) -> int:
@@ -155,6 +157,9 @@ class Plan:
         rows.append(f"  {'total':<{w}} {self.total / 1e9:>10.2f}   of "
                     f"{self.device_memory / 1e9:.2f} GB: {verdict} "
                     f"({100 * self.total / self.device_memory:.0f}%)")
+        for name, b in self.host_lines.items():
+            rows.append(f"  {name + ' (pinned host memory)':<{w}} {b / 1e9:>10.2f}   not on "
+                        f"the device; {b * data * model / 1e9:.2f} GB of host RAM in all")
         rows += [f"note: {n}" for n in self.notes]
         rows.append(ACTIVATIONS_NOTE)
         return "\n".join(rows)
@@ -175,12 +180,17 @@ def _shard_factor(family: str, path: tuple, ndim: int, mesh: dict[str, int]) -> 
 def plan(model: Any, mesh_shape: tuple[int, int] = (1, 1), device_memory: Any = "141GB",
          batch: int = 1, context: int = 4096, *, weights_dtype: str = "bfloat16",
          gsm_max_window: int | None = 64, prefill_tokens: int | None = None,
-         vision: bool = False) -> Plan:
+         vision: bool = False, engram_memory: str = "device") -> Plan:
     """Per-device memory of `model` (a config or its path / name) on a data x model mesh.
     A family with its own released layout (`plan_weights`: DeepSeek-V4.1) counts its
     weights from it, by part; `vision` counts a vision tower too (skipped by default:
-    gsm_jax runs text only)."""
+    gsm_jax runs text only). engram_memory="host": V4.1's Engram tables in pinned host
+    memory (`load(..., engram_memory=)`), listed apart and not counted against the device."""
+    from gsm_jax.sharding import check_engram_memory, host_axes
+
+    host = host_axes(engram_memory)
     cfg, quant, expert_dtype, hf = _load_config(model)
+    check_engram_memory(cfg, host)
     data, tp = (int(x) for x in mesh_shape)
     if data < 1 or tp < 1:
         raise InvalidInputError(f"mesh shape {mesh_shape}: both axes must be >= 1")
@@ -241,10 +251,25 @@ def plan(model: Any, mesh_shape: tuple[int, int] = (1, 1), device_memory: Any = 
         lines[kind] = lines.get(kind, 0) + leaf.size * leaf.dtype.itemsize / data
     lines["activations (estimate)"] = _activations(cfg, batch // data, context,
                                                    prefill_tokens, weights_dtype, tp)
+    host_lines = {}
+    if host:
+        tables = [k for k in lines if "Engram tables" in k]
+        if not tables:
+            raise InvalidInputError("engram_memory='host': the plan of this model has no "
+                                    "Engram tables line (a config without a quantization_"
+                                    "config is counted as one tree); leave it 'device'")
+        host_lines = {k: int(lines.pop(k)) for k in tables}
+        from gsm_jax.models.engram import host_copy_bytes
+
+        per_token = host_copy_bytes(1, (cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads,
+                                    cfg.engram_head_dim)
+        notes.append(f"Engram tables in pinned host memory: each step copies the gathered "
+                     f"rows, {per_token:,} B per token and Engram layer "
+                     f"({len(cfg.active_engram_layers)} layers), host -> device")
     return Plan(model=str(model if isinstance(model, str | Path) else type(cfg).__name__),
                 mesh_shape=(data, tp), device_memory=parse_bytes(device_memory), batch=batch,
                 context=context, lines={k: int(v) for k, v in lines.items()},
-                parameters=int(params), notes=notes)
+                parameters=int(params), notes=notes, host_lines=host_lines)
 
 
 class _FakeMesh:
@@ -433,6 +458,9 @@ def add_plan_args(p: Any) -> None:
     p.add_argument("--with-vision", action="store_true",
                    help="also count a checkpoint's vision tower (DeepSeek-V4.1; gsm_jax runs "
                         "text only, so it is skipped by default)")
+    p.add_argument("--engram-memory", default="device", choices=("device", "host"),
+                   help="where DeepSeek-V4.1's Engram tables live: device memory (default) "
+                        "or pinned host memory (not counted against the device)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--compile", action="store_true",
                    help="also lower and compile the sharded prefill / decode step with "
@@ -455,7 +483,7 @@ def run_plan(args: Any) -> int:
         data, tp = 1, args.devices or 1
     p = plan(args.model, (data, tp), args.device_memory, args.batch, args.context,
              weights_dtype=args.weights_dtype, prefill_tokens=args.prefill_tokens,
-             vision=args.with_vision)
+             vision=args.with_vision, engram_memory=args.engram_memory)
     print(json.dumps(p.to_dict(), indent=1) if args.json else p.table())
     if args.compile:
         args.mesh_shape = (data, tp)

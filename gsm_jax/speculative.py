@@ -43,6 +43,7 @@ from gsm_jax.generation import (
     bucket,
     check_params,
     check_refused_tokens,
+    on_mesh,
 )
 from gsm_jax.models.gsm_sites import GSMInputs
 from gsm_jax.params import ModelParams
@@ -469,10 +470,22 @@ def _check_dspark_model(cfg: Any) -> None:
     ds.check_config(cfg)
 
 
+def _draft_on_mesh(cfg: Any, draft: dict, mesh: Any) -> dict:
+    """The draft tree placed on the backbone's mesh by the family's sharding rules (the
+    stages' heads and shared expert split as a layer's, its routed experts expert-parallel,
+    the Markov head and the rest replicated); unchanged on one device."""
+    if mesh is None:
+        return draft
+    from gsm_jax.sharding import place_tree
+
+    return place_tree(cfg.family, draft, mesh)
+
+
 def dspark_weights(params: ModelParams) -> dict:
     """The DSpark draft's weight tree of a loaded V4.1 checkpoint (`params.extra["mtp"]`),
-    built on first use and kept with those tensors."""
+    built on first use and kept with those tensors (on the backbone's mesh, if it has one)."""
     from gsm_jax.models import deepseek_v41_dspark as ds
+    from gsm_jax.sharding import mesh_of
 
     cfg = params.config
     _check_dspark_model(cfg)
@@ -485,9 +498,10 @@ def dspark_weights(params: ModelParams) -> dict:
     if built is None:
         built = {}
         mtp._draft_trees = built  # an MtpTensors: hashed by identity, may carry attributes
-    if dtype not in built:
-        built[dtype] = ds.draft_weights(cfg, mtp, dtype)
-    return built[dtype]
+    mesh = mesh_of(params.weights)
+    if (dtype, mesh) not in built:
+        built[dtype, mesh] = _draft_on_mesh(cfg, ds.draft_weights(cfg, mtp, dtype), mesh)
+    return built[dtype, mesh]
 
 
 def dspark_generate(
@@ -507,18 +521,32 @@ def dspark_generate(
     draft only decides how many tokens a round yields.
 
     `draft`: the draft's weight tree (`deepseek_v41_dspark.draft_weights` /
-    `init_weights`); default: built from the checkpoint's `mtp.*` tensors."""
+    `init_weights`); default: built from the checkpoint's `mtp.*` tensors.
+
+    On a mesh (`load(..., mesh=)` / `shard`) the draft is placed beside the backbone by the
+    same rules and every round runs as SPMD programs on it."""
+    from gsm_jax.sharding import mesh_of
+
     start = time.perf_counter()
     params = check_params(params)
     cfg = params.config
     _check_dspark_model(cfg)
-    dw = dspark_weights(params) if draft is None else draft
     max_new = _check_int("max_new_tokens", max_new_tokens, 1)
     k = cfg.dspark_block_size
     n_draft = k if draft_len is None else _check_int("draft_len", draft_len, 1, k)
-    prompt, eos, total, cache_len, tokens, lengths = _one_prompt(
-        params, prompt_ids, max_new, n_draft, eos_ids, "dspark_generate")
-    g = _gsm_inputs(gsm, cfg.num_layers, cfg.num_layers, total)
+    prompt = _one_prompt(params, prompt_ids, max_new, n_draft, eos_ids, "dspark_generate")
+    g = _gsm_inputs(gsm, cfg.num_layers, cfg.num_layers, prompt[2])
+    mesh = mesh_of(params.weights)  # every input checked: now the draft (built once)
+    dw = dspark_weights(params) if draft is None else _draft_on_mesh(cfg, draft, mesh)
+    with on_mesh(mesh):
+        return _dspark_loop(params, dw, g, max_new, n_draft, *prompt, start)
+
+
+def _dspark_loop(params: ModelParams, dw: dict, g: GSMInputs, max_new: int, n_draft: int,
+                 prompt: np.ndarray, eos: set[int], total: int, cache_len: int,
+                 tokens: np.ndarray, lengths: np.ndarray, start: float) -> SpecResult:
+    """dspark_generate's rounds (under the backbone's mesh, if any)."""
+    cfg = params.config
     cur, cache, ring, ring_pos = _dspark_prefill(params.weights, tokens, lengths, g,
                                                  config=cfg, cache_len=cache_len)
     anchor = jnp.asarray(lengths)

@@ -254,3 +254,68 @@ def test_errors(tiny):
         ds.draft_weights(params.config, mtp)
     with pytest.raises(ModelLoadError, match="mtp.3.norm.weight"):
         ds.draft_weights(params.config, {**mtp, "mtp.3.norm.weight": np.ones(64)})
+
+
+@pytest.mark.heavy
+def test_dspark_on_a_mesh_equals_one_device():
+    """On 1 x 8 forced host devices (backbone and draft sharded by the same rules: heads,
+    the shared expert and the stages' experts split): with GSM on, proposals that make every
+    acceptance count 0..5 occur give one device's plain greedy tokens, and at every round the
+    sharded draft proposes what the one-device draft proposes from the same inputs."""
+    from test_sharding import run_on_8_devices
+
+    res = run_on_8_devices("""
+import dataclasses
+import jax, jax.numpy as jnp, numpy as np
+import gsm_jax
+import gsm_jax.speculative as spec
+from gsm_jax.generation import generate_tokens
+from gsm_jax.models import deepseek_v41 as dv
+from gsm_jax.models import deepseek_v41_dspark as ds
+from gsm_jax.params import ModelParams
+from gsm_jax.sharding import one_device_mesh
+from test_deepseek_v41 import ENGRAM, small_hf_config
+from test_deepseek_v41_dspark import DRAFT, GSM, PROMPT
+
+# 8 heads, output groups, experts and draft experts: a model axis of 8 splits them all
+cfg = dv.DeepseekV41Config.from_hf_config(small_hf_config(
+    index_n_heads=8, num_attention_heads=8, o_groups=8,
+    **dict(DRAFT, dspark_n_routed_experts=8), **ENGRAM))
+cfg = dataclasses.replace(cfg, cache_qdq=False)
+params = ModelParams(dv.init_weights(cfg, jax.random.key(3)), cfg)
+dw = ds.init_weights(cfg, jax.random.key(4))
+gsm = gsm_jax.GSMConfig(**GSM)
+greedy = np.asarray(generate_tokens(params, [PROMPT], max_new_tokens=25, eos_ids=[],
+                                    gsm=gsm)[0])
+seq = np.concatenate([PROMPT, greedy]).astype(np.int32)
+on = gsm_jax.shard(params, jax.make_mesh((1, 8), ("data", "model")))
+real_draft, one = spec._dspark_draft, jax.devices()[0]
+plan = iter([5, 0, 3, 1, 4, 2] + [5] * 8)
+same = []
+
+def checked_oracle(weights, dw_, cur, anchor, ring, ring_pos, *, config, draft_len):
+    mine = real_draft(weights, dw_, cur, anchor, ring, ring_pos, config=config,
+                      draft_len=draft_len)
+    host = [jax.device_put(np.asarray(a), one) for a in (cur, anchor, ring, ring_pos)]
+    with jax.set_mesh(one_device_mesh()):  # inside dspark_generate's mesh context
+        theirs = real_draft(params.weights, dw, *host, config=config, draft_len=draft_len)
+    same.append(bool(np.array_equal(np.asarray(mine), np.asarray(theirs))))
+    a, right = int(anchor[0]), next(plan)
+    prop = seq[a + 1:a + 1 + draft_len].copy()
+    if right < draft_len:
+        prop[right] = (prop[right] + 1) % config.vocab_size  # wrong from here on
+    return jnp.asarray(prop[None])
+
+spec._dspark_draft = checked_oracle
+res = spec.dspark_generate(on, PROMPT, max_new_tokens=20, eos_ids=[], draft=dw, gsm=gsm)
+from gsm_jax.sharding import mesh_of
+result = dict(equal=bool(np.array_equal(res.tokens, greedy[:20])),
+              accepted=list(res.accepted_per_round), same=same,
+              draft_specs=sorted({str(leaf.sharding.spec) for leaf in jax.tree.leaves(
+                  spec._draft_on_mesh(cfg, dw, mesh_of(on.weights)))}))
+""")
+    assert res["equal"], res
+    assert set(res["accepted"]) >= {0, 1, 2, 3, 4, 5}, res
+    assert res["same"] and all(res["same"]), res
+    # the draft is split, not replicated whole on every device
+    assert any("model" in s for s in res["draft_specs"]), res

@@ -75,6 +75,16 @@ def test_planner_splits_by_part_on_8_devices():
     assert 0 <= p.lines[tables] * 8 - one.lines[tables] <= 2 * 7 * 264
     assert p.fits, p.table()
     assert any("890 B per cached token" in n for n in p.notes)
+    # the tables in pinned host memory: the same bytes, listed apart, off the device total
+    h = gsm_jax.plan("deepseek-v4.1-flash", (1, 8), "141GB", batch=8, context=8192,
+                     engram_memory="host")
+    assert h.host_lines == {tables: p.lines[tables]}
+    assert tables not in h.lines and h.total == p.total - p.lines[tables]
+    assert h.lines == {k: v for k, v in p.lines.items() if k != tables}
+    assert any("6,336 B per token and Engram layer (2 layers)" in n for n in h.notes), h.notes
+    assert "pinned host memory" in h.table() and h.to_dict()["host_lines"]
+    with pytest.raises(gsm_jax.InvalidInputError, match="no Engram tables"):
+        gsm_jax.plan("deepseek-v4-flash", engram_memory="host")
 
 
 def test_shipped_config_is_nemos_default():
