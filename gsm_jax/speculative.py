@@ -474,10 +474,10 @@ def _draft_on_mesh(cfg: Any, draft: dict, mesh: Any) -> dict:
     """The draft tree placed on the backbone's mesh by the family's sharding rules (the
     stages' heads and shared expert split as a layer's, its routed experts expert-parallel,
     the Markov head and the rest replicated); unchanged on one device."""
-    if mesh is None:
-        return draft
-    from gsm_jax.sharding import place_tree
+    from gsm_jax.sharding import mesh_of, place_tree
 
+    if mesh is None or mesh_of(draft) == mesh:  # one device, or placed already
+        return draft
     return place_tree(cfg.family, draft, mesh)
 
 
@@ -534,17 +534,19 @@ def dspark_generate(
     max_new = _check_int("max_new_tokens", max_new_tokens, 1)
     k = cfg.dspark_block_size
     n_draft = k if draft_len is None else _check_int("draft_len", draft_len, 1, k)
-    prompt = _one_prompt(params, prompt_ids, max_new, n_draft, eos_ids, "dspark_generate")
-    g = _gsm_inputs(gsm, cfg.num_layers, cfg.num_layers, prompt[2])
+    _, eos, total, cache_len, tokens, lengths = _one_prompt(
+        params, prompt_ids, max_new, n_draft, eos_ids, "dspark_generate")
+    g = _gsm_inputs(gsm, cfg.num_layers, cfg.num_layers, total)
     mesh = mesh_of(params.weights)  # every input checked: now the draft (built once)
     dw = dspark_weights(params) if draft is None else _draft_on_mesh(cfg, draft, mesh)
     with on_mesh(mesh):
-        return _dspark_loop(params, dw, g, max_new, n_draft, *prompt, start)
+        return _dspark_loop(params, dw, g, max_new, n_draft, eos, cache_len, tokens, lengths,
+                            start)
 
 
 def _dspark_loop(params: ModelParams, dw: dict, g: GSMInputs, max_new: int, n_draft: int,
-                 prompt: np.ndarray, eos: set[int], total: int, cache_len: int,
-                 tokens: np.ndarray, lengths: np.ndarray, start: float) -> SpecResult:
+                 eos: set[int], cache_len: int, tokens: np.ndarray, lengths: np.ndarray,
+                 start: float) -> SpecResult:
     """dspark_generate's rounds (under the backbone's mesh, if any)."""
     cfg = params.config
     cur, cache, ring, ring_pos = _dspark_prefill(params.weights, tokens, lengths, g,
