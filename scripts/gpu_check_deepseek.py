@@ -77,39 +77,48 @@ def config(layers: int, dry_run: bool) -> dict:
 
 
 def random_stored_weights(abstract, n_experts: int, seed: int = 0):
-    """Device-made random leaves with the dtypes and shapes of the stored checkpoint."""
+    """Device-made random leaves with the dtypes and shapes of the stored checkpoint. One
+    jitted maker per kind of leaf, its shape static: leaves of the same kind and shape (every
+    layer's) share one compiled program."""
     import dataclasses
+    from functools import partial
 
     import jax
     import jax.numpy as jnp
 
     from gsm_jax.models.block_quant import BlockQuantWeight
 
+    @partial(jax.jit, static_argnums=(1, 2, 3))
+    def fill(key, shape, kind, dtype):
+        if kind == "fp8":  # top exponent bit clear: no NaN
+            return jax.lax.bitcast_convert_type(jax.random.bits(key, shape, jnp.uint8) & 0xBF,
+                                                jnp.float8_e4m3fn)
+        if kind == "fp4":  # packed FP4 pairs: every nibble is a value
+            return jax.random.bits(key, shape, jnp.uint8)
+        if kind == "e8m0":  # block / row scales: E8M0 2^-3 .. 2^0
+            return 124 + (jax.random.bits(key, shape, jnp.uint8) & 3)
+        if kind == "index":  # hash-routing table / Engram token map
+            return jax.random.randint(key, shape, 0, n_experts, jnp.dtype(dtype))
+        return (0.02 * jax.random.normal(key, shape)).astype(jnp.dtype(dtype))
+
     counter = iter(range(1 << 30))
 
-    def bits(sds):
+    def made(leaf, kind):
         key = jax.random.fold_in(jax.random.key(seed), next(counter))
-        return jax.jit(lambda k: jax.random.bits(k, sds.shape, jnp.uint8))(key)
+        return fill(key, tuple(leaf.shape), kind, jnp.dtype(leaf.dtype).name)
 
     def make(leaf):
         if isinstance(leaf, BlockQuantWeight):
-            if leaf.values.dtype == jnp.float8_e4m3fn:  # top exponent bit clear: no NaN
-                values = jax.lax.bitcast_convert_type(bits(leaf.values) & 0xBF,
-                                                      jnp.float8_e4m3fn)
-            else:  # packed FP4 pairs: every nibble is a value
-                values = bits(leaf.values)
-            scale = 124 + (bits(leaf.scale) & 3)  # E8M0 2^-3 .. 2^0
-            return dataclasses.replace(leaf, values=values, scale=scale)
-        if leaf.dtype == jnp.uint8:  # Engram table scales: E8M0 2^-3 .. 2^0
-            return 124 + (bits(leaf) & 3)
+            kind = "fp8" if leaf.values.dtype == jnp.float8_e4m3fn else "fp4"
+            return dataclasses.replace(leaf, values=made(leaf.values, kind),
+                                       scale=made(leaf.scale, "e8m0"))
+        if leaf.dtype == jnp.uint8:  # Engram table scales
+            return made(leaf, "e8m0")
         if leaf.dtype == jnp.float8_e4m3fn:  # Engram table rows
-            return jax.lax.bitcast_convert_type(bits(leaf) & 0xBF, jnp.float8_e4m3fn)
-        key = jax.random.fold_in(jax.random.key(seed), next(counter))
-        if jnp.issubdtype(leaf.dtype, jnp.integer):  # hash-routing table / Engram token map
-            return jax.jit(lambda k: jax.random.randint(k, leaf.shape, 0, n_experts,
-                                                        leaf.dtype))(key)
-        return jax.jit(lambda k: (0.02 * jax.random.normal(k, leaf.shape)).astype(
-            leaf.dtype))(key)
+            return made(leaf, "fp8")
+        if jnp.issubdtype(leaf.dtype, jnp.integer):
+            return made(leaf, "index")
+        return made(leaf, "normal")
 
     return jax.tree.map(make, abstract, is_leaf=lambda x: isinstance(x, BlockQuantWeight))
 

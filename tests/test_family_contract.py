@@ -5,8 +5,9 @@ must then pass (docs/adding_a_family.md). Every registered family needs a builde
 `TINY` below, so registering one without it fails here:
 
 - prefill then decode equals the teacher-forced forward (ragged rows, GSM off and on);
-- chunked `extend` (chunks of 1, 7 and 32 tokens) equals one prefill, and decoding after
-  it equals decoding after the prefill;
+- chunked `extend` (chunks of 1 and 7 tokens: one token, and chunks that end past a
+  row's last token) equals one prefill, and decoding after it equals decoding after
+  the prefill;
 - `cache_insert` of a prefilled row into a running batch decodes as that row alone;
 - GSM at strength 0 equals GSM compiled out;
 - every hook implementation (`models/sites.py`) sees the same activations, and hooks that
@@ -45,6 +46,11 @@ from gsm_jax.workflow.profile import StatsSites
 # orders or shapes (a chunk vs a whole prompt, one query vs many), so they agree to a
 # few ulps of the logit scale
 RTOL = 2e-5
+
+# One token shape and one cache length wherever a check allows it: every distinct shape is
+# one more program to compile per family (the suite is mostly XLA compilation), so the
+# tests below reuse each other's forward / prefill / decode programs within a family.
+T, CACHE, P = 20, 32, 9  # tokens per row, cache length, tokens prefilled before decoding
 
 
 def tiny_gemma3(seed: int = 0) -> ModelParams:
@@ -144,13 +150,14 @@ def _close(a, b, scale):
 @pytest.mark.parametrize("strength", [None, 0.3])
 def test_prefill_then_decode_equals_forward(tiny, strength):
     fam, cfg = _Jitted(tiny.config.family), tiny.config
-    lengths = [20, 13]
+    lengths = [T, 13]
     toks, lens = _rows(tiny, lengths)
     gsm = None if strength is None else _gsm(tiny, strength, 2, lengths)
     full = fam.forward(tiny.weights, cfg, toks, lens, gsm)
     scale = _scale(full)
-    cache = fam.init_cache(cfg, 2, 32, gsm_max_window=None if gsm is None else gsm.max_window)
-    p = 9  # prefill 9 tokens per row, then decode the rest one by one
+    cache = fam.init_cache(cfg, 2, CACHE,
+                           gsm_max_window=None if gsm is None else gsm.max_window)
+    p = P  # prefill P tokens per row, then decode the rest one by one
     logits, cache = fam.prefill(tiny.weights, cfg, toks[:, :p], jnp.asarray([p, p]), cache, gsm)
     _close(logits, full[:, p - 1], scale)
     for i in range(p, max(lengths)):
@@ -162,13 +169,13 @@ def test_prefill_then_decode_equals_forward(tiny, strength):
     np.testing.assert_array_equal(np.asarray(cache.lengths), lengths)
 
 
-@pytest.mark.parametrize("chunk", [1, 7, 32])
+@pytest.mark.parametrize("chunk", [1, 7])
 def test_chunked_extend_equals_one_prefill(tiny, chunk):
     fam, cfg = _Jitted(tiny.config.family), tiny.config
-    lengths = [40, 29]
+    lengths = [CACHE - 3, 22]  # room for the 3 decode steps below; 7 divides neither
     toks, lens = _rows(tiny, lengths, seed=1)
     gsm = _gsm(tiny, 0.3, 2, lengths)
-    mk = lambda: fam.init_cache(cfg, 2, 48, gsm_max_window=gsm.max_window)  # noqa: E731
+    mk = lambda: fam.init_cache(cfg, 2, CACHE, gsm_max_window=gsm.max_window)  # noqa: E731
     ref_logits, ref_cache = fam.prefill(tiny.weights, cfg, toks, lens, mk(), gsm)
     scale = _scale(ref_logits)
     cache, last = mk(), [None, None]
@@ -194,29 +201,29 @@ def test_chunked_extend_equals_one_prefill(tiny, chunk):
 
 def test_extend_all_logits_equal_forward(tiny):
     fam, cfg = _Jitted(tiny.config.family), tiny.config
-    toks, lens = _rows(tiny, [24, 24], seed=2)
+    toks, lens = _rows(tiny, [T, T], seed=2)
     full = fam.forward(tiny.weights, cfg, toks, lens)
-    cache = fam.init_cache(cfg, 2, 32)
-    _, cache = fam.prefill(tiny.weights, cfg, toks[:, :10], jnp.asarray([10, 10]), cache)
-    logits, _ = fam.extend(tiny.weights, cfg, toks[:, 10:], jnp.asarray([14, 14]), cache,
+    cache = fam.init_cache(cfg, 2, CACHE)
+    _, cache = fam.prefill(tiny.weights, cfg, toks[:, :P], jnp.asarray([P, P]), cache)
+    logits, _ = fam.extend(tiny.weights, cfg, toks[:, P:], jnp.asarray([T - P, T - P]), cache,
                            all_logits=True)
-    _close(logits, full[:, 10:], _scale(full))
+    _close(logits, full[:, P:], _scale(full))
 
 
 def test_cache_insert_joins_a_running_batch(tiny):
     fam, cfg = _Jitted(tiny.config.family), tiny.config
-    toks, lens = _rows(tiny, [12, 12, 12], seed=3)
-    gsm = _gsm(tiny, 0.3, 3, [12, 12, 12])
+    toks, lens = _rows(tiny, [P, P], seed=3)  # the running batch: 2 rows of P tokens
+    gsm = _gsm(tiny, 0.3, 2, [P, P])
     win = gsm.max_window
-    running = fam.init_cache(cfg, 3, 24, gsm_max_window=win)
+    running = fam.init_cache(cfg, 2, CACHE, gsm_max_window=win)
     _, running = fam.prefill(tiny.weights, cfg, toks, lens, running, gsm)
     # a new request prefilled alone, then put into slot 1
     newcomer = toks[1:2, :7]
-    alone = fam.init_cache(cfg, 1, 24, gsm_max_window=win)
+    alone = fam.init_cache(cfg, 1, CACHE, gsm_max_window=win)
     gsm1 = _gsm(tiny, 0.3, 1, [7])
     _, alone = fam.prefill(tiny.weights, cfg, newcomer, jnp.asarray([7]), alone, gsm1)
     joined = fam.cache_insert(running, alone, jnp.asarray([1]))
-    nxt = jnp.asarray([4, 9, 11], jnp.int32)
+    nxt = jnp.asarray([4, 9], jnp.int32)
     batch_logits, _ = fam.decode_step(tiny.weights, cfg, nxt, joined, gsm)
     solo_logits, _ = fam.decode_step(tiny.weights, cfg, nxt[1:2], alone, gsm1)
     _close(batch_logits[1], solo_logits[0], _scale(solo_logits))
@@ -224,11 +231,11 @@ def test_cache_insert_joins_a_running_batch(tiny):
 
 def test_gsm_strength_zero_equals_gsm_compiled_out(tiny):
     fam, cfg = _Jitted(tiny.config.family), tiny.config
-    toks, lens = _rows(tiny, [16, 11], seed=4)
+    toks, lens = _rows(tiny, [T, 11], seed=4)
     off = fam.forward(tiny.weights, cfg, toks, lens)
-    zero = fam.forward(tiny.weights, cfg, toks, lens, _gsm(tiny, 0.0, 2, [16, 11]))
+    zero = fam.forward(tiny.weights, cfg, toks, lens, _gsm(tiny, 0.0, 2, [T, 11]))
     np.testing.assert_array_equal(np.asarray(off), np.asarray(zero))
-    strong = fam.forward(tiny.weights, cfg, toks, lens, _gsm(tiny, 0.3, 2, [16, 11]))
+    strong = fam.forward(tiny.weights, cfg, toks, lens, _gsm(tiny, 0.3, 2, [T, 11]))
     assert not np.allclose(np.asarray(off), np.asarray(strong))  # the switch is live
 
 
@@ -246,7 +253,7 @@ class _SowSites(Sites):
 
 def test_every_hook_sees_the_same_activations(tiny):
     fam, cfg = _Jitted(tiny.config.family), tiny.config
-    toks, lens = _rows(tiny, [14, 14], seed=5)
+    toks, lens = _rows(tiny, [T, T], seed=5)
     base = fam.forward(tiny.weights, cfg, toks, lens)
     x0, raw = fam.hidden_states(tiny.weights, cfg, toks, lens, _SowSites())
     assert set(raw) == set(SITES)
@@ -275,7 +282,7 @@ def test_every_hook_sees_the_same_activations(tiny):
     rec = Recorder()
     watched = fam.forward(tiny.weights, cfg, toks, lens, capture_linear_inputs(rec))
     np.testing.assert_array_equal(np.asarray(base), np.asarray(watched))
-    gsm = _gsm(tiny, 0.3, 2, [14, 14])
+    gsm = _gsm(tiny, 0.3, 2, [T, T])
     np.testing.assert_array_equal(
         np.asarray(fam.forward(tiny.weights, cfg, toks, lens, gsm)),
         np.asarray(fam.forward(tiny.weights, cfg, toks, lens, capture_linear_inputs(rec, gsm))))
@@ -286,7 +293,7 @@ def test_hooks_run_side_by_side_in_threads(tiny):
     from concurrent.futures import ThreadPoolExecutor
 
     fam, cfg = _Jitted(tiny.config.family), tiny.config
-    toks, lens = _rows(tiny, [10, 10], seed=6)
+    toks, lens = _rows(tiny, [T, T], seed=6)
     hooks = [_SowSites(), LinearInputs(values=False)]
     solo = [fam.hidden_states(tiny.weights, cfg, toks, lens, h)[1] for h in hooks]
     raw = family_module(cfg.family).hidden_states  # fresh traces, two threads at once
@@ -311,7 +318,7 @@ def test_int8_and_fp8_containers_run(tiny, scheme):
 
     q = quantize(tiny, scheme)
     fam, cfg = _Jitted(cfg_family := tiny.config.family), tiny.config
-    toks, lens = _rows(tiny, [12, 9], seed=7)
+    toks, lens = _rows(tiny, [T, 9], seed=7)
     ref = np.asarray(fam.forward(tiny.weights, cfg, toks, lens))
     out = np.asarray(fam.forward(q.weights, cfg, toks, lens))
     assert np.all(np.isfinite(out)), cfg_family
