@@ -406,6 +406,10 @@ def test_load_dequantized_and_bf16(released):
 
 
 BATCH, CACHE_LEN = 3, 40
+# Jitted once for the file: run op by op, each model call compiles every primitive on its
+# own and costs about twice the whole program's compile.
+_forward = jax.jit(dv.forward, static_argnums=1)
+_prefill = jax.jit(dv.prefill, static_argnums=1)
 
 
 @pytest.fixture(scope="module")
@@ -475,8 +479,8 @@ def tiny_float(tiny):
 def test_decode_equals_teacher_forcing(tiny_float):
     """Prefill, then decode with paused rows, equals teacher forcing, Engram layers included.
 
-    With float caches: the cache QDQs are discontinuous, and teacher forcing (eager here)
-    and the jitted prefill / decode programs sum in different orders. With `tiny`'s QDQs on,
+    With float caches: the cache QDQs are discontinuous, and teacher forcing and the
+    prefill / decode programs sum in different orders. With `tiny`'s QDQs on,
     row 1 of these inputs differs by 5e-3 of the logit scale from its 5-token prefill on:
     layer 4's window-KV value at (row 1, position 0, channel 14) is -0.59374976 eagerly and
     -0.5937501 jitted, either side of the FP8 midpoint -0.59375 (between -0.5625 and
@@ -485,7 +489,7 @@ def test_decode_equals_teacher_forcing(tiny_float):
     family contract runs prefill / decode / extend with them on."""
     cfg, w = tiny_float
     tokens, lengths = _rows(0, (27, 21, 24))
-    tf = np.asarray(dv.forward(w, cfg, tokens, lengths))
+    tf = np.asarray(_forward(w, cfg, tokens, lengths))
     got = _prefill_decode(cfg, w, tokens, lengths, 5, inactive={(1, 0), (2, 0), (4, 2)})
     for i, n in enumerate(np.asarray(lengths)):
         _close(np.stack(got[i]), tf[i, 4:n], f"row {i}")
@@ -496,7 +500,7 @@ def test_decode_equals_teacher_forcing(tiny_float):
 def test_chunked_extend_equals_prefill(tiny, chunk):
     cfg, w = tiny
     tokens, lengths = _rows(1, (26, 13, 19))
-    tf = np.asarray(dv.forward(w, cfg, tokens, lengths))
+    tf = np.asarray(_forward(w, cfg, tokens, lengths))
     cache = dv.init_cache(cfg, BATCH, CACHE_LEN)
     ext = jax.jit(lambda w, t, n, c: dv.extend(w, cfg, t, n, c, all_logits=True))
     t = tokens.shape[1]
@@ -510,7 +514,7 @@ def test_chunked_extend_equals_prefill(tiny, chunk):
     for i, n in enumerate(np.asarray(lengths)):
         _close(out[i, :n], tf[i, :n], f"chunk {chunk} row {i}")
     full = dv.init_cache(cfg, BATCH, CACHE_LEN)
-    last, full = dv.prefill(w, cfg, tokens, lengths, full)
+    last, full = _prefill(w, cfg, tokens, lengths, full)
     _close(last, tf[np.arange(BATCH), np.asarray(lengths) - 1], "prefill last")
     for a, b in zip(jax.tree.leaves(cache), jax.tree.leaves(full), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5)
@@ -521,11 +525,11 @@ def test_gsm_strength_zero_equals_off(tiny):
     contract: its prefill / decode with GSM on equals its forward with GSM on (the strength
     is a runtime value, so 0.3 and 0 run one program)."""
     cfg, w = tiny
-    tokens, lengths = _rows(2, (22, 17, 12))
-    off = np.asarray(dv.forward(w, cfg, tokens, lengths))
+    tokens, lengths = _rows(2, (26, 17, 12))  # the chunked test's shape: one forward program
+    off = np.asarray(_forward(w, cfg, tokens, lengths))
     gsm = _gsm(cfg, 0.0)
-    np.testing.assert_array_equal(np.asarray(dv.forward(w, cfg, tokens, lengths, gsm)), off)
-    on = np.asarray(dv.forward(w, cfg, tokens, lengths, _gsm(cfg, 0.6)))
+    np.testing.assert_array_equal(np.asarray(_forward(w, cfg, tokens, lengths, gsm)), off)
+    on = np.asarray(_forward(w, cfg, tokens, lengths, _gsm(cfg, 0.6)))
     assert np.abs(on - off).max() > 1e-4  # the filter does act
 
 

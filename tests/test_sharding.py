@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -390,14 +391,29 @@ def test_two_processes_on_loopback_equal_one_device():
         assert r["rel"] < 1e-5 and r["tokens_equal"], r
 
 
+def _real_width_v4(layers: int = 4) -> dict:
+    """The shipped V4-Flash config at real width (256 experts, hidden 4096, FP4 experts) with
+    its first `layers` layers: sliding, sliding, CSA, HCA, the first three hash-routed."""
+    import gsm_jax
+
+    hf = json.loads((Path(gsm_jax.__file__).parent / "data" /
+                     "deepseek_v4_flash_config.json").read_text())
+    hf.update(num_hidden_layers=layers, compress_ratios=hf["compress_ratios"][:layers])
+    return hf
+
+
 def test_real_v4_flash_program_compiles_sharded_and_fits():
-    """The whole 43-layer, 256-expert V4-Flash prefill and decode step, lowered and compiled
-    with abstract arrays (no weights) for a 1 x 8 mesh of forced host devices: XLA's
-    per-device argument bytes equal the planner's weights + caches, and the expert-parallel
-    dispatch keeps temporaries small (GSPMD alone all-gathered every expert: ~150 GB)."""
-    res = run_on_8_devices("""
+    """V4-Flash at real width (its first four layers: every attention kind, hash and top-k
+    routing over 256 experts), the prefill and decode step lowered and compiled with
+    abstract arrays (no weights) for a 1 x 8 mesh of forced host devices: XLA's per-device
+    argument bytes equal the planner's weights + caches, and the expert-parallel dispatch
+    keeps temporaries small (GSPMD alone all-gathered every expert: ~150 GB for the whole
+    model). The whole 43-layer program, compiled the same way (README, "Planning"):
+    `gsm-jax plan --model deepseek-v4-flash --devices 8 --compile`."""
+    res = run_on_8_devices(f"""
 from gsm_jax.planner import compile_check, compile_report
-result = compile_check("deepseek-v4-flash", (1, 8), batch=8, context=4096, prompt_tokens=128)
+result = compile_check({_real_width_v4()!r}, (1, 8), batch=8, context=4096,
+                       prompt_tokens=128)
 print(compile_report(result))
 """, timeout=1200)
     planned = res["plan"]["weights"] + res["plan"]["caches"]

@@ -189,22 +189,19 @@ def test_chunked_verify_path(tiny, prompt, greedy, monkeypatch, fresh_programs):
 
 
 def test_smollm2_equals_plain_greedy(smollm2):
-    """The real model, 24 new tokens, the first 8 of 30 layers drafting; GSM off and on in
-    both models (one-sided GSM is covered on the tiny models above, at a fraction of the
-    compile time)."""
+    """The real model, 24 new tokens, the first 8 of 30 layers drafting, GSM on in both
+    models (its rings rolled back on every rejection). GSM off, and one-sided GSM, are
+    covered on the tiny models above at a fraction of the compile time: the real model's
+    30 unrolled layers compile once per program, so one arm here."""
     ids = smollm2.tokenizer.encode("The history of the Roman Empire begins with")
     gsm = gsm_jax.GSMConfig(target_layers="all", smooth_strength=0.1, window_size=8)
-    refs = {on: gsm_jax.generate_tokens(smollm2, [ids], max_new_tokens=24,
-                                        gsm=gsm if on else None)[0] for on in (False, True)}
-    rates = {}
-    for name, (on_v, on_d) in {"off": (0, 0), "both": (1, 1)}.items():
-        res = speculative_generate(smollm2, ids, max_new_tokens=24, draft_layers=8,
-                                   gsm_verifier=gsm if on_v else None,
-                                   gsm_draft=gsm if on_d else None)
-        np.testing.assert_array_equal(res.tokens, refs[bool(on_v)])
-        _check_counts(res, 4)
-        rates[name] = res.acceptance_rate
-    print("SmolLM2 acceptance rates (draft_layers=8, draft_len=4):", rates)
+    ref = gsm_jax.generate_tokens(smollm2, [ids], max_new_tokens=24, gsm=gsm)[0]
+    res = speculative_generate(smollm2, ids, max_new_tokens=24, draft_layers=8,
+                               gsm_verifier=gsm, gsm_draft=gsm)
+    np.testing.assert_array_equal(res.tokens, ref)
+    _check_counts(res, 4)
+    print("SmolLM2 acceptance rate (draft_layers=8, draft_len=4, GSM on):",
+          res.acceptance_rate)
 
 
 # ----------------------------------------------------------------------------- claim 10
