@@ -24,7 +24,7 @@ from gsm_jax.errors import (
     ModelNotFoundError,
     UnsupportedModelError,
 )
-from gsm_jax.generation import forward, generate, generate_tokens
+from gsm_jax.generation import forward, generate, generate_tokens, with_kv_cache_dtype
 from gsm_jax.gsm_runtime import kernel_impl, set_kernel_impl
 from gsm_jax.loading import DEFAULT_MODEL, REGISTERED_MODELS, load, save
 from gsm_jax.params import ModelParams
@@ -81,6 +81,7 @@ __all__ = [
     "forward",
     "generate",
     "generate_tokens",
+    "with_kv_cache_dtype",
     "kernel_impl",
     "load",
     "save",

@@ -17,6 +17,7 @@ arrays and never recompile.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -272,6 +273,20 @@ def _per_row(value: Any, n: int, name: str, dtype) -> np.ndarray:
 # ----------------------------------------------------------------------------- public API
 
 
+def with_kv_cache_dtype(params: ModelParams, kind: str | None) -> ModelParams:
+    """The same model whose KV cache holds keys and values as `kind`: "int8" or "fp8"
+    (e4m3), each token's head vector with one float32 scale (`models.common.kv_quantize`:
+    the rounding rule). Every attention then reads keys and values so rounded, the
+    teacher-forced `forward` too, so its logits are what the cached paths compute. None or
+    "auto": the params unchanged; "float": the activation dtype. Llama-family and Gemma 3
+    models; DeepSeek-V4 / V4.1 keep their caches in their own formats (V4.1: as released,
+    `cache_qdq`), and are refused by name (`common.config_with_kv_cache_dtype`)."""
+    from gsm_jax.models.common import config_with_kv_cache_dtype
+
+    cfg = config_with_kv_cache_dtype(params.config, kind)
+    return params if cfg is params.config else dataclasses.replace(params, config=cfg)
+
+
 def generate_tokens(
     params: ModelParams,
     token_ids: Any,
@@ -285,14 +300,16 @@ def generate_tokens(
     gsm: Any = None,
     request_ids: Sequence[Any] | None = None,
     return_logits: bool = False,
+    kv_cache_dtype: str | None = None,
 ) -> list[np.ndarray] | tuple[list[np.ndarray], list[np.ndarray]]:
     """Generate continuations of token-id prompts; returns one int32 array per prompt.
 
     Each row stops at its first EOS (included in the output), or after
     `max_new_tokens`. With `return_logits=True` also returns, per row, the f32
-    logits [n, V] each new token was chosen from.
+    logits [n, V] each new token was chosen from. `kv_cache_dtype` ("int8" / "fp8";
+    None or "auto": the model's own): the KV cache's format (`with_kv_cache_dtype`).
     """
-    params = check_params(params)
+    params = with_kv_cache_dtype(check_params(params), kv_cache_dtype)
     cfg = params.config
     rows = as_token_rows(token_ids, cfg.vocab_size)
     check_refused_tokens(rows, cfg)
@@ -363,6 +380,7 @@ def generate(
     gsm: Any = None,
     request_ids: Sequence[Any] | None = None,
     return_token_counts: bool = False,
+    kv_cache_dtype: str | None = None,
 ) -> list[str] | tuple[list[str], list[int]]:
     """Generate text continuations (the continuation only, without the prompt).
 
@@ -371,9 +389,10 @@ def generate(
     message through the model's chat template; a dict instead of True holds the
     template's options (DeepSeek-V4/V4.1: `thinking`, `reasoning_effort`).
     `return_token_counts=True` also
-    returns how many tokens each row generated (EOS included).
+    returns how many tokens each row generated (EOS included). `kv_cache_dtype`: "int8" /
+    "fp8" store the KV cache in that format (`with_kv_cache_dtype`).
     """
-    params = check_params(params)
+    params = with_kv_cache_dtype(check_params(params), kv_cache_dtype)
     tok = params.tokenizer
     if tok is None:
         raise InvalidInputError(

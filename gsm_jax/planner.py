@@ -180,16 +180,20 @@ def _shard_factor(family: str, path: tuple, ndim: int, mesh: dict[str, int]) -> 
 def plan(model: Any, mesh_shape: tuple[int, int] = (1, 1), device_memory: Any = "141GB",
          batch: int = 1, context: int = 4096, *, weights_dtype: str = "bfloat16",
          gsm_max_window: int | None = 64, prefill_tokens: int | None = None,
-         vision: bool = False, engram_memory: str = "device") -> Plan:
+         vision: bool = False, engram_memory: str = "device",
+         kv_cache_dtype: str | None = None) -> Plan:
     """Per-device memory of `model` (a config or its path / name) on a data x model mesh.
     A family with its own released layout (`plan_weights`: DeepSeek-V4.1) counts its
     weights from it, by part; `vision` counts a vision tower too (skipped by default:
     gsm_jax runs text only). engram_memory="host": V4.1's Engram tables in pinned host
-    memory (`load(..., engram_memory=)`), listed apart and not counted against the device."""
+    memory (`load(..., engram_memory=)`), listed apart and not counted against the device.
+    kv_cache_dtype "int8" / "fp8": the KV cache in that format (`with_kv_cache_dtype`)."""
+    from gsm_jax.models.common import config_with_kv_cache_dtype
     from gsm_jax.sharding import check_engram_memory, host_axes
 
     host = host_axes(engram_memory)
     cfg, quant, expert_dtype, hf = _load_config(model)
+    cfg = config_with_kv_cache_dtype(cfg, kv_cache_dtype)
     check_engram_memory(cfg, host)
     data, tp = (int(x) for x in mesh_shape)
     if data < 1 or tp < 1:
@@ -461,6 +465,10 @@ def add_plan_args(p: Any) -> None:
     p.add_argument("--engram-memory", default="device", choices=("device", "host"),
                    help="where DeepSeek-V4.1's Engram tables live: device memory (default) "
                         "or pinned host memory (not counted against the device)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8", "fp8"),
+                   help="the KV cache's format (Llama-family and Gemma 3 models): 'auto' the "
+                        "activation dtype; int8 / fp8 one byte per value + a float32 scale "
+                        "per token and head")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--compile", action="store_true",
                    help="also lower and compile the sharded prefill / decode step with "
@@ -483,7 +491,8 @@ def run_plan(args: Any) -> int:
         data, tp = 1, args.devices or 1
     p = plan(args.model, (data, tp), args.device_memory, args.batch, args.context,
              weights_dtype=args.weights_dtype, prefill_tokens=args.prefill_tokens,
-             vision=args.with_vision, engram_memory=args.engram_memory)
+             vision=args.with_vision, engram_memory=args.engram_memory,
+             kv_cache_dtype=args.kv_cache_dtype)
     print(json.dumps(p.to_dict(), indent=1) if args.json else p.table())
     if args.compile:
         args.mesh_shape = (data, tp)

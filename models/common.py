@@ -29,9 +29,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
-from gsm_jax.errors import InvalidInputError
+from gsm_jax.errors import InvalidInputError, UnsupportedModelError
 from gsm_jax.models.partitioning import constrain_rings
 from gsm_jax.models.sites import Sites, as_sites
 
@@ -294,6 +295,9 @@ class KVCache:
           stacked [L, ...] array was copied out every step; docs/performance_notes.md).
     lengths: [B] tokens already in the cache (= the position of the next token).
     rings: per site [layers, B, max_window, C] of raw site inputs (see gsm_sites).
+    k_scale, v_scale: with a low-precision cache (`kv_cache_dtype` "int8" / "fp8": k and v
+          are int8 / float8_e4m3fn), one [B, kv_heads, S] float32 scale per layer: slot s of
+          head h holds k[.., h, s, :] * k_scale[.., h, s] (`kv_quantize`); None when float.
     attend: static; the next extend / decode step attends over slots [0, attend) only
           (`bound_reads`); the step's returned cache has None again.
     """
@@ -302,6 +306,8 @@ class KVCache:
     v: tuple[jax.Array, ...]
     lengths: jax.Array
     rings: tuple[jax.Array, jax.Array] | None = None
+    k_scale: tuple[jax.Array, ...] | None = None
+    v_scale: tuple[jax.Array, ...] | None = None
     attend: int | None = struct.field(pytree_node=False, default=None)
 
     @property
@@ -311,18 +317,83 @@ class KVCache:
 
 def init_kv_cache(num_layers: int, num_kv_heads: int, head_dim: int,
                   site_sizes: tuple[int, ...], batch_size: int, max_len: int, *,
-                  dtype: Any = jnp.float32, gsm_max_window: int | None = None) -> KVCache:
+                  dtype: Any = jnp.float32, gsm_max_window: int | None = None,
+                  kv_dtype: str | None = None) -> KVCache:
+    """An empty cache; `kv_dtype` ("int8" / "fp8", see `kv_quantize`) stores keys and values
+    in that format with their scales, None in `dtype` (the GSM rings always are)."""
+    kv_dtype = check_kv_cache_dtype(kv_dtype)
     shape = (batch_size, num_kv_heads, max_len, head_dim)
     rings = None
     if gsm_max_window is not None:
         rings = tuple(jnp.zeros((num_layers, batch_size, gsm_max_window, c), dtype)
                       for c in site_sizes)
+    store = dtype if kv_dtype is None else KV_CACHE_DTYPES[kv_dtype][0]
 
-    def layers():
-        return tuple(jnp.zeros(shape, dtype) for _ in range(num_layers))
+    def layers(shape=shape, dt=store):
+        return tuple(jnp.zeros(shape, dt) for _ in range(num_layers))
 
+    scales = None if kv_dtype is None else shape[:3]
     return KVCache(k=layers(), v=layers(), lengths=jnp.zeros((batch_size,), jnp.int32),
-                   rings=rings)
+                   rings=rings,
+                   k_scale=None if scales is None else layers(scales, jnp.float32),
+                   v_scale=None if scales is None else layers(scales, jnp.float32))
+
+
+# Low-precision KV cache: storage dtype and the largest magnitude it holds (int8 symmetric
+# to +-127; e4m3fn's largest finite value is 448).
+KV_CACHE_DTYPES = {"int8": (jnp.int8, 127.0), "fp8": (jnp.float8_e4m3fn, 448.0)}
+
+
+def check_kv_cache_dtype(kind: Any) -> str | None:
+    """None / "auto" / "float": keys and values in the activation dtype (None); "int8" or
+    "fp8": that format. Anything else is refused by name."""
+    if kind is None or kind in ("auto", "float"):
+        return None
+    if kind not in KV_CACHE_DTYPES:
+        raise InvalidInputError(f"kv_cache_dtype must be one of 'auto', "
+                                f"{', '.join(repr(k) for k in KV_CACHE_DTYPES)}; got {kind!r}")
+    return kind
+
+
+def config_with_kv_cache_dtype(cfg: Any, kind: Any) -> Any:
+    """`cfg` with `kv_cache_dtype=kind` (checked), for the families whose config has the
+    field (the dense KV cache: Llama family, Gemma 3); the others keep their caches in
+    their own formats (DeepSeek-V4.1: the released FP8 / FP4 roundings, `cache_qdq`) and
+    are refused by name. None / "auto": cfg unchanged."""
+    if kind is None or kind == "auto":
+        return cfg
+    kind = check_kv_cache_dtype(kind)
+    if not hasattr(cfg, "kv_cache_dtype"):
+        if kind is None:  # "float": what these families' caches hold anyway
+            return cfg
+        raise UnsupportedModelError(
+            f"kv_cache_dtype={kind!r}: the {cfg.family} family keeps its KV cache in its own "
+            "formats (DeepSeek-V4.1: the released FP8 / FP4 roundings, config cache_qdq); "
+            "Llama-family and Gemma 3 models take int8 / fp8")
+    return cfg if cfg.kv_cache_dtype == kind else dataclasses.replace(cfg,
+                                                                      kv_cache_dtype=kind)
+
+
+def kv_quantize(x: jax.Array, kind: str) -> tuple[jax.Array, jax.Array]:
+    """Round keys or values [..., head_dim] to the cache format, one scale per token and
+    head: s = max|x| * (1 / M) over the head_dim values (M = 127 for int8, 448 for fp8; the
+    float32 reciprocal, as XLA computes a division by a constant; s = 1 for an all-zero
+    vector), stored = Q(x / s) with Q round-to-nearest-even onto int8 in
+    [-127, 127], or the cast to e4m3fn (also round-to-nearest-even; |x / s| <= 448).
+    Returns (stored [..., head_dim], s [...] float32); `kv_dequantize` inverts it."""
+    store, qmax = KV_CACHE_DTYPES[kind]
+    x32 = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(x32), axis=-1)
+    scale = jnp.where(amax > 0, amax * np.float32(1.0 / qmax), 1.0)
+    y = jnp.clip(x32 / scale[..., None], -qmax, qmax)
+    if kind == "int8":
+        y = jnp.round(y)
+    return y.astype(store), scale
+
+
+def kv_dequantize(stored: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
+    """stored [..., head_dim] * scale [...] in `dtype` (float32 product, then cast)."""
+    return (stored.astype(jnp.float32) * scale[..., None]).astype(dtype)
 
 
 def can_bound_reads(cache: Any) -> bool:
@@ -363,19 +434,27 @@ def insert_rows(cache: Any, rows: Any, slots: jax.Array) -> Any:
 
 
 def kv_pieces(cache: KVCache) -> tuple:
-    return tuple(zip(cache.k, cache.v, strict=True))
+    """Per layer (k, v), or (k, v, k_scale, v_scale) for a low-precision cache."""
+    if cache.k_scale is None:
+        return tuple(zip(cache.k, cache.v, strict=True))
+    return tuple(zip(cache.k, cache.v, cache.k_scale, cache.v_scale, strict=True))
 
 
 def kv_from_pieces(pieces: tuple, step: Step, cache: KVCache) -> KVCache:
+    scaled = len(pieces[0]) == 4
     return KVCache(k=tuple(p[0] for p in pieces), v=tuple(p[1] for p in pieces),
-                   lengths=new_lengths(step).astype(jnp.int32), rings=rings_out(step, cache))
+                   lengths=new_lengths(step).astype(jnp.int32), rings=rings_out(step, cache),
+                   k_scale=tuple(p[2] for p in pieces) if scaled else None,
+                   v_scale=tuple(p[3] for p in pieces) if scaled else None)
 
 
 def write_kv(layer_cache: jax.Array, new: jax.Array, step: Step) -> jax.Array:
-    """Put a call's keys or values [B, T, K, hd] into one layer's cache [B, K, S, hd]."""
+    """Put a call's keys or values [B, T, K, hd] into one layer's cache [B, K, S, hd] (or
+    their scales [B, T, K] into [B, K, S])."""
     if step.mode == "prefill":  # the chunk from slot 0 (padding lands in unread slots)
         return jax.lax.dynamic_update_slice(
-            layer_cache, jnp.swapaxes(new, 1, 2).astype(layer_cache.dtype), (0, 0, 0, 0))
+            layer_cache, jnp.swapaxes(new, 1, 2).astype(layer_cache.dtype),
+            (0,) * layer_cache.ndim)
     b = new.shape[0]
     if step.mode == "decode":
         # In range by construction (the slot is clamped): no bounds-guarding select.
@@ -388,11 +467,20 @@ def write_kv(layer_cache: jax.Array, new: jax.Array, step: Step) -> jax.Array:
 
 def kv_attention(q: jax.Array, k: jax.Array, v: jax.Array, kv_cache: tuple | None,
                  step: Step, mask_fn: Callable[[jax.Array], jax.Array] | None = None,
-                 scale: float | None = None) -> tuple[jax.Array, tuple | None]:
+                 scale: float | None = None,
+                 kv_dtype: str | None = None) -> tuple[jax.Array, tuple | None]:
     """Write this call's k, v [B, T, K, hd] into the layer's cache and attend, the way the
     mode wants: over the chunk itself (forward, prefill), over the cache with one query
     (decode), or over the cache (extend). `mask_fn(mask)` narrows the causal mask (Gemma's
-    sliding window). Returns the attention output [B, T, H * hd] and the new cache piece."""
+    sliding window). Returns the attention output [B, T, H * hd] and the new cache piece.
+
+    `kv_dtype` ("int8" / "fp8": the model config's `kv_cache_dtype`): the cache stores k
+    and v rounded by `kv_quantize`, and every key and value any query sees, in every mode
+    (the teacher-forced forward too), is that rounding dequantized: so prefill, chunked
+    extend and decode equal the forward with the same rounding applied."""
+    if kv_dtype is not None:
+        (kq, ks), (vq, vs) = kv_quantize(k, kv_dtype), kv_quantize(v, kv_dtype)
+        k, v = kv_dequantize(kq, ks, k.dtype), kv_dequantize(vq, vs, v.dtype)
     if step.mode in ("forward", "prefill"):
         mask = step.chunk_mask()
         if mask_fn is not None:
@@ -402,24 +490,37 @@ def kv_attention(q: jax.Array, k: jax.Array, v: jax.Array, kv_cache: tuple | Non
             out = attention(q, k, v, mask, scale)
         if step.mode == "forward":
             return out, None
-        kc, vc = kv_cache
-        return out, (write_kv(kc, k, step), write_kv(vc, v, step))
-    kc, vc = kv_cache
+        if kv_dtype is None:
+            kc, vc = kv_cache
+            return out, (write_kv(kc, k, step), write_kv(vc, v, step))
+        return out, tuple(write_kv(c, n, step) for c, n in zip(kv_cache, (kq, vq, ks, vs),
+                                                                 strict=True))
     # Write this call's k, v first, then read: reading before the scatter makes XLA keep
     # (copy) the old cache alive.
-    kc, vc = write_kv(kc, k, step), write_kv(vc, v, step)
+    if kv_dtype is None:
+        kc, vc = kv_cache
+        kc, vc = write_kv(kc, k, step), write_kv(vc, v, step)
+        new_piece = (kc, vc)
+    else:
+        new_piece = tuple(write_kv(c, n, step) for c, n in zip(kv_cache, (kq, vq, ks, vs),
+                                                               strict=True))
+        kc, vc, ksc, vsc = new_piece
     mask = step.cache_mask()
     if mask_fn is not None:
         mask = mask_fn(mask, step.slots)
     # Bounded reads (`bound_reads`): only the slots [0, attend) the rows can hold.
     kr, vr = (kc, vc) if step.attend is None else (kc[:, :, :step.attend],
                                                     vc[:, :, :step.attend])
+    if kv_dtype is not None:
+        n = kr.shape[2]
+        kr = kv_dequantize(kr, ksc[:, :, :n], q.dtype)
+        vr = kv_dequantize(vr, vsc[:, :, :n], q.dtype)
     with jax.named_scope("attention"):
         if step.mode == "decode":
             out = decode_attention(q[:, 0], kr, vr, mask[:, 0], scale)[:, None]
         else:
             out = attention(q, jnp.swapaxes(kr, 1, 2), jnp.swapaxes(vr, 1, 2), mask, scale)
-    return out, (kc, vc)
+    return out, new_piece
 
 
 # ----------------------------------------------------------------------------- numerics

@@ -86,11 +86,15 @@ class Gemma3Config:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     model_type: str = "gemma3_text"
+    # keys and values in the KV cache: None (the activation dtype), "int8" or "fp8"
+    # (`common.kv_quantize`; every attention then reads them rounded, the forward too)
+    kv_cache_dtype: str | None = None
 
     family = "gemma3"
     attention_bias = False  # read by code shared with the Llama family
 
     def __post_init__(self) -> None:
+        common.check_kv_cache_dtype(self.kv_cache_dtype)
         if len(self.sliding_layers) != self.num_layers:
             raise InvalidInputError(f"sliding_layers has {len(self.sliding_layers)} entries "
                                     f"for {self.num_layers} layers")
@@ -237,7 +241,8 @@ class DecoderLayer(nn.Module):
         q, k = apply_rope(q, step.rope_positions, theta), apply_rope(k, step.rope_positions, theta)
         v = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
         narrow = _local(cfg, step.positions) if self.sliding else None
-        attn, cache = common.kv_attention(q, k, v, cache, step, narrow, cfg.attn_scale)
+        attn, cache = common.kv_attention(q, k, v, cache, step, narrow, cfg.attn_scale,
+                                          kv_dtype=cfg.kv_cache_dtype)
         attn = step.site(layer, ATTN_OUT, attn, self.o)  # GSM site attn_out
         x = x + rms_norm(step.linear(layer, "o", attn, self.o), self.post_attn_norm, eps)
         h = rms_norm(x, self.ffn_norm, eps)
@@ -412,7 +417,7 @@ LOGICAL_AXES = {
 }
 
 # Planner: labels of the cache leaves (`init_cache`), by leaf name
-CACHE_KINDS = {"k": "K/V", "v": "K/V"}
+CACHE_KINDS = {"k": "K/V", "v": "K/V", "k_scale": "K/V scales", "v_scale": "K/V scales"}
 
 
 def stack_dense(weights: dict) -> tuple[dict, bool]:

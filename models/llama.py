@@ -61,8 +61,14 @@ class LlamaConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     model_type: str = "llama"
+    # keys and values in the KV cache: None (the activation dtype), "int8" or "fp8"
+    # (`common.kv_quantize`; every attention then reads them rounded, the forward too)
+    kv_cache_dtype: str | None = None
 
     family = "llama"
+
+    def __post_init__(self) -> None:
+        common.check_kv_cache_dtype(self.kv_cache_dtype)
 
     @property
     def q_size(self) -> int:
@@ -128,7 +134,8 @@ def init_cache(
     gsm_max_window: int | None = None,
 ) -> KVCache:
     return common.init_kv_cache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.site_sizes,
-                                batch_size, max_len, dtype=dtype, gsm_max_window=gsm_max_window)
+                                batch_size, max_len, dtype=dtype, gsm_max_window=gsm_max_window,
+                                kv_dtype=cfg.kv_cache_dtype)
 
 
 def cache_insert(cache: KVCache, rows: KVCache, slots: jax.Array) -> KVCache:
@@ -175,7 +182,7 @@ class DecoderLayer(nn.Module):
         q = apply_rope(q.reshape(b, t, cfg.num_heads, cfg.head_dim), pos, cfg.rope_theta)
         k = apply_rope(k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim), pos, cfg.rope_theta)
         v = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-        attn, cache = common.kv_attention(q, k, v, cache, step)
+        attn, cache = common.kv_attention(q, k, v, cache, step, kv_dtype=cfg.kv_cache_dtype)
         attn = step.site(layer, ATTN_OUT, attn, self.o)  # GSM site attn_out
         x = x + step.linear(layer, "o", attn, self.o)
         h = rms_norm(x, self.ffn_norm, eps)
@@ -354,7 +361,7 @@ LOGICAL_AXES = {
 }
 
 # Planner: labels of the cache leaves (`init_cache`), by leaf name
-CACHE_KINDS = {"k": "K/V", "v": "K/V"}
+CACHE_KINDS = {"k": "K/V", "v": "K/V", "k_scale": "K/V scales", "v_scale": "K/V scales"}
 
 # Speculative decoding: the cache is "KV slot s = position s, nothing else", so a rejected
 # draft suffix is forgotten by moving `lengths` back (stale slots are masked out and later

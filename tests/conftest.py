@@ -53,6 +53,22 @@ def pytest_configure(config):
     jax.config.update("jax_compilation_cache_max_size", 6 * 2**30)
 
 
+@pytest.fixture(scope="module")
+def full_xla_optimization():
+    """XLA's full optimizations for one module (`pytestmark = pytest.mark.usefixtures(
+    "full_xla_optimization")`): for checks that two different programs agree bit for bit,
+    which holds for the code users run, not necessarily at -O0 (the suite's default)."""
+    import jax
+    from jax._src.compiler import _DISABLE_MOST_OPTIMIZATIONS  # the flag has no public getter
+
+    before = bool(_DISABLE_MOST_OPTIMIZATIONS.value)
+    jax.config.update("jax_disable_most_optimizations", False)
+    jax.clear_caches()
+    yield
+    jax.config.update("jax_disable_most_optimizations", before)
+    jax.clear_caches()
+
+
 def pytest_unconfigure(config):
     folder = getattr(config, "_gsm_jax_compile_cache", None)
     if folder:

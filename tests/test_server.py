@@ -43,8 +43,12 @@ def _start(tmp: Path, *args: str, env: dict[str, str] | None = None
     log = open(tmp / f"server_{port}.log", "w")  # noqa: SIM115 - closed with the process
     cmd = [sys.executable, "-c", "import sys; from gsm_jax.cli import main; sys.exit(main())",
            "serve", "--model", MODEL, "--port", str(port), "--log-level", "warning", *args]
+    # XLA's full optimizations here (the suite turns most off, tests/conftest.py): a server
+    # runs thousands of decode steps, and its programs at -O0 cost more in running than
+    # they save in compiling (the module's server: 331 CPU s optimized, 540 at -O0)
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, "JAX_PLATFORMS": "cpu", **(env or {})})
+                            env={**os.environ, "JAX_PLATFORMS": "cpu",
+                                 "JAX_DISABLE_MOST_OPTIMIZATIONS": "0", **(env or {})})
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 240
     while time.time() < deadline:

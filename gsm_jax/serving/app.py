@@ -95,6 +95,7 @@ class ServerOptions:
     mesh: tuple[int, int] | None = None  # (data, model): weights sharded, JAX SPMD
     gsm_ring: int | None = None  # GSM ring rows; default: what `gsm` needs, else 16
     min_attend: int | None = 128  # smallest decode read bound (power of two); None: all
+    kv_cache_dtype: str | None = None  # "int8" / "fp8": the KV cache's format; None: float
 
 
 class HTTPError(Exception):
@@ -252,7 +253,8 @@ class GSMServer:
                 self.params, max_batch=o.max_batch, max_len=o.max_len, compile_gsm=compile_gsm,
                 gsm=initial, seed=o.seed, prefill_chunk=o.prefill_chunk,
                 gsm_ring=o.gsm_ring or (None if initial is not None else 16),
-                min_attend=o.min_attend)
+                min_attend=o.min_attend, kv_cache_dtype=o.kv_cache_dtype)
+            self.params = engine.params  # the KV-cache format is part of the model config
             self.live = LiveGSM(initial, check=self._check_gsm, on_change=self._gsm_changed)
             self._gsm_changed(self.live.current)
             engine.warmup(o.warmup_lengths, sample=o.warmup_sampling)

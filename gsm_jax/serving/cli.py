@@ -25,6 +25,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="smallest read bound of a decode step, a power of two: each step "
                    "attends over the power of two above its longest row, at least this "
                    "('none': every step reads all --max-len slots, one decode program)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8"],
+                   help="the KV cache's format: 'auto' the activation dtype; 'int8' / 'fp8' "
+                   "(e4m3) one byte per value with a float32 scale per token and head "
+                   "(Llama-family and Gemma 3 models; vLLM's flag of the same name)")
     p.add_argument("--max-queue", type=int, default=1024,
                    help="waiting requests before new ones get 503")
     p.add_argument("--prefill-chunk", type=int, default=512,
@@ -86,7 +90,8 @@ def run_serve(args: argparse.Namespace) -> int:
         compile_gsm=not args.no_gsm, admin_token=args.admin_token,
         shutdown_timeout=args.shutdown_timeout, warmup_lengths=warm,
         served_model_name=args.served_model_name, seed=args.seed, mesh=mesh,
-        gsm_ring=args.gsm_ring, min_attend=min_attend)
+        gsm_ring=args.gsm_ring, min_attend=min_attend,
+        kv_cache_dtype=None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype)
     serve(options, host=args.host, port=args.port, log_level=args.log_level)
     return 0
 

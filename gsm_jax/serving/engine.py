@@ -84,6 +84,7 @@ from gsm_jax.generation import (
     check_refused_tokens,
     on_mesh,
     sample_tokens,
+    with_kv_cache_dtype,
 )
 from gsm_jax.models import common
 from gsm_jax.models.gsm_sites import GSMInputs
@@ -374,20 +375,22 @@ class Engine:
     max_len, e.g. 8 for window 8; a live config needing more is refused). `min_attend`:
     the smallest read bound of a decode step (a power of two; each step attends over
     the power of two >= its longest row + 1, at least this, at most max_len; None: every
-    step reads all max_len slots, one decode program). Use `submit` + `step` to drive it
-    yourself, or `run`.
+    step reads all max_len slots, one decode program). `kv_cache_dtype`: "int8" / "fp8"
+    hold the KV cache in that format (`gsm_jax.with_kv_cache_dtype`; None / "auto": the
+    model's own). Use `submit` + `step` to drive it yourself, or `run`.
     """
 
     def __init__(self, params: ModelParams, *, max_batch: int = 8, max_len: int = 1024,
                  gsm: Any = None, compile_gsm: bool = False,
                  eos_ids: Sequence[int] | None = None, seed: int = 0,
                  prefill_chunk: int | None = 512, gsm_ring: int | None = None,
-                 min_attend: int | None = 128) -> None:
+                 min_attend: int | None = 128, kv_cache_dtype: str | None = None) -> None:
         if not isinstance(params, ModelParams):
             raise InvalidInputError(
                 f"params must be what gsm_jax.load returns (ModelParams), got "
                 f"{type(params).__name__}"
             )
+        params = with_kv_cache_dtype(params, kv_cache_dtype)
         if int(max_batch) < 1:
             raise InvalidInputError(f"max_batch must be >= 1, got {max_batch!r}")
         self.params = params
