@@ -83,12 +83,12 @@ def pytest_unconfigure(config):
 # to the workers in collection order, so starting with the longest keeps both workers busy to
 # the end instead of leaving one finishing a long file alone; the rest keep pytest's order.
 SLOWEST_FILES_FIRST = (
-    "test_family_contract.py", "test_sharding.py", "test_deepseek_v41.py",
-    "test_deepseek_v41_workflow.py", "test_bench_mesh.py", "test_deepseek_v4_checkpoint.py",
-    "test_workflow_notebook.py", "test_server.py", "test_speculative.py",
-    "test_deepseek_v41_load.py", "test_bench_best_of_each.py", "test_deepseek_v4.py",
-    "test_quant_bench.py", "test_gemma3.py", "test_deepseek_v41_plan.py",
-    "test_deepseek_v41_dspark.py",
+    "test_family_contract.py", "test_server.py", "test_sharding.py", "test_gemma3.py",
+    "test_bench_mesh.py", "test_speculative.py", "test_workflow_notebook.py",
+    "test_deepseek_v41_plan.py", "test_deepseek_v4_checkpoint.py",
+    "test_deepseek_v41_workflow.py", "test_deepseek_v4.py", "test_deepseek_v41.py",
+    "test_deepseek_v41_dspark.py", "test_deepseek_v41_load.py", "test_bench_best_of_each.py",
+    "test_quant_bench.py", "test_kv_cache_dtype.py",
 )
 
 
