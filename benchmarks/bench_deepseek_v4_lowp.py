@@ -34,8 +34,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402  (no jax at import)
 
@@ -108,34 +106,6 @@ def measure_load(path: str, variant: str) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
-def measure_decode(params: dict, batch: int, prompt_len: int, new_tokens: int,
-                   repeats: int, vocab: int) -> dict:
-    fns = common.short_and_long_calls(params, batch, prompt_len, new_tokens, vocab)
-    for fn in fns.values():  # compile every program before timing
-        fn()
-    load_before = common.load_average()
-    times = common.interleaved(fns, repeats)
-    load_after = common.load_average()
-    out = {"load_average_before": load_before, "load_average_after": load_after,
-           "comparable": max((load_before or [0])[0], (load_after or [0])[0])
-           <= MAX_COMPARABLE_LOAD, "variants": {}}
-    for name in params:
-        short, long = np.asarray(times[f"{name}|1"]), np.asarray(times[f"{name}|{new_tokens}"])
-        # the two calls of a round ran next to each other: their difference is the
-        # decode of new_tokens - 1 tokens under the same conditions
-        decode_s = float(np.median(long - short))
-        out["variants"][name] = {
-            "call_s": common.summarize(long.tolist()),
-            "prefill_call_s": common.summarize(short.tolist()),
-            "decode_s": common.summarize((long - short).tolist()),
-            "decode_tok_s": batch * (new_tokens - 1) / decode_s if decode_s > 0 else None,
-            "decode_tok_s_best": batch * (new_tokens - 1) / max(long.min() - short.min(),
-                                                                1e-9),
-            "generate_tok_s": batch * new_tokens / float(np.median(long)),
-        }
-    return out
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", choices=sorted(PRESETS), default="mid")
@@ -177,7 +147,7 @@ def main() -> None:
         result["decode"] = {}
         for b in (int(x) for x in args.batches.split(",")):
             print(f"[bench] decode, batch {b}", flush=True)
-            result["decode"][str(b)] = measure_decode(params, b, args.prompt_len,
+            result["decode"][str(b)] = common.measure_decode(params, b, args.prompt_len,
                                                       args.new_tokens, args.repeats, vocab)
     common.write_json(out / "results.json", result)
     write_report(out, result)

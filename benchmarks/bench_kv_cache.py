@@ -72,24 +72,9 @@ def speed(params, kinds, batch: int, prompt_len: int, new_tokens: int, repeats: 
     import gsm_jax
 
     arms = {"float": params} | {k: gsm_jax.with_kv_cache_dtype(params, k) for k in kinds}
-    fns = common.short_and_long_calls(arms, batch, prompt_len, new_tokens,
-                                      params.config.vocab_size)
-    for fn in fns.values():  # compile every program before timing
-        fn()
-    before = common.load_average()
-    times = common.interleaved(fns, repeats)
-    after = common.load_average()
-    out = {"load_average_before": before, "load_average_after": after,
-           "comparable": max((before or [0])[0], (after or [0])[0]) <= MAX_COMPARABLE_LOAD,
-           "arms": {}}
-    for name in arms:
-        short = np.asarray(times[f"{name}|1"])
-        long = np.asarray(times[f"{name}|{new_tokens}"])
-        decode_s = float(np.median(long - short))
-        out["arms"][name] = {
-            "decode_tok_s": batch * (new_tokens - 1) / decode_s if decode_s > 0 else None,
-            "generate_s": common.summarize(long.tolist()),
-            "decode_s": common.summarize((long - short).tolist())}
+    out = common.measure_decode(arms, batch, prompt_len, new_tokens, repeats,
+                                params.config.vocab_size, max_load=MAX_COMPARABLE_LOAD)
+    out["arms"] = out.pop("variants")
     f = out["arms"]["float"]["decode_tok_s"]
     for a in out["arms"].values():
         a["ratio_vs_float"] = a["decode_tok_s"] / f if f and a["decode_tok_s"] else None

@@ -101,6 +101,42 @@ def short_and_long_calls(params_by_name: dict[str, Any], batch: int, prompt_len:
         for name, p in params_by_name.items() for n in (1, new_tokens)}
 
 
+def measure_decode(params: dict, batch: int, prompt_len: int, new_tokens: int,
+                   repeats: int, vocab: int, max_load: float = 1.5) -> dict:
+    """Decode speed of each params (a name -> ModelParams dict) through whole greedy
+    `generate_tokens` calls: every program compiled first, then `short_and_long_calls`
+    timed `interleaved`; the load average before and after, "comparable" when neither is
+    above `max_load`. Per name under "variants": decode tokens/s (median of long - short)
+    and the call times."""
+    import numpy as np
+
+    fns = short_and_long_calls(params, batch, prompt_len, new_tokens, vocab)
+    for fn in fns.values():  # compile every program before timing
+        fn()
+    load_before = load_average()
+    times = interleaved(fns, repeats)
+    load_after = load_average()
+    out = {"load_average_before": load_before, "load_average_after": load_after,
+           "comparable": max((load_before or [0])[0], (load_after or [0])[0])
+           <= max_load, "variants": {}}
+    for name in params:
+        short, long = np.asarray(times[f"{name}|1"]), np.asarray(times[f"{name}|{new_tokens}"])
+        # the two calls of a round ran next to each other: their difference is the
+        # decode of new_tokens - 1 tokens under the same conditions
+        decode_s = float(np.median(long - short))
+        out["variants"][name] = {
+            "call_s": summarize(long.tolist()),
+            "prefill_call_s": summarize(short.tolist()),
+            "decode_s": summarize((long - short).tolist()),
+            "decode_tok_s": batch * (new_tokens - 1) / decode_s if decode_s > 0 else None,
+            "decode_tok_s_best": batch * (new_tokens - 1) / max(long.min() - short.min(),
+                                                                1e-9),
+            "generate_tok_s": batch * new_tokens / float(np.median(long)),
+        }
+    return out
+
+
+
 def _category(name: str) -> str:
     n = name.lower()
     if "dynamic-slice" in n or "dynamic_slice" in n:
