@@ -324,16 +324,19 @@ def abstract_weights(cfg: Any, quant: dict | None, expert_dtype: str,
 
 
 def compile_check(model: Any, mesh_shape: tuple[int, int], batch: int, context: int,
-                  prompt_tokens: int = 128, dtype: str = "bfloat16") -> dict:
+                  prompt_tokens: int = 128, dtype: str = "bfloat16",
+                  kv_cache_dtype: str | None = None) -> dict:
     """Lower and compile the sharded prefill and decode step with abstract arrays (no
     weights are allocated) and return `memory_analysis()` per device of each, beside
     the planner's estimate. Needs mesh_shape devices (forced host devices will do:
     `gsm-jax plan --compile` starts a child process with them)."""
     from jax.sharding import NamedSharding, PartitionSpec
 
+    from gsm_jax.models.common import config_with_kv_cache_dtype
     from gsm_jax.sharding import check_mesh, check_model, padded_shape, weight_shardings
 
     cfg, quant, expert_dtype = load_config(model)
+    cfg = config_with_kv_cache_dtype(cfg, kv_cache_dtype)
     data, tp = mesh_shape
     if jax.device_count() < data * tp:
         raise InvalidInputError(f"a {data} x {tp} mesh needs {data * tp} devices, "
@@ -375,7 +378,7 @@ def compile_check(model: Any, mesh_shape: tuple[int, int], batch: int, context: 
                      ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",
                       "temp_size_in_bytes", "generated_code_size_in_bytes")}
     p = plan(model, mesh_shape, "1TB", batch, context, weights_dtype=dtype,
-             gsm_max_window=None, prefill_tokens=prompt_tokens)
+             gsm_max_window=None, prefill_tokens=prompt_tokens, kv_cache_dtype=kv_cache_dtype)
     no_mtp = {k: v for k, v in p.lines.items() if "MTP" not in k and "DSpark" not in k}
     out["plan"] = {"weights": sum(v for k, v in no_mtp.items() if k.startswith("weights")),
                    "caches": sum(v for k, v in no_mtp.items() if k.startswith("cache")),
@@ -423,7 +426,8 @@ def _compile_child(args: Any) -> int:
                             f" --xla_force_host_platform_device_count={data * tp}").strip()
     code = ("import json, sys; from gsm_jax.planner import compile_check, compile_report; "
             f"r = compile_check({args.model!r}, ({data}, {tp}), {args.batch}, {args.context}, "
-            f"{args.compile_prompt_tokens}, {args.weights_dtype!r}); "
+            f"{args.compile_prompt_tokens}, {args.weights_dtype!r}, "
+            f"{getattr(args, 'kv_cache_dtype', None)!r}); "
             "print(compile_report(r)); print('JSON', json.dumps(r))")
     proc = subprocess.run([sys.executable, "-c", code], env=env, text=True,
                           capture_output=True)

@@ -349,7 +349,7 @@ def check_kv_cache_dtype(kind: Any) -> str | None:
     "fp8": that format. Anything else is refused by name."""
     if kind is None or kind in ("auto", "float"):
         return None
-    if kind not in KV_CACHE_DTYPES:
+    if not isinstance(kind, str) or kind not in KV_CACHE_DTYPES:
         raise InvalidInputError(f"kv_cache_dtype must be one of 'auto', "
                                 f"{', '.join(repr(k) for k in KV_CACHE_DTYPES)}; got {kind!r}")
     return kind
@@ -478,8 +478,11 @@ def kv_attention(q: jax.Array, k: jax.Array, v: jax.Array, kv_cache: tuple | Non
     and v rounded by `kv_quantize`, and every key and value any query sees, in every mode
     (the teacher-forced forward too), is that rounding dequantized: so prefill, chunked
     extend and decode equal the forward with the same rounding applied."""
-    if kv_dtype is not None:
+    if kv_dtype is None:
+        stored = (k, v)
+    else:  # what the cache holds, and what every query sees: its dequantized values
         (kq, ks), (vq, vs) = kv_quantize(k, kv_dtype), kv_quantize(v, kv_dtype)
+        stored = (kq, vq, ks, vs)
         k, v = kv_dequantize(kq, ks, k.dtype), kv_dequantize(vq, vs, v.dtype)
     if step.mode in ("forward", "prefill"):
         mask = step.chunk_mask()
@@ -490,37 +493,25 @@ def kv_attention(q: jax.Array, k: jax.Array, v: jax.Array, kv_cache: tuple | Non
             out = attention(q, k, v, mask, scale)
         if step.mode == "forward":
             return out, None
-        if kv_dtype is None:
-            kc, vc = kv_cache
-            return out, (write_kv(kc, k, step), write_kv(vc, v, step))
-        return out, tuple(write_kv(c, n, step) for c, n in zip(kv_cache, (kq, vq, ks, vs),
-                                                                 strict=True))
+        return out, tuple(write_kv(c, n, step) for c, n in zip(kv_cache, stored, strict=True))
     # Write this call's k, v first, then read: reading before the scatter makes XLA keep
     # (copy) the old cache alive.
-    if kv_dtype is None:
-        kc, vc = kv_cache
-        kc, vc = write_kv(kc, k, step), write_kv(vc, v, step)
-        new_piece = (kc, vc)
-    else:
-        new_piece = tuple(write_kv(c, n, step) for c, n in zip(kv_cache, (kq, vq, ks, vs),
-                                                               strict=True))
-        kc, vc, ksc, vsc = new_piece
+    piece = tuple(write_kv(c, n, step) for c, n in zip(kv_cache, stored, strict=True))
     mask = step.cache_mask()
     if mask_fn is not None:
         mask = mask_fn(mask, step.slots)
     # Bounded reads (`bound_reads`): only the slots [0, attend) the rows can hold.
-    kr, vr = (kc, vc) if step.attend is None else (kc[:, :, :step.attend],
-                                                    vc[:, :, :step.attend])
+    n = piece[0].shape[2] if step.attend is None else step.attend
+    kr, vr = piece[0][:, :, :n], piece[1][:, :, :n]
     if kv_dtype is not None:
-        n = kr.shape[2]
-        kr = kv_dequantize(kr, ksc[:, :, :n], q.dtype)
-        vr = kv_dequantize(vr, vsc[:, :, :n], q.dtype)
+        kr = kv_dequantize(kr, piece[2][:, :, :n], q.dtype)
+        vr = kv_dequantize(vr, piece[3][:, :, :n], q.dtype)
     with jax.named_scope("attention"):
         if step.mode == "decode":
             out = decode_attention(q[:, 0], kr, vr, mask[:, 0], scale)[:, None]
         else:
             out = attention(q, jnp.swapaxes(kr, 1, 2), jnp.swapaxes(vr, 1, 2), mask, scale)
-    return out, new_piece
+    return out, piece
 
 
 # ----------------------------------------------------------------------------- numerics
