@@ -154,13 +154,17 @@ def test_vision_layout_is_nemos():
 
 
 def test_engram_tables_row_sharded_on_a_mesh(tiny_nemo, tmp_path):
+    """The tables in pinned host memory (`engram_memory="host"`), row-sharded on 1 x 8 and
+    on one device. One 1 x 8 load carries both claims (the row split and the memory
+    kind): the same rule places a device-memory table, which the DSpark mesh test
+    (tests/test_deepseek_v41_dspark.py, Engram layers, 1 x 8) runs sharded."""
     config, model = tiny_nemo
     path = write_checkpoint(tmp_path / "ck", config, ref.released_state_dict(model),
                             ref.tiny_tokenizer_json(), shard_bytes=200_000)
     rows = list(config["text_config"]["engram_num_embeddings"])
     assert any(r % 8 for r in rows)  # the padding is exercised
     res = run_on_8_devices(f"""
-import dataclasses, math
+import dataclasses
 import jax, numpy as np
 import gsm_jax
 from gsm_jax.models.deepseek_v41 import held_weight_bytes
@@ -173,39 +177,6 @@ def rel(a, b):
 def no_qdq(p):
     return dataclasses.replace(p, config=dataclasses.replace(p.config, cache_qdq=False))
 
-def device0_bytes(params):
-    total = 0
-    for leaf in jax.tree.leaves(params.weights):
-        total += next(s for s in leaf.addressable_shards if s.device.id == 0).data.nbytes
-    return total
-
-path = {str(path)!r}
-hf = json.load(open(path + "/config.json"))
-one = no_qdq(gsm_jax.load(path, dtype="float32", keep_quantized=True))
-prompts = [[5, 17, 99, 42, 8, 64, 23, 77, 31, 50, 12], [90, 3, 44, 61, 28, 7, 110]]
-gsm = gsm_jax.GSMConfig(window_size=4, smooth_strength=0.2, target_layers="all",
-                        precision="f32")
-ref_logits = gsm_jax.forward(one, prompts)
-ref_tokens = gsm_jax.generate_tokens(one, prompts, max_new_tokens=6, eos_ids=[], gsm=gsm)
-result = {{}}
-for shape in ((1, 8),):  # 2 x 4 (the batch split too): test_family_contract's sharded test
-    mesh = jax.make_mesh(shape, ("data", "model"))
-    on = no_qdq(gsm_jax.load(path, dtype="float32", keep_quantized=True, mesh=mesh))
-    tables = [lw["engram"]["table"] for lw in on.weights["layers"] if "engram" in lw]
-    fractions = [next(s for s in t.addressable_shards if s.device.id == 0).data.shape[0]
-                 / t.shape[0] for t in tables]
-    toks = ref_tokens if shape != (1, 8) else gsm_jax.generate_tokens(
-        on, prompts, max_new_tokens=6, eos_ids=[], gsm=gsm)
-    result["x".join(map(str, shape))] = dict(
-        rel=rel(gsm_jax.forward(on, prompts), ref_logits),
-        tokens_equal=np.array_equal(np.asarray(toks), np.asarray(ref_tokens)),
-        table_rows=[int(t.shape[0]) for t in tables], fractions=fractions,
-        specs=[str(t.sharding.spec) for t in tables],
-        device0=device0_bytes(on),
-        planned=held_weight_bytes(on.config, check_quantization_config(hf),
-                                  {{"data": shape[0], "model": shape[1]}}, "float32"))
-
-# the tables in pinned host memory (engram_memory="host"), on 1 x 8 and on one device
 def kinds(params):
     out = {{}}
     for path, leaf in jax.tree_util.tree_leaves_with_path(params.weights):
@@ -221,36 +192,48 @@ def device0_by_kind(params):
         out[leaf.sharding.memory_kind] = out.get(leaf.sharding.memory_kind, 0) + s.data.nbytes
     return out
 
+path = {str(path)!r}
+hf = json.load(open(path + "/config.json"))
+one = no_qdq(gsm_jax.load(path, dtype="float32", keep_quantized=True))
+prompts = [[5, 17, 99, 42, 8, 64, 23, 77, 31, 50, 12], [90, 3, 44, 61, 28, 7, 110]]
+gsm = gsm_jax.GSMConfig(window_size=4, smooth_strength=0.2, target_layers="all",
+                        precision="f32")
+ref_logits = gsm_jax.forward(one, prompts)
+ref_tokens = gsm_jax.generate_tokens(one, prompts, max_new_tokens=6, eos_ids=[], gsm=gsm)
+result = {{}}
 mesh = jax.make_mesh((1, 8), ("data", "model"))
 for name, m in (("1x8 host", mesh), ("1 device host", None)):
     on = no_qdq(gsm_jax.load(path, dtype="float32", keep_quantized=True, mesh=m,
                              engram_memory="host"))
+    tables = [lw["engram"]["table"] for lw in on.weights["layers"] if "engram" in lw]
     result[name] = dict(
         rel=rel(gsm_jax.forward(on, prompts), ref_logits),
         tokens_equal=m is None or np.array_equal(np.asarray(gsm_jax.generate_tokens(
             on, prompts, max_new_tokens=6, eos_ids=[], gsm=gsm)), np.asarray(ref_tokens)),
         kinds=kinds(on), by_kind=device0_by_kind(on),
+        table_rows=[int(t.shape[0]) for t in tables],
+        fractions=[next(s for s in t.addressable_shards if s.device.id == 0).data.shape[0]
+                   / t.shape[0] for t in tables],
+        specs=[str(t.sharding.spec) for t in tables],
         mesh_shape=list(on.weights["embed"].sharding.mesh.devices.shape),
         planned=held_weight_bytes(on.config, check_quantization_config(hf),
                                   {{"data": 1, "model": 8 if m is not None else 1}},
                                   "float32"))
 """)
-    for name in ("1x8 host", "1 device host"):
-        r = res.pop(name)
+    for name, r in res.items():
+        m = 8 if "1x8" in name else 1
         assert r["rel"] < 1e-5 and r["tokens_equal"], (name, r)
         # the Engram tables (and their row scales) in pinned host memory, nothing else
         assert r["kinds"] == {"engram": ["pinned_host"], "rest": ["device"]}, (name, r)
-        assert r["mesh_shape"] == ([1, 8] if "1x8" in name else [1, 1]), (name, r)
-        # device 0 holds the same slices, the tables' in host memory: 0 B of them on-chip
+        assert r["mesh_shape"] == [1, m], (name, r)
+        # row-sharded over the model axis, padded to a multiple of it: 1/M rows per device
+        assert r["table_rows"] == [-(-n // m) * m for n in rows], (name, r)
+        assert all(f == 1 / m for f in r["fractions"]), (name, r)
+        if m > 1:
+            assert all("model" in s for s in r["specs"]), (name, r)
+        # device 0 holds what the planner says, the tables' part in host memory
         assert sum(r["by_kind"].values()) == r["planned"], (name, r)
         assert 0 < r["by_kind"]["pinned_host"] < r["planned"], (name, r)
-    for mesh, r in res.items():
-        m = int(mesh.split("x")[1])
-        assert r["rel"] < 1e-5 and r["tokens_equal"], (mesh, r)
-        assert all("model" in s for s in r["specs"]), (mesh, r)
-        assert r["table_rows"] == [-(-n // m) * m for n in rows], (mesh, r)
-        assert all(f == 1 / m for f in r["fractions"]), (mesh, r)
-        assert r["device0"] == r["planned"], (mesh, r)
 
 
 def _real_width(layers: int = 6) -> dict:

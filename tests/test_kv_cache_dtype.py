@@ -89,7 +89,8 @@ def test_cached_paths_equal_the_forward_with_the_same_rounding(family, kind):
     gcfg = gsm_jax.GSMConfig(window_size=4, smooth_strength=0.3, target_layers="all")
     from gsm_jax.gsm_runtime import gsm_inputs_for_batch
 
-    gsm = gsm_inputs_for_batch(gcfg, cfg.num_layers, 2, lengths)
+    # rings sized as generate sizes them (8 rows for a window of 4: one decode bucket)
+    gsm = gsm_inputs_for_batch(gcfg, cfg.num_layers, 2, lengths, fit_ring=True)
     full = np.asarray(fwd(w, cfg, toks, lens, gsm))
     scale = np.abs(full).max()
     # the rounding is live: the float cache's forward differs, by little
@@ -127,7 +128,7 @@ def test_cached_paths_equal_the_forward_with_the_same_rounding(family, kind):
     np.testing.assert_array_equal(np.asarray(ext.lengths), lengths)
     # a row prefilled alone joins the batch with its scales
     alone = fam.init_cache(cfg, 1, 24, gsm_max_window=gsm.max_window)
-    gsm1 = gsm_inputs_for_batch(gcfg, cfg.num_layers, 1, [7])
+    gsm1 = gsm_inputs_for_batch(gcfg, cfg.num_layers, 1, [7], fit_ring=True)
     _, alone = prefill(w, cfg, toks[1:2, :7], jnp.asarray([7]), alone, gsm1)
     joined = jax.jit(fam.cache_insert)(cache, alone, jnp.asarray([1]))
     nxt = jnp.asarray([4, 9], jnp.int32)

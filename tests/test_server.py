@@ -154,17 +154,18 @@ def test_stop_strings_n_and_seed(url, params):
 def test_200_concurrent_streams_none_lost_none_mixed(url):
     """200 streaming requests of mixed lengths at once (16 slots, the rest queued; the
     long prompts are prefilled in chunks of 32): every one completes, and each output
-    equals what its prompt gives when it runs alone."""
+    equals what its prompt gives when it runs alone. Short outputs (3-8 tokens): what is
+    tested is the queueing and the slot bookkeeping, not long decoding."""
     rng = np.random.default_rng(0)
     from gsm_jax.workflow.data import default_wikitext_path
 
     text = default_wikitext_path().read_text().split()  # the packaged WikiText-2
     prompts = []
     for i in range(20):
-        n = [3, 10, 25, 60, 90][i % 5]
+        n = [3, 8, 20, 45][i % 4]  # 45 words: two or three prefill chunks
         start = int(rng.integers(0, len(text) - n))
         prompts.append(" ".join(text[start:start + n]))
-    new = [4, 9, 16, 6, 12]
+    new = [3, 6, 8, 4, 5]
     alone = [_complete(url, p, new[i % 5]).json()["choices"][0]["text"]
              for i, p in enumerate(prompts)]
 

@@ -109,16 +109,15 @@ rows = [list(range(3, 20)), list(range(40, 49)), [5, 6, 7], list(range(60, 90))]
 gsm = gsm_jax.GSMConfig(window_size=4, smooth_strength=0.3, target_layers="all", max_window=8,
                         precision="f32")
 a2a = gsm_jax.ModelParams(w, dataclasses.replace(cfg, expert_dispatch="all_to_all"))
-result = dict(psum=compare(params, rows, [(1, 8)], gsm=gsm),
-              a2a_w8a8=compare(gsm_jax.quantize(a2a, "w8a8", routed_experts=True), rows,
+result = dict(a2a_w8a8=compare(gsm_jax.quantize(a2a, "w8a8", routed_experts=True), rows,
                                [(2, 4)], gsm=gsm))
 """)
-    # two variants, one mesh each (each mesh compiles its own programs; GSM on in both, off
-    # is the same layers without the smoothing): float weights with the psum dispatch over
-    # all 8 devices, and int8 routed experts with the all-to-all dispatch on 2 x 4. The
-    # batch-only split is covered by the family contract's 4x2 mesh (every family),
-    # test_caches_and_gsm_rings_follow_the_batch and the workflow tools' 4x2 test
-    _check(res["psum"], {"1x8": 8})
+    # int8 routed experts with the all-to-all dispatch on 2 x 4, GSM on (each mesh compiles
+    # its own programs, so one variant here). Float weights: the psum dispatch with GSM on
+    # is the family contract's 4 x 2 mesh (tests/test_family_contract.py, every family),
+    # and psum / all-to-all on 1 x 8 and 2 x 4 without GSM are test_bench_mesh_tiny's
+    # variants (tests/test_bench_mesh.py). The batch-only split: the contract's 4 x 2,
+    # test_caches_and_gsm_rings_follow_the_batch and the workflow tools' 4 x 2 test
     _check(res["a2a_w8a8"], {"2x4": 4})
 
 
@@ -198,12 +197,11 @@ params = gsm_jax.ModelParams(llama.stack_layers(params.weights), params.config,
 rows = [params.tokenizer.encode(t) for t in ("The capital of France is", "def fib(n):")]
 gsm = gsm_jax.GSMConfig(window_size=8, smooth_strength=0.1, target_layers="all",
                         precision="f32")
-# each mesh shape once (each compiles its own programs): batch only, both axes, model only
-result = dict(plain=compare(params, rows, [(8, 1)]),
-              gsm=compare(params, rows, [(2, 4)], gsm=gsm),
+# each mesh shape once (each compiles its own programs): both axes with GSM, model only
+# with W8A8 (the batch-only split of the Llama family: the family contract's tiny model)
+result = dict(gsm=compare(params, rows, [(2, 4)], gsm=gsm),
               w8a8=compare(gsm_jax.quantize(params, "w8a8"), rows, [(1, 8)]))
 """, optimize=True)  # the real model runs many steps; and see the W8A8 note below
-    _check(res["plain"], {"8x1": 1})
     _check(res["gsm"], {"2x4": 4})
     # W8A8 rounds every activation to int8 per token (scale max|x| / 127): a sum that the
     # sharded program adds in another order differs in its last ulp, and a value on a
