@@ -86,6 +86,30 @@ def check_mesh(mesh: Any) -> Mesh:
     return _auto_axes(mesh)
 
 
+def parse_mesh_spec(text: str, flag: str = "--mesh") -> tuple[int, int]:
+    """A command line's "DATAxMODEL" (e.g. "1x8") -> (data, model), positive sizes."""
+    try:
+        data, model = (int(x) for x in str(text).lower().split("x"))
+    except ValueError as e:
+        raise InvalidInputError(f"{flag} must be DATAxMODEL, e.g. 1x8; got {text!r}") from e
+    if data < 1 or model < 1:
+        raise InvalidInputError(f"{flag} must be DATAxMODEL with sizes >= 1; got {text!r}")
+    return data, model
+
+
+def mesh_from_shape(shape: tuple[int, int], flag: str = "--mesh") -> Mesh:
+    """A ("data", "model") mesh of the first data x model devices, refused by name (and
+    before any loading) when this process sees fewer devices."""
+    data, model = shape
+    devices = jax.devices()
+    if data * model > len(devices):
+        raise InvalidInputError(
+            f"{flag} {data}x{model} needs {data * model} devices; this process sees "
+            f"{len(devices)} ({jax.default_backend()})")
+    return check_mesh(Mesh(np.asarray(devices[:data * model]).reshape(data, model),
+                           MESH_AXES))
+
+
 def _auto_axes(mesh: Mesh) -> Mesh:
     """The same devices with every axis in Auto mode: the weights carry shardings and
     GSPMD propagates them through the unchanged programs. (`jax.make_mesh` gives

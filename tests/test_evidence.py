@@ -245,3 +245,48 @@ def test_claim8_lambada_cliff_needs_more_than_sampling_noise():
     assert not large[2]["gradual"] and large[2]["fluent_wrong"] and large[0] == "refuted"
     steep = judge_8(s, kld, top1, [38.0, 36.0, 34.0, 30.0], 50.0, 40.0, 10000)
     assert steep[0] == "supported"  # gradual (steepest 1.5x) and an 8-point drop
+
+
+def test_evidence_mesh_is_checked_before_loading(tmp_path, capsys):
+    """A mesh larger than the devices, or not DATAxMODEL, is refused by name before any
+    model is loaded or anything is written."""
+    for spec, words in (("1x64", "needs 64 devices"), ("8", "DATAxMODEL"),
+                        ("0x1", "sizes >= 1")):
+        rc = cli_main(["evidence", "--models", "smollm2-135m", "--mesh", spec,
+                       "--out", str(tmp_path / "e"), "--claims", "1"])
+        err = capsys.readouterr().err
+        assert rc != 0 and words in err, (spec, err)
+        assert not (tmp_path / "e").exists()
+    assert runner.evidence_command(["m"], "o", [1], mesh=(2, 4)) == \
+        "gsm-jax evidence --models m --out o --mesh 2x4 --claims 1"
+
+
+def _result(n: int, verdict: str, *, family: str = "llama", layers: int = 4, hidden: int = 32,
+            smoke: bool = False) -> dict:
+    return {"claim": n, "verdict": verdict, "why": f"claim {n} why", "measurement": f"m{n}",
+            "family": family, "num_layers": layers, "hidden_size": hidden, "smoke": smoke}
+
+
+def test_answer_section_follows_the_verdicts():
+    """The answer is derived from the verdicts present, never written by hand: refuted
+    speed and enabling claims -> "no evidence"; a supported one -> "possibly"; smoke only
+    -> not answered; the released V4.1 size measured -> no "not measured" caveat."""
+    def answer(results):
+        return "\n".join(render.answer_section(list(results), results))
+
+    refuted = {m: {1: _result(1, "refuted"), 3: _result(3, "refuted")} for m in ("a", "b")}
+    text = answer(refuted)
+    assert "No evidence that it does" in text and "claim 1: refuted on both" in text
+    assert "was not measured with its released weights" in text
+    assert render.TARGET_COMMAND in text
+    mixed = {"a": {1: _result(1, "supported"), 3: _result(3, "refuted")}}
+    assert "**Possibly: claim 1 (smoothing by itself) is supported" in answer(mixed)
+    smoke = {"t": {1: _result(1, "refuted", family="deepseek_v41", smoke=True)}}
+    text = answer(smoke)
+    assert "Not answered yet" in text and "at smoke sizes" in text and "`t`" in text
+    layers, hidden = render._released_target_size()
+    released = {"v41": {n: _result(n, "refuted", family="deepseek_v41", layers=layers,
+                                   hidden=hidden) for n in (1, 3)}}
+    text = answer(released)
+    assert "No evidence that it does" in text and "not measured with" not in text
+    assert f"deepseek_v41, {layers} layers x {hidden}" in text

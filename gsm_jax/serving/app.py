@@ -236,9 +236,9 @@ class GSMServer:
             if self.params is None:
                 mesh = None
                 if o.mesh is not None:
-                    import jax
+                    from gsm_jax.sharding import mesh_from_shape
 
-                    mesh = jax.make_mesh(tuple(o.mesh), ("data", "model"))
+                    mesh = mesh_from_shape(tuple(o.mesh))
                 self.params = load(o.model, dtype=o.dtype, mesh=mesh)
             if self.params.tokenizer is None:
                 raise InvalidInputError(f"{o.model}: no tokenizer; the server takes text")

@@ -74,14 +74,9 @@ def run_serve(args: argparse.Namespace) -> int:
     except ValueError:
         value = text  # refused by check_min_attend, which names it
     min_attend = check_min_attend(value, "--min-attend")
-    mesh = None
-    if args.mesh:
-        try:
-            data, model = (int(x) for x in args.mesh.lower().split("x"))
-        except ValueError as e:
-            raise InvalidInputError(f"--mesh must be DATAxMODEL, e.g. 1x8; got {args.mesh!r}"
-                                    ) from e
-        mesh = (data, model)
+    from gsm_jax.sharding import parse_mesh_spec
+
+    mesh = parse_mesh_spec(args.mesh) if args.mesh else None
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     options = ServerOptions(

@@ -330,6 +330,9 @@ def add_evidence(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, default=Path("reports"),
                    help="folder of gsm_evidence.md and data/evidence/")
     p.add_argument("--claims", default=None, help="comma-separated claim numbers (default all)")
+    p.add_argument("--mesh", default=None,
+                   help="DATAxMODEL devices, e.g. 1x8: each model loaded sharded over them "
+                   "(what a checkpoint too large for one device needs)")
     p.add_argument("--resume", action="store_true", help="keep claims already measured")
     p.add_argument("--smoke", action="store_true", help="tiny sizes (numbers meaningless)")
     p.add_argument("--render-only", action="store_true",
@@ -350,10 +353,13 @@ def run_evidence(args: argparse.Namespace) -> int:
     if args.render_only:
         print(f"[gsm-jax] wrote {render_evidence(args.out)}")
         return 0
+    from gsm_jax.sharding import parse_mesh_spec
+
     models, claims = check_models(args.models), parse_claims(args.claims)
+    mesh = parse_mesh_spec(args.mesh) if args.mesh else None
     sizes = EvidenceSizes.smoke() if args.smoke else EvidenceSizes()
     path = run_evidence(models, args.out, sizes=sizes, resume=args.resume, claims=claims,
-                        smoke=args.smoke, progress=not args.quiet)
+                        smoke=args.smoke, progress=not args.quiet, mesh=mesh)
     print(f"[gsm-jax] wrote {path}")
     failed = errors(args.out, models)
     for f in failed:

@@ -255,8 +255,11 @@ def resolve_claim(number: int) -> Callable[..., dict] | str:
 
 
 def evidence_command(models: Sequence[str], out: str | os.PathLike,
-                     claims: Sequence[int] | None = None, *, smoke: bool = False) -> str:
+                     claims: Sequence[int] | None = None, *, smoke: bool = False,
+                     mesh: Sequence[int] | None = None) -> str:
     cmd = f"gsm-jax evidence --models {','.join(models)} --out {out}"
+    if mesh is not None:
+        cmd += " --mesh " + "x".join(str(int(a)) for a in mesh)
     if claims is not None and sorted(claims) != sorted(CLAIMS):
         cmd += " --claims " + ",".join(str(c) for c in claims)
     return cmd + (" --smoke" if smoke else "")
@@ -329,12 +332,15 @@ def run_evidence(
     smoke: bool | None = None,
     command: str | None = None,
     load: Callable[[str], Any] | None = None,
+    mesh: Sequence[int] | None = None,
 ) -> Path:
     """Measure ``claims`` (default: all 12) on every model, then write ``<out>/gsm_evidence.md``.
 
     ``load``: model name -> `ModelParams` (default `gsm_jax.load`; tests pass a tiny
     model; with it the names are not checked). ``smoke`` defaults to whether
-    ``sizes`` equals `EvidenceSizes.smoke()`. Returns the markdown path.
+    ``sizes`` equals `EvidenceSizes.smoke()`. ``mesh``: (data, model) devices: each model
+    is loaded sharded over them (`gsm_jax.load(..., mesh=)`, JAX SPMD), and the claims
+    that start a server pass it on (``--mesh``). Returns the markdown path.
     """
     from gsm_jax.workflow.evidence.render import render_evidence
 
@@ -346,14 +352,20 @@ def run_evidence(
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise InvalidInputError(f"out {out} exists and is not a directory")
-    this_command = command or evidence_command(models, out, numbers, smoke=smoke)
+    jax_mesh = None
+    if mesh is not None:
+        from gsm_jax.sharding import mesh_from_shape
+
+        mesh = tuple(int(a) for a in mesh)
+        jax_mesh = mesh_from_shape(mesh)  # refused here, before any model loads
+    this_command = command or evidence_command(models, out, numbers, smoke=smoke, mesh=mesh)
     say = (lambda m: print(f"[gsm-jax evidence] {m}", file=sys.stderr, flush=True)) \
         if progress else (lambda m: None)
     if load is None:
         from gsm_jax.loading import load as load_model
 
         def load(m: str) -> Any:
-            return load_model(m)
+            return load_model(m, mesh=jax_mesh)
 
     meta_path = out / "data" / "evidence" / META_FILE
     meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
@@ -386,7 +398,8 @@ def run_evidence(
         say(f"{model}: loading (report data from {model_dir / 'data'}"
             f"{'' if (model_dir / 'data').is_dir() else ', absent: claims measure themselves'})")
         params = load(model)
-        size_dict = {**dataclasses.asdict(sizes), "smoke": smoke, "evidence_dir": str(edir)}
+        size_dict = {**dataclasses.asdict(sizes), "smoke": smoke, "evidence_dir": str(edir),
+                     "mesh": None if mesh is None else list(mesh)}
         for n in runnable:
             say(f"{model} claim {n}: {CLAIMS[n].statement}")
             before, t0 = load_average(), time.perf_counter()
@@ -403,7 +416,15 @@ def run_evidence(
             seconds = time.perf_counter() - t0
             # the command that regenerates this claim on this model (the claim may name
             # the one that measured numbers it reused, as source_command)
-            res.setdefault("command", evidence_command([model], out, [n], smoke=smoke))
+            res.setdefault("command", evidence_command([model], out, [n], smoke=smoke,
+                                                       mesh=mesh))
+            # what was measured: the family and where its weights came from (the answer at
+            # the top of the report tells a tiny or random-weight model from a released one)
+            cfg = getattr(params, "config", None)
+            res.update(family=getattr(cfg, "family", None),
+                       weights=str(getattr(params, "source", None) or model),
+                       num_layers=getattr(cfg, "num_layers", None),
+                       hidden_size=getattr(cfg, "hidden_size", None))
             res.update(claim=n, model=model, measured_at=now, seconds=round(seconds, 1),
                        load_avg=load_record(before, load_average()), machine=machine,
                        smoke=smoke, sizes=size_dict, run_command=this_command)

@@ -76,10 +76,13 @@ def _out_dir(model_dir: Path | None, name: str) -> Path:
     return d
 
 
-def _server_base(model: str, *, max_batch: int, max_len: int, warm: Sequence[int]) -> list[str]:
+def _server_base(model: str, *, max_batch: int, max_len: int, warm: Sequence[int],
+                 mesh: Sequence[int] | None = None) -> list[str]:
+    """The server's flags; `mesh` (data, model): the evidence run's --mesh, passed on."""
+    mesh_flag = [] if not mesh else ["--mesh", "x".join(str(int(a)) for a in mesh)]
     return ["--model", str(model), "--max-batch", str(max_batch), "--max-len", str(max_len),
             "--prefill-chunk", "512", "--warmup-lengths", ",".join(str(w) for w in warm),
-            "--log-level", "warning"]
+            "--log-level", "warning", *mesh_flag]
 
 
 def _buckets(hi: int) -> list[int]:
@@ -201,7 +204,8 @@ def run_claim_6(params: ModelParams, *, sizes: dict, progress: bool,
             for i, (name, rng) in enumerate(lengths.items())}
     base = _server_base(model, max_batch=max(clients),
                         max_len=int(sizes.get("max_len", 1024)),
-                        warm=_buckets(max(hi for _, hi in lengths.values())))
+                        warm=_buckets(max(hi for _, hi in lengths.values())),
+                        mesh=sizes.get("mesh"))
     runs: dict[tuple[int, str, str], list[dict[str, Any]]] = {}
     servers: dict[str, ServerProcess] = {}
     error = None
@@ -393,7 +397,8 @@ def _latency_server(model: str, cfg: GSMConfig, bypass_tokens: int, sizes: dict,
     (out / "gsm.json").write_text(json.dumps(arms["gsm"].to_dict(), indent=1))
     token = secrets.token_hex(8)
     args = _server_base(model, max_batch=clients, max_len=max(256, bypass_tokens + 64),
-                        warm=_buckets(hi)) + ["--gsm", str(out / "gsm.json")]
+                        warm=_buckets(hi), mesh=sizes.get("mesh")) + [
+        "--gsm", str(out / "gsm.json")]
     e2e: dict[str, list[float]] = {a: [] for a in arms}
     ttft: dict[str, list[float]] = {a: [] for a in arms}
     seen: dict[str, dict[str, int]] = {a: {} for a in arms}
