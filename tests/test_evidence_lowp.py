@@ -173,6 +173,18 @@ def test_run_claim_7_quality_half_and_in_process_latency(tiny_llama, tmp_path):
     assert (tmp_path / "figures" / "claim7_short_bypass.png").exists()
 
 
+def test_smoke_shrinks_the_serving_claims_sizes():
+    """`--smoke` reaches claims 6 and 7 (whose server sizes are not EvidenceSizes fields):
+    small servers and few requests; explicit sizes still win; without smoke nothing
+    changes."""
+    got = sc.claim_sizes({"smoke": True, "clients": (1, 4)}, sc.SMOKE_6)
+    assert got["clients"] == (1, 4) and got["requests_per_cell"] == 2 and got["max_len"] == 128
+    assert sc.claim_sizes({"smoke": False, "seed": 3}, sc.SMOKE_6) == {"smoke": False, "seed": 3}
+    s7 = sc.claim_sizes({"smoke": True}, sc.SMOKE_7)
+    # the bypass threshold must exceed the longest short request (run_claim_7 checks it)
+    assert s7["bypass_tokens"] > s7["short_range"][1] + s7["new_tokens"]
+
+
 def test_run_claim_7_refuses_a_bypass_threshold_that_misses_short_requests(tiny_llama):
     with pytest.raises(ValueError, match="bypass_tokens"):
         sc.run_claim_7(tiny_llama, sizes={"bypass_tokens": 20, "latency_route": "skip"},

@@ -68,6 +68,23 @@ def _client_core(pin: bool) -> Iterator[set[int] | None]:
         os.sched_setaffinity(0, before)
 
 
+# `--smoke`: the servers' sizes shrink too (the runner's EvidenceSizes has none of these
+# keys), so a smoke run starts small servers and sends a few short requests; keys given
+# explicitly win. Without this a smoke run of claim 6 warmed two servers up to 512-token
+# prompts (minutes per server for a V4.1 on 2 cores) and sent 3 x 2 x 32 x 32 tokens.
+SMOKE_6 = {"clients": (1, 2), "requests_per_cell": 2, "new_tokens": 4, "short": (8, 16),
+           "long": (24, 32), "max_len": 128}
+SMOKE_7 = {"short_range": (8, 16), "short_sequences": 4, "long_sequences": 2, "long_len": 64,
+           "bypass_tokens": 32, "latency_clients": 2, "latency_requests": 4, "new_tokens": 4,
+           "repeats": 1}
+
+
+def claim_sizes(sizes: dict | None, smoke_defaults: dict) -> dict:
+    """The claim's sizes: with ``smoke`` set, `smoke_defaults` under the keys given."""
+    sizes = dict(sizes or {})
+    return {**smoke_defaults, **sizes} if sizes.get("smoke") else sizes
+
+
 def _out_dir(model_dir: Path | None, name: str) -> Path:
     if model_dir is None:
         return Path(tempfile.mkdtemp(prefix=f"gsm_{name}_"))
@@ -185,7 +202,7 @@ def run_claim_6(params: ModelParams, *, sizes: dict, progress: bool,
     from gsm_jax.serving import bench_client as bc
     from gsm_jax.serving.launch import ServerProcess
 
-    sizes = dict(sizes or {})
+    sizes = claim_sizes(sizes, SMOKE_6)
     load0 = os.getloadavg()[0]
     log = functools.partial(log_line, progress, 6)
     model = str(sizes.get("model") or params.source)
@@ -469,7 +486,7 @@ def run_claim_7(params: ModelParams, *, sizes: dict, progress: bool,
     (4) x "long_len" (256) for the per-token context, "bypass_tokens" (128), "gsm",
     "batch_size" (8), "latency_route" ("server" | "in_process" | "skip"), "model",
     "latency_clients" (4), "latency_requests" (16), "new_tokens" (16), "repeats" (3)."""
-    sizes = dict(sizes or {})
+    sizes = claim_sizes(sizes, SMOKE_7)
     load0 = os.getloadavg()[0]
     log = functools.partial(log_line, progress, 7)
     cfg = gsm_config(sizes).replace(short_request_tokens=0)
