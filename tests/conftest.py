@@ -14,6 +14,20 @@ from pathlib import Path
 import pytest
 
 _COMPILE_CACHE = os.environ.get("GSM_JAX_TEST_COMPILE_CACHE", "1")
+BENCH_DIR = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def import_benchmark(name: str):
+    """A script of benchmarks/ as a module (its folder on sys.path only while importing:
+    the scripts import their shared `common` at import time)."""
+    import importlib
+    import sys
+
+    sys.path.insert(0, str(BENCH_DIR))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(BENCH_DIR))
 
 # The suite is mostly XLA compilation of small programs that then run a few times, so it
 # asks XLA for little optimization work (JAX's own switch: LLVM at -O0, its expensive passes

@@ -14,18 +14,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import import_benchmark
 
 BENCH_DIR = Path(__file__).resolve().parents[1] / "benchmarks"
 SCRIPT = BENCH_DIR / "bench_best_of_each.py"
 
 
 def _module():
-    sys.path.insert(0, str(BENCH_DIR))
-    try:
-        import bench_best_of_each
-    finally:
-        sys.path.remove(str(BENCH_DIR))
-    return bench_best_of_each
+    return import_benchmark("bench_best_of_each")
 
 
 def test_best_of_each_tiny(smollm2_gguf_path: str, shared_data_dir: Path, tmp_path: Path) -> None:

@@ -4,22 +4,14 @@ tiny configs at two contexts, in-process, and what it writes. No timing assertio
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
-
-BENCH_DIR = Path(__file__).resolve().parents[1] / "benchmarks"
+from conftest import import_benchmark
 
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(BENCH_DIR))
-    try:
-        import bench_long_context
-    finally:
-        sys.path.remove(str(BENCH_DIR))
-    return bench_long_context
+    return import_benchmark("bench_long_context")
 
 
 def test_quick_tiny_run_writes_every_model_and_context(bench, tmp_path):

@@ -3,18 +3,16 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import jax
 import pytest
+from conftest import import_benchmark
 
 import gsm_jax
 from gsm_jax.models import llama
 from gsm_jax.params import ModelParams
 from gsm_jax.workflow.evidence.quant_quality import report_section
-
-BENCH_DIR = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 @pytest.fixture(scope="module")
@@ -27,11 +25,7 @@ def tiny_path(tmp_path_factory):
 
 
 def test_bench_quant_smoke(tiny_path, tmp_path):
-    sys.path.insert(0, str(BENCH_DIR))
-    try:
-        import bench_quant
-    finally:
-        sys.path.remove(str(BENCH_DIR))
+    bench_quant = import_benchmark("bench_quant")
     out = tmp_path / "bq"
     assert bench_quant.main(["--model", str(tiny_path), "--out", str(out), "--repeats", "2",
                              "--prefill-repeats", "1", "--prefill-len", "16", "--context", "8",
