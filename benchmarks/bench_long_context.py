@@ -38,6 +38,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import numpy as np  # noqa: E402
 from common import (  # noqa: E402  (no jax at import)
+    interleaved,
     load_average,
     machine_info,
     markdown_table,
@@ -146,18 +147,18 @@ def measure_model(name: str, size: str, contexts, batch: int, steps: int, repeat
         state[n] = (tok, cache)
         progress(f"{name}: context {n}: compiled in {compile_s[n]:.1f} s, "
                  f"cache {nbytes[n] / 2**20:.1f} MiB")
-    times = {n: [] for n in contexts}
-    before = load_average()
-    for r in range(repeats):
-        order = list(contexts) if r % 2 == 0 else list(reversed(contexts))
-        for n in order:
+    def run_steps(n: int):
+        def fn():
             tok, cache = state[n]
-            t0 = time.perf_counter()
             for _ in range(steps):
                 tok, cache = step(weights, tok, cache)
-            tok.block_until_ready()
-            times[n].append((time.perf_counter() - t0) / steps * 1e3)
             state[n] = (tok, cache)
+            return tok
+        return fn
+
+    before = load_average()
+    seconds = interleaved({n: run_steps(n) for n in contexts}, repeats)
+    times = {n: [t / steps * 1e3 for t in seconds[n]] for n in contexts}
     after = load_average()
     base = float(np.median(times[contexts[0]]))
     rows = {}
@@ -166,7 +167,7 @@ def measure_model(name: str, size: str, contexts, batch: int, steps: int, repeat
         rows[str(n)] = {"step_ms_median": med, "step_ms_all": times[n],
                         "ratio_to_smallest": med / base, "cache_bytes": nbytes[n],
                         "compile_s": compile_s[n]}
-    worst = max((v for v in (*(before or [0])[:1], *(after or [0])[:1])), default=0.0)
+    worst = max((before or [0.0])[0], (after or [0.0])[0])
     return {"config": {"family": cfg.family, "num_layers": cfg.num_layers,
                        "hidden_size": cfg.hidden_size},
             "contexts": rows, "load_before": before, "load_after": after,

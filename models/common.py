@@ -480,11 +480,12 @@ def kv_attention(q: jax.Array, k: jax.Array, v: jax.Array, kv_cache: tuple | Non
     extend and decode equal the forward with the same rounding applied."""
     if kv_dtype is None:
         stored = (k, v)
-    else:  # what the cache holds, and what every query sees: its dequantized values
+    else:  # what the cache holds; every query sees its dequantized values
         (kq, ks), (vq, vs) = kv_quantize(k, kv_dtype), kv_quantize(v, kv_dtype)
         stored = (kq, vq, ks, vs)
-        k, v = kv_dequantize(kq, ks, k.dtype), kv_dequantize(vq, vs, v.dtype)
     if step.mode in ("forward", "prefill"):
+        if kv_dtype is not None:  # attending over the chunk itself: its rounded values
+            k, v = kv_dequantize(kq, ks, k.dtype), kv_dequantize(vq, vs, v.dtype)
         mask = step.chunk_mask()
         if mask_fn is not None:
             t = q.shape[1]
