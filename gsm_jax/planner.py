@@ -46,7 +46,7 @@ import numpy as np
 
 from gsm_jax.errors import InvalidInputError
 from gsm_jax.families import family_for_model_type, family_module
-from gsm_jax.sharding import RULES, logical_axes
+from gsm_jax.sharding import RULES, logical_axes, parse_mesh_spec
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 KNOWN_CONFIGS = {"deepseek-v4-flash": DATA_DIR / "deepseek_v4_flash_config.json",
@@ -484,10 +484,7 @@ def add_plan_args(p: Any) -> None:
 
 def run_plan(args: Any) -> int:
     if args.mesh:
-        try:
-            data, tp = (int(x) for x in args.mesh.lower().split("x"))
-        except ValueError as e:
-            raise InvalidInputError(f"--mesh {args.mesh!r}: expected DATAxMODEL, e.g. 2x4") from e
+        data, tp = parse_mesh_spec(args.mesh)
         if args.devices is not None and data * tp != args.devices:
             raise InvalidInputError(f"--mesh {args.mesh} has {data * tp} devices, "
                                     f"--devices says {args.devices}")
