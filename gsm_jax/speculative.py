@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gsm_jax.errors import InvalidInputError
-from gsm_jax.families import family_module
+from gsm_jax.families import family_module, hook
 from gsm_jax.generation import (
     MIN_PROMPT_BUCKET,
     as_token_rows,
@@ -79,8 +79,12 @@ class SpecResult:
 
 
 def draft_config(cfg: Any, k: int) -> Any:
-    """The model config cut to its first k layers. Per-layer tuple fields (DeepSeek-V4's
-    `layer_types`, `mlp_layer_types`) are cut with it."""
+    """The model config cut to its first k layers: the family's `first_layers_config`
+    hook where it has one (DeepSeek-V4.1: layer-id lists, not per-layer tuples), else
+    per-layer tuple fields (DeepSeek-V4's `layer_types`, `mlp_layer_types`) cut with it."""
+    own = hook(cfg.family, "first_layers_config")
+    if own is not None:
+        return own(cfg, k)
     cut = {
         f.name: getattr(cfg, f.name)[:k]
         for f in dataclasses.fields(cfg)

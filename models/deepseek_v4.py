@@ -519,19 +519,80 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 
 def sink_attention(q: jax.Array, keys: jax.Array, mask: jax.Array, sinks: jax.Array,
-                   scale: float) -> jax.Array:
+                   scale: float, selected: tuple[jax.Array, jax.Array] | None = None
+                   ) -> jax.Array:
     """Shared-KV attention with per-head sinks.
 
     q [B, T, H, d]; keys [B, S, d] (one head, also the values); mask [B, T, S];
     sinks [H]: one extra logit per head that absorbs probability mass.
+    selected: (entries [B, T, k, d], their mask [B, T, k]): compressed entries gathered
+    per query (`gather_entries`), attended to beside the keys in the same softmax: what
+    the keys [B, S + n, d] with the top-k mask compute, in O(k) instead of O(n) per
+    query (decode reads only the entries its indexer picked).
     """
     scores = jnp.einsum("bthd,bsd->bhts", q, keys, preferred_element_type=jnp.float32) * scale
     scores = jnp.where(mask[:, None], scores, _MASK_VALUE)
+    s = keys.shape[1]
+    if selected is not None:
+        sel, sel_mask = selected
+        extra = jnp.einsum("bthd,btkd->bhtk", q, sel.astype(q.dtype),
+                           preferred_element_type=jnp.float32) * scale
+        scores = jnp.concatenate([scores, jnp.where(sel_mask[:, None], extra, _MASK_VALUE)],
+                                 axis=-1)
     sink = sinks.astype(jnp.float32)[None, :, None, None]
     top = jnp.maximum(jnp.max(scores, axis=-1, keepdims=True), sink)
     e = jnp.exp(scores - top)
     probs = e / (jnp.sum(e, axis=-1, keepdims=True) + jnp.exp(sink - top))
-    return jnp.einsum("bhts,bsd->bthd", probs.astype(keys.dtype), keys)
+    out = jnp.einsum("bhts,bsd->bthd", probs[..., :s].astype(keys.dtype), keys)
+    if selected is not None:
+        out = out + jnp.einsum("bhtk,btkd->bthd", probs[..., s:].astype(keys.dtype),
+                               sel.astype(keys.dtype))
+    return out
+
+
+def weighted_index_dots(q: jax.Array, keys: jax.Array, head_w: jax.Array) -> jax.Array:
+    """The indexer's sum over heads of head_w * relu(q . key): q [B,T,h,c], keys [B,n,c],
+    head_w [B,T,h] -> [B,T,n].
+
+    The cached keys are the dot's left operand ([n, c] as stored, times [c, T*h]), so the
+    step reads them once in place; written as `einsum("bthc,bnc->bthn")` XLA's CPU dot
+    first copied them to [c, n] every step (a quarter of a mid V4.1 decode step at 64k
+    tokens, benchmarks/bench_long_context.py). The head sum over the [n, T, h] products is
+    a second dot (a multiply-and-reduce took 2.5x as long)."""
+    dots = jnp.einsum("bnc,bthc->bnth", keys, q)
+    return jnp.einsum("bnth,bth->btn", jax.nn.relu(dots), head_w)
+
+
+def topk_indices(scores: jax.Array, visible: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """The (up to) k highest-scoring visible entries of scores [..., n]: (their indices
+    [..., min(k, n)], picked [..., min(k, n)]: False where fewer than k are visible).
+
+    Exact ties (the indexer's ReLU makes exact zeros common when few entries score
+    positive) go to the lower index here; the reference's `torch.topk` leaves the
+    order of ties unspecified, so on a tie at the k-th place the two may attend to
+    different (equally scored) entries.
+    """
+    n = scores.shape[-1]
+    _, idx = jax.lax.top_k(jnp.where(visible, scores, -jnp.inf), min(k, n))
+    return idx, jnp.take_along_axis(visible, idx, axis=-1)
+
+
+def entries_mask(idx: jax.Array, picked: jax.Array, n: int) -> jax.Array:
+    """[..., n] bool from `topk_indices`' (idx, picked): a scatter, O(k) per query."""
+    none = jnp.zeros(idx.shape[:-1] + (n,), bool)
+    return jnp.put_along_axis(none, idx, picked, axis=-1, inplace=False)
+
+
+def gather_entries(entries: jax.Array, idx: jax.Array) -> jax.Array:
+    """entries [B, n, d], idx [B, T, k] -> [B, T, k, d]: each query's selected entries."""
+    return entries[jnp.arange(entries.shape[0])[:, None, None], idx]
+
+
+def gather_pays(t: int, k: int, n: int) -> bool:
+    """Whether a chunk of t queries attends over gathered entries (t * k entries read)
+    rather than over all n entries with a mask: decode and short chunks against a long
+    cache. Static shapes only, so the choice is made at trace time."""
+    return t * k < n
 
 
 def score_fn(name: str, logits: jax.Array) -> jax.Array:
@@ -707,17 +768,8 @@ class Compressor(nn.Module):
 
 
 def topk_select(scores: jax.Array, visible: jax.Array, k: int) -> jax.Array:
-    """[..., n] bool: the (up to) k highest-scoring visible entries.
-
-    Exact ties (the indexer's ReLU makes exact zeros common when few entries score
-    positive) go to the lower index here; the reference's `torch.topk` leaves the
-    order of ties unspecified, so on a tie at the k-th place the two may attend to
-    different (equally scored) entries.
-    """
-    n = scores.shape[-1]
-    _, idx = jax.lax.top_k(jnp.where(visible, scores, -jnp.inf), min(k, n))
-    picked = jnp.take_along_axis(visible, idx, axis=-1)
-    return jnp.any((idx[..., None] == jnp.arange(n)) & picked[..., None], axis=-2)
+    """[..., n] bool: the (up to) k highest-scoring visible entries (`topk_indices`)."""
+    return entries_mask(*topk_indices(scores, visible, k), scores.shape[-1])
 
 
 def _plain_linear(name: str, x: Any, w: Any) -> jax.Array:
@@ -744,9 +796,9 @@ class Indexer(nn.Module):
         q = lin("indexer.q_b", q_res, self.q_b).reshape(q_res.shape[:2] + (hi, ci))
         cos, sin = rope_cos_sin(cfg.compress_rope, positions)
         q = apply_rope(q, cos[:, :, None], sin[:, :, None])
-        dots = jnp.einsum("bthc,bnc->bthn", q.astype(jnp.float32), keys.astype(jnp.float32))
         head_w = lin("indexer.weights_proj", x, self.weights_proj).astype(jnp.float32) * hi**-0.5
-        return jnp.einsum("bthn,bth->btn", jax.nn.relu(dots) * ci**-0.5, head_w)
+        return weighted_index_dots(q.astype(jnp.float32), keys.astype(jnp.float32),
+                                   head_w) * ci**-0.5
 
 
 def ring_after(seq: jax.Array, seq_start: jax.Array, end: jax.Array, size: int) -> jax.Array:
@@ -849,15 +901,17 @@ class Attention(nn.Module):
         # RoPE positions: each token's index in its row (padding too: it is masked out)
         positions = step.start[:, None] + jnp.arange(t)[None, :]
         q, kv, q_res = self._project(x, positions, lin)
+        selected = None
         if step.mode == "decode":
-            keys, mask, new = self._decode_keys(x, q_res, positions, kv, cache, step, lin)
+            keys, mask, new, selected = self._decode_keys(x, q_res, positions, kv, cache,
+                                                          step, lin)
             mask = mask[:, None]
         elif step.mode == "extend":
             keys, mask, new = self._extend_keys(x, q_res, positions, kv, cache, step, lin)
         else:
             keys, mask, new = self._chunk_keys(x, q_res, positions, kv, cache, step, lin)
         with jax.named_scope("attention"):
-            attn = sink_attention(q, keys, mask, self.sinks, cfg.head_dim**-0.5)
+            attn = sink_attention(q, keys, mask, self.sinks, cfg.head_dim**-0.5, selected)
         return self._output(attn, positions, step, lin), new
 
     def _chunk_keys(self, x, q_res, positions, kv, cache, step, lin):
@@ -957,7 +1011,10 @@ class Attention(nn.Module):
 
     def _decode_keys(self, x, q_res, positions, kv, cache: LayerCache, step, lin):
         """One token per row x [B,1,D] at positions [B,1] against the layer cache; an
-        inactive row's writes are masked."""
+        inactive row's writes are masked. A CSA layer whose indexer keeps fewer entries
+        than the cache holds returns those entries gathered (`sink_attention`'s
+        `selected`, [B,1,k,hd]) instead of appending the whole compressed cache to the
+        keys: the step then reads k entries, not all of them."""
         cfg = self.cfg
         pos, active = positions[:, 0], step.active
         size = cache.window.shape[1]
@@ -987,10 +1044,14 @@ class Attention(nn.Module):
                                                   "indexer.compressor.kv_gate")
                 new["index"] = ikeys
                 scores = self.indexer.scores(x, q_res, positions, ikeys, lin)[:, 0]
-                visible = topk_select(scores, visible, cfg.index_topk)
+                idx, picked = topk_indices(scores, visible, cfg.index_topk)
+                if gather_pays(1, idx.shape[-1], comp.shape[1]):
+                    sel = gather_entries(comp, idx[:, None])  # [B, 1, k, hd]
+                    return keys, mask, LayerCache(**new), (sel, picked[:, None])
+                visible = entries_mask(idx, picked, comp.shape[1])
             keys = jnp.concatenate([keys, comp], axis=1)
             mask = jnp.concatenate([mask, visible], axis=1)
-        return keys, mask, LayerCache(**new)
+        return keys, mask, LayerCache(**new), None
 
 
 class MoE(nn.Module):

@@ -69,6 +69,9 @@ from gsm_jax.models.block_quant import BlockQuantWeight
 from gsm_jax.models.deepseek_v4 import (
     RopeSpec,
     apply_rope,
+    entries_mask,
+    gather_entries,
+    gather_pays,
     hc_expand,
     ring_after,
     ring_history,
@@ -76,6 +79,8 @@ from gsm_jax.models.deepseek_v4 import (
     rope_cos_sin,
     score_fn,
     sink_attention,
+    topk_indices,
+    weighted_index_dots,
     weighted_streams,
 )
 from gsm_jax.models.engram import engram_update, hash_ids, update_history
@@ -639,8 +644,7 @@ def index_scores(cfg: DeepseekV41Config, w: dict, x, q_res, positions, keys, spe
     q = lin("indexer.q_b", q_res, w["q_b"]).reshape(q_res.shape[:2] + (hi, ci))
     q = _qdq(cfg, mxfp4_qdq, _rope(q, spec, positions))
     head_w = lin("indexer.weights_proj", x, w["weights_proj"]) * (ci**-0.5 * hi**-0.5)
-    dots = jnp.einsum("bthc,bnc->bthn", q, keys.astype(q.dtype))
-    return jnp.einsum("bthn,bth->btn", jax.nn.relu(dots), head_w).astype(jnp.float32)
+    return weighted_index_dots(q, keys.astype(q.dtype), head_w).astype(jnp.float32)
 
 
 def candidate_blocks(cfg: DeepseekV41Config, scores: jax.Array, visible: jax.Array,
@@ -697,7 +701,7 @@ def attention(cfg: DeepseekV41Config, w: dict, layer: int, x: jax.Array, state: 
     kv = rms_norm(lin("kv", x, w["kv"]), w["kv_norm"], eps)
     kv = _qdq(cfg, fp8_qdq, _rope(kv, spec, positions))
     valid = step.valid
-    new = None
+    new = selected = None
     if cache is None:  # forward: the call's own tokens
         steps = jnp.arange(t)
         band = ((steps[None, :] <= steps[:, None])
@@ -746,11 +750,17 @@ def attention(cfg: DeepseekV41Config, w: dict, layer: int, x: jax.Array, state: 
                          "candidates": candidate_blocks(cfg, scores, visible, n_visible)}
             elif plan.uses_candidates:
                 allowed = visible & state["candidates"]
-            state = {**state, "selected": select_topk(scores, allowed, cfg.index_topk)}
-        keys = jnp.concatenate([keys, comp.astype(kv.dtype)], axis=1)
-        mask = jnp.concatenate([mask, state["selected"]], axis=2)
+            # (indices, picked) [B,T,k]; the reference's ties and visibility: `topk_indices`
+            state = {**state, "selected": topk_indices(scores, allowed, cfg.index_topk)}
+        idx, picked = state["selected"]
+        if cache is not None and gather_pays(t, idx.shape[-1], n):
+            # decode / short chunks: only the selected entries are read (sink_attention)
+            selected = (gather_entries(comp, idx).astype(kv.dtype), picked)
+        else:
+            keys = jnp.concatenate([keys, comp.astype(kv.dtype)], axis=1)
+            mask = jnp.concatenate([mask, entries_mask(idx, picked, n)], axis=2)
     with jax.named_scope("attention"):
-        attn = sink_attention(q, keys, mask, w["sinks"], cfg.head_dim**-0.5)
+        attn = sink_attention(q, keys, mask, w["sinks"], cfg.head_dim**-0.5, selected)
     attn = _rope(attn, spec, positions, inverse=True)
     flat = step.site(layer, ATTN_OUT, attn.reshape(b, t, -1))  # GSM site attn_out
     grouped = flat.reshape(b * t, cfg.o_groups, -1)
@@ -1400,6 +1410,24 @@ LOGICAL_AXES = {
     "table_scale": ("engram_rows", None),
 }
 REPLICATED_UNDER = ("indexer", "compressor")
+
+
+def first_layers_config(cfg: DeepseekV41Config, k: int) -> DeepseekV41Config:
+    """The config of the model's first k layers (a self-speculative drafter,
+    `gsm_jax.speculative.draft_config`): `compress_ratios` cut, the KV / index source
+    ids and the candidate source kept where below k. The cut schedule stays valid (a
+    Reindex layer needs the candidate source before it, and a Reuse layer a Full layer
+    of its ratio, both earlier layers). Engram ids are all of the release's (those >= k
+    are inactive); the DSpark fields describe the release's drafter and are kept."""
+    def below(ids):
+        return tuple(i for i in ids if i < k)
+
+    cand = cfg.candidate_source_layer_id
+    return dataclasses.replace(
+        cfg, num_layers=k, compress_ratios=cfg.compress_ratios[:k],
+        kv_source_layer_ids=below(cfg.kv_source_layer_ids),
+        index_source_layer_ids=below(cfg.index_source_layer_ids),
+        candidate_source_layer_id=cand if cand < k else -1)
 
 
 def logical_axes(names: list[str], ndim: int) -> tuple[str | None, ...]:

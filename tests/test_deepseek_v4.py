@@ -535,3 +535,40 @@ def test_extend_all_logits_after_prefill_equals_forward():
     tf = _teacher_forced(weights, cfg, rows, gsm)
     for i, (r, h) in enumerate(zip(rows, heads, strict=True)):
         _assert_close(got[i], tf[i, h: len(r)], f"row {i}")
+
+
+def test_gathered_entries_attend_as_the_masked_cache():
+    """Decode's sparse read (`sink_attention(..., selected=)`: the indexer's top-k entries
+    gathered per query) against the dense form it replaces (every compressed entry
+    appended to the keys, the top-k as a mask, the masked sum written out in numpy);
+    and `topk_select` (a scatter) against the comparison it replaced."""
+    rng = np.random.default_rng(0)
+    b, t, h, d, s, n, k = 2, 3, 4, 8, 5, 40, 6
+    q = rng.standard_normal((b, t, h, d)).astype(np.float32)
+    keys = rng.standard_normal((b, s, d)).astype(np.float32)
+    comp = rng.standard_normal((b, n, d)).astype(np.float32)
+    mask = rng.random((b, t, s)) < 0.7
+    scores = rng.standard_normal((b, t, n)).astype(np.float32)
+    visible = np.arange(n)[None, None, :] < np.array([[3], [40]])[:, :, None]  # row 0: < k
+    sinks = rng.standard_normal(h).astype(np.float32)
+    idx, picked = dv.topk_indices(jnp.asarray(scores), jnp.asarray(visible), k)
+    sel = dv.topk_select(jnp.asarray(scores), jnp.asarray(visible), k)
+    # the old form: any over k of (idx == j) & picked
+    want_sel = np.any((np.asarray(idx)[..., None] == np.arange(n)) & np.asarray(picked)[..., None],
+                      axis=-2)
+    np.testing.assert_array_equal(np.asarray(sel), want_sel)
+    assert np.asarray(sel).sum(-1).tolist() == [[3] * t, [k] * t]
+    got = dv.sink_attention(jnp.asarray(q), jnp.asarray(keys), jnp.asarray(mask),
+                            jnp.asarray(sinks), d**-0.5,
+                            (dv.gather_entries(jnp.asarray(comp), idx), picked))
+    # reference: numpy over keys ++ comp with mask ++ sel
+    all_k = np.concatenate([keys, comp], axis=1)
+    all_m = np.concatenate([mask, want_sel], axis=2)
+    logit = np.einsum("bthd,bsd->bhts", q, all_k) * d**-0.5
+    logit = np.where(all_m[:, None], logit, -np.inf)
+    top = np.maximum(logit.max(-1, keepdims=True), sinks[None, :, None, None])
+    e = np.exp(logit - top)
+    p = e / (e.sum(-1, keepdims=True) + np.exp(sinks[None, :, None, None] - top))
+    want = np.einsum("bhts,bsd->bthd", p, all_k)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6)
+    assert dv.gather_pays(1, 512, 32768) and not dv.gather_pays(7, 64, 256)
