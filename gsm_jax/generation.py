@@ -34,6 +34,12 @@ from gsm_jax.sharding import mesh_of
 
 MIN_PROMPT_BUCKET = 16
 MIN_NEW_TOKEN_BUCKET = 16
+# Prompts longer than this many tokens (after bucketing) are prefilled in chunks of it
+# through the family's `extend` (as vLLM's and SGLang's chunked prefill): the attention
+# scores of one call are [B, heads, chunk, context] instead of [B, heads, prompt, context],
+# so prefill memory grows linearly in the prompt (benchmarks/bench_long_context.py
+# measures it). Shorter prompts are one `prefill` call, as before.
+PREFILL_CHUNK = 1024
 
 
 def bucket(n: int, minimum: int = 1) -> int:
@@ -115,21 +121,53 @@ def _to_host(x: jax.Array) -> np.ndarray:
 # ----------------------------------------------------------------------------- jitted core
 
 
+def chunked_prefill(family: Any, weights, config, tokens, lengths, cache, gsm, chunk: int | None):
+    """The family's `prefill` of right-padded prompts [B, T], or, when T > chunk and the
+    family has `extend`, the same prefill as a `lax.scan` of `extend` over chunks of
+    `chunk` tokens (one compiled chunk body; a row whose prompt ended gets n_new = 0 and
+    keeps the logits of its last token). Returns (last-token logits [B, V], cache)."""
+    t = tokens.shape[1]
+    extend = getattr(family, "extend", None)
+    if chunk is None or t <= chunk or extend is None:
+        return family.prefill(weights, config, tokens, lengths, cache, gsm)
+    n = -(-t // chunk)
+    chunks = jnp.pad(tokens, ((0, 0), (0, n * chunk - t)))
+    chunks = jnp.swapaxes(chunks.reshape(tokens.shape[0], n, chunk), 0, 1)  # [n, B, C]
+
+    def one(i, toks, cache):
+        return extend(weights, config, toks, jnp.clip(lengths - i * chunk, 0, chunk), cache, gsm)
+
+    shape = jax.eval_shape(one, 0, chunks[0], cache)[0]
+
+    def body(carry, xs):
+        logits, cache = carry
+        i, toks = xs
+        new, cache = one(i, toks, cache)
+        return (jnp.where((lengths > i * chunk)[:, None], new, logits), cache), None
+
+    (logits, cache), _ = jax.lax.scan(
+        body, (jnp.zeros(shape.shape, shape.dtype), cache), (jnp.arange(n), chunks))
+    return logits, cache
+
+
 @functools.partial(
     jax.jit,
-    static_argnames=("config", "max_steps", "cache_len", "filtered", "return_logits"),
+    static_argnames=("config", "max_steps", "cache_len", "filtered", "return_logits",
+                     "prefill_chunk"),
 )
 def _generate_loop(weights, tokens, lengths, max_new, key, temperature, top_k, top_p, eos_ids,
                    gsm: GSMInputs | None, *, config, max_steps: int, cache_len: int,
-                   filtered: bool, return_logits: bool):
-    """Prefill, then decode until every row hit EOS or its own max_new (<= max_steps)."""
+                   filtered: bool, return_logits: bool, prefill_chunk: int | None = None):
+    """Prefill (`chunked_prefill`), then decode until every row hit EOS or its own max_new
+    (<= max_steps)."""
     family = family_module(config.family)
     batch = tokens.shape[0]
     cache = family.init_cache(
         config, batch, cache_len, dtype=jax.tree.leaves(weights)[0].dtype,
         gsm_max_window=None if gsm is None else gsm.max_window,
     )
-    logits, cache = family.prefill(weights, config, tokens, lengths, cache, gsm)
+    logits, cache = chunked_prefill(family, weights, config, tokens, lengths, cache, gsm,
+                                    prefill_chunk)
 
     def pick(logits, step):
         return sample_tokens(logits, jax.random.fold_in(key, step), temperature, top_k, top_p,
@@ -301,6 +339,7 @@ def generate_tokens(
     request_ids: Sequence[Any] | None = None,
     return_logits: bool = False,
     kv_cache_dtype: str | None = None,
+    prefill_chunk: int | None = PREFILL_CHUNK,
 ) -> list[np.ndarray] | tuple[list[np.ndarray], list[np.ndarray]]:
     """Generate continuations of token-id prompts; returns one int32 array per prompt.
 
@@ -308,9 +347,16 @@ def generate_tokens(
     `max_new_tokens`. With `return_logits=True` also returns, per row, the f32
     logits [n, V] each new token was chosen from. `kv_cache_dtype` ("int8" / "fp8";
     None or "auto": the model's own): the KV cache's format (`with_kv_cache_dtype`).
+    `prefill_chunk`: prompts longer than this many tokens are prefilled in chunks of it
+    (`PREFILL_CHUNK`; memory linear in the prompt); None: one prefill call whatever the
+    length.
     """
     params = with_kv_cache_dtype(check_params(params), kv_cache_dtype)
     cfg = params.config
+    if prefill_chunk is not None and (not isinstance(prefill_chunk, int | np.integer)
+                                      or prefill_chunk < MIN_PROMPT_BUCKET):
+        raise InvalidInputError(f"prefill_chunk must be an integer >= {MIN_PROMPT_BUCKET} "
+                                f"or None, got {prefill_chunk!r}")
     rows = as_token_rows(token_ids, cfg.vocab_size)
     check_refused_tokens(rows, cfg)
     if not isinstance(max_new_tokens, int | np.integer) or max_new_tokens < 1:
@@ -357,6 +403,7 @@ def generate_tokens(
             config=cfg, max_steps=max_steps, cache_len=prompt_len + max_steps,
             filtered=(top_k is not None or top_p is not None) and temperature > 0,
             return_logits=return_logits,
+            prefill_chunk=None if prefill_chunk is None else int(prefill_chunk),
         )
     out, n_out = _to_host(out), _to_host(n_out)
     results = [out[i, : n_out[i]] for i in range(n)]
@@ -381,6 +428,7 @@ def generate(
     request_ids: Sequence[Any] | None = None,
     return_token_counts: bool = False,
     kv_cache_dtype: str | None = None,
+    prefill_chunk: int | None = PREFILL_CHUNK,
 ) -> list[str] | tuple[list[str], list[int]]:
     """Generate text continuations (the continuation only, without the prompt).
 
@@ -390,7 +438,8 @@ def generate(
     template's options (DeepSeek-V4/V4.1: `thinking`, `reasoning_effort`).
     `return_token_counts=True` also
     returns how many tokens each row generated (EOS included). `kv_cache_dtype`: "int8" /
-    "fp8" store the KV cache in that format (`with_kv_cache_dtype`).
+    "fp8" store the KV cache in that format (`with_kv_cache_dtype`). `prefill_chunk`:
+    as `generate_tokens`.
     """
     params = with_kv_cache_dtype(check_params(params), kv_cache_dtype)
     tok = params.tokenizer
@@ -417,7 +466,7 @@ def generate(
             rows.append(tok.encode(p))
     outs = generate_tokens(
         params, rows, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-        top_p=top_p, seed=seed, gsm=gsm, request_ids=request_ids,
+        top_p=top_p, seed=seed, gsm=gsm, request_ids=request_ids, prefill_chunk=prefill_chunk,
     )
     if return_token_counts:
         return _decode_outputs(tok, outs, stops), [len(o) for o in outs]

@@ -20,9 +20,10 @@ divides by its mesh axis; replicated weights count whole on every device):
   inputs per layer and site);
 - activations: the larger of one decode step of the whole batch and the prefill of one
   prompt of `prefill_tokens` (default: the context) — prompts are prefilled one at a
-  time and inserted into the running batch, as the engine does; this implementation's
-  prefill materialises [H, T, T + entries] attention scores, which dominate at long
-  prompts.
+  time and inserted into the running batch, as the engine does. A prompt longer than
+  `prefill_chunk` (`generate`'s default, `gsm_jax.generation.PREFILL_CHUNK`) is prefilled
+  in chunks of it, each attending over the whole prompt so far: [H, chunk, T + entries]
+  attention scores, which dominate at long prompts (None: one call, [H, T, T + entries]).
 
 The shapes come from the model code itself (`weight_shapes`, `init_cache` under
 `jax.eval_shape`), so the plan follows the implementation. It is an estimate: XLA's
@@ -46,6 +47,7 @@ import numpy as np
 
 from gsm_jax.errors import InvalidInputError
 from gsm_jax.families import family_for_model_type, family_module
+from gsm_jax.generation import PREFILL_CHUNK
 from gsm_jax.sharding import RULES, logical_axes, parse_mesh_spec
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
@@ -181,13 +183,14 @@ def plan(model: Any, mesh_shape: tuple[int, int] = (1, 1), device_memory: Any = 
          batch: int = 1, context: int = 4096, *, weights_dtype: str = "bfloat16",
          gsm_max_window: int | None = 64, prefill_tokens: int | None = None,
          vision: bool = False, engram_memory: str = "device",
-         kv_cache_dtype: str | None = None) -> Plan:
+         kv_cache_dtype: str | None = None, prefill_chunk: int | None = PREFILL_CHUNK) -> Plan:
     """Per-device memory of `model` (a config or its path / name) on a data x model mesh.
     A family with its own released layout (`plan_weights`: DeepSeek-V4.1) counts its
     weights from it, by part; `vision` counts a vision tower too (skipped by default:
     gsm_jax runs text only). engram_memory="host": V4.1's Engram tables in pinned host
     memory (`load(..., engram_memory=)`), listed apart and not counted against the device.
-    kv_cache_dtype "int8" / "fp8": the KV cache in that format (`with_kv_cache_dtype`)."""
+    kv_cache_dtype "int8" / "fp8": the KV cache in that format (`with_kv_cache_dtype`).
+    prefill_chunk: the chunk of a chunked prefill (None: one prefill call)."""
     from gsm_jax.models.common import config_with_kv_cache_dtype
     from gsm_jax.sharding import check_engram_memory, host_axes
 
@@ -200,6 +203,9 @@ def plan(model: Any, mesh_shape: tuple[int, int] = (1, 1), device_memory: Any = 
         raise InvalidInputError(f"mesh shape {mesh_shape}: both axes must be >= 1")
     if batch < 1 or context < 1:
         raise InvalidInputError("batch and context must be >= 1")
+    if prefill_chunk is not None and prefill_chunk < 1:
+        raise InvalidInputError(f"prefill_chunk must be >= 1 (or None: one call), "
+                                f"got {prefill_chunk}")
     if batch % data:
         raise InvalidInputError(f"batch {batch} is not divisible by mesh axis 'data' of "
                                 f"size {data}")
@@ -254,7 +260,8 @@ def plan(model: Any, mesh_shape: tuple[int, int] = (1, 1), device_memory: Any = 
         kind = _cache_kind(names, getattr(family, "CACHE_KINDS", {}))
         lines[kind] = lines.get(kind, 0) + leaf.size * leaf.dtype.itemsize / data
     lines["activations (estimate)"] = _activations(cfg, batch // data, context,
-                                                   prefill_tokens, weights_dtype, tp)
+                                                   prefill_tokens, weights_dtype, tp,
+                                                   prefill_chunk)
     host_lines = {}
     if host:
         tables = [k for k in lines if "Engram tables" in k]
@@ -292,8 +299,10 @@ def _cache_kind(names: list[str], kinds: dict[str, str]) -> str:
 
 
 def _activations(cfg: Any, rows: int, context: int, prefill_tokens: int | None,
-                 dtype: str, tp: int) -> float:
-    """max(decode step of `rows`, prefill of one prompt) live activations, bytes per device."""
+                 dtype: str, tp: int, chunk: int | None = None) -> float:
+    """max(decode step of `rows`, prefill of one prompt) live activations, bytes per device.
+    A chunked prefill holds one chunk's queries (and stream) against the whole prompt's
+    keys."""
     b = _BYTES[dtype]
     decode_rows, rows = rows, 1
     t = min(prefill_tokens or context, context)
@@ -301,8 +310,9 @@ def _activations(cfg: Any, rows: int, context: int, prefill_tokens: int | None,
     heads = cfg.num_heads // tp if cfg.num_heads % tp == 0 else cfg.num_heads
     widths = getattr(family_module(cfg.family), "activation_widths", None)
     inter, keys = widths(cfg, t) if widths is not None else (2 * cfg.intermediate_size, t)
-    scores = rows * heads * t * keys * 4  # f32 scores, materialised
-    stream = rows * t * (4 * d + inter) * b
+    q = t if chunk is None else min(t, chunk)  # queries of one prefill call
+    scores = rows * heads * q * keys * 4  # f32 scores, materialised
+    stream = rows * q * (4 * d + inter) * b
     decode = decode_rows * ((4 * d + inter) * b + heads * context * 4 + cfg.vocab_size * 4)
     return max(stream + scores, decode)
 
@@ -378,7 +388,8 @@ def compile_check(model: Any, mesh_shape: tuple[int, int], batch: int, context: 
                      ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",
                       "temp_size_in_bytes", "generated_code_size_in_bytes")}
     p = plan(model, mesh_shape, "1TB", batch, context, weights_dtype=dtype,
-             gsm_max_window=None, prefill_tokens=prompt_tokens, kv_cache_dtype=kv_cache_dtype)
+             gsm_max_window=None, prefill_tokens=prompt_tokens, kv_cache_dtype=kv_cache_dtype,
+             prefill_chunk=None)  # the compiled prefill is one call
     no_mtp = {k: v for k, v in p.lines.items() if "MTP" not in k and "DSpark" not in k}
     out["plan"] = {"weights": sum(v for k, v in no_mtp.items() if k.startswith("weights")),
                    "caches": sum(v for k, v in no_mtp.items() if k.startswith("cache")),
@@ -460,7 +471,10 @@ def add_plan_args(p: Any) -> None:
     p.add_argument("--batch", type=int, default=1, help="sequences decoded together")
     p.add_argument("--context", type=int, default=4096, help="tokens per sequence (cache size)")
     p.add_argument("--prefill-tokens", type=int, default=None,
-                   help="longest prompt prefilled at once (unset: --context)")
+                   help="longest prompt prefilled (unset: --context)")
+    p.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK,
+                   help="a longer prompt is prefilled in chunks of this many tokens, as "
+                        f"generate does (default {PREFILL_CHUNK}; 0: in one call)")
     p.add_argument("--weights-dtype", default="bfloat16", choices=sorted(_BYTES),
                    help="dtype of weights not stored quantized by the checkpoint")
     p.add_argument("--with-vision", action="store_true",
@@ -493,7 +507,7 @@ def run_plan(args: Any) -> int:
     p = plan(args.model, (data, tp), args.device_memory, args.batch, args.context,
              weights_dtype=args.weights_dtype, prefill_tokens=args.prefill_tokens,
              vision=args.with_vision, engram_memory=args.engram_memory,
-             kv_cache_dtype=args.kv_cache_dtype)
+             kv_cache_dtype=args.kv_cache_dtype, prefill_chunk=args.prefill_chunk or None)
     print(json.dumps(p.to_dict(), indent=1) if args.json else p.table())
     if args.compile:
         args.mesh_shape = (data, tp)

@@ -130,3 +130,26 @@ def test_compilations_are_bucketed(tiny):
     gsm_jax.generate_tokens(tiny, [[1, 2]], max_new_tokens=3, eos_ids=[], temperature=0.5,
                             seed=9)
     assert generation._generate_loop._cache_size() - before == 3  # temperature is runtime
+
+
+@pytest.mark.parametrize("family", ["llama", "deepseek_v4"])
+def test_chunked_prefill_equals_one_prefill(tiny, family):
+    """`generate_tokens(prefill_chunk=16)` prefills 40- and 23-token prompts (bucket 64)
+    as a scan of 4 `extend` chunks, one row ending mid-chunk and one chunk where it has
+    nothing left: the same tokens and logits as one prefill call, GSM on (its windows
+    cross chunks). DeepSeek-V4: compression blocks and the window ring cross chunks too.
+    Each family's extend itself is the family contract's (tests/test_family_contract.py)."""
+    from tiny_models import tiny_dsv4
+
+    p = tiny if family == "llama" else tiny_dsv4()
+    rng = np.random.default_rng(5)
+    rows = [list(map(int, rng.integers(3, p.config.vocab_size, n))) for n in (40, 23)]
+    gsm = gsm_jax.GSMConfig(window_size=4, smooth_strength=0.3, target_layers="all")
+    kw = dict(max_new_tokens=5, gsm=gsm, eos_ids=[], return_logits=True)
+    one, one_lg = gsm_jax.generate_tokens(p, rows, prefill_chunk=None, **kw)
+    got, got_lg = gsm_jax.generate_tokens(p, rows, prefill_chunk=16, **kw)
+    for a, b, x, y in zip(one, got, one_lg, got_lg, strict=True):
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_allclose(y, x, rtol=0, atol=2e-5 * np.abs(x).max())
+    with pytest.raises(InvalidInputError, match="prefill_chunk must be an integer >= 16"):
+        gsm_jax.generate_tokens(p, rows, prefill_chunk=8)
