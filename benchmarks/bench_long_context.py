@@ -21,9 +21,20 @@ load for all). Reported per model and context: the median ms per step, its ratio
 step at the smallest context, and the cache's bytes. Target (issue 25): V4 / V4.1 at 64k
 <= 1.3x their step at 1k; the Llama shows what full attention costs.
 
+Prefill memory (`--prefill-lengths`, default 1k, 4k, 16k; `--prefill-models`, default
+v4): one prompt of n random tokens through `gsm_jax.generate_tokens(..., max_new_tokens=1)`,
+the whole call, in a fresh subprocess per (model, n, arm) so each peak resident set
+(`ru_maxrss`) is that call's. Arms: "chunked" (generate's default: `extend` over chunks of
+`gsm_jax.generation.PREFILL_CHUNK` tokens) and, up to `--one-call-max` tokens (default
+4096: beyond it one call needs more memory than this machine may have), "one call"
+(`prefill_chunk=None`). Reported: peak RSS, its growth over the process before the call
+(weights loaded), and the call's wall time (first call: compile included; second call).
+Target (issue 25): the mid V4's 16k-token prefill within 8 GB peak RSS.
+
 The load average is recorded before and after each model; above 1.5 the figures are marked
-not comparable. `--quick`: contexts 256 and 1024, 2 steps, 1 repeat; with `--size tiny`
-the presets' tiny configs (a smoke run of the script, not a measurement).
+not comparable. `--quick`: contexts 256 and 1024, 2 steps, 1 repeat, a 64-token chunked
+prefill; with `--size tiny` the presets' tiny configs (a smoke run of the script, not a
+measurement).
 
 Outputs in `--out`: results.json, results.md, results.png.
 """
@@ -48,6 +59,7 @@ from common import (  # noqa: E402  (no jax at import)
 
 MAX_COMPARABLE_LOAD = 1.5
 TARGET_RATIO = 1.3  # V4 / V4.1 decode step at 64k over the step at 1k
+TARGET_PREFILL_RSS = 8e9  # bytes: the mid V4's 16k-token prefill (issue 25)
 
 
 # ----------------------------------------------------------------------------- models
@@ -174,7 +186,94 @@ def measure_model(name: str, size: str, contexts, batch: int, steps: int, repeat
             "comparable": worst <= MAX_COMPARABLE_LOAD}
 
 
+def prefill_child(name: str, size: str, length: int, chunk: int | None) -> dict:
+    """In a fresh process: peak RSS and wall time of generate_tokens on one prompt."""
+    import resource
+
+    import gsm_jax
+    from gsm_jax.params import ModelParams
+
+    fam, cfg, weights = build(name, size)
+    import jax
+
+    jax.block_until_ready(weights)
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    ids = [int(t) for t in np.random.default_rng(0).integers(3, cfg.vocab_size, length)]
+    params = ModelParams(weights, cfg, None, source=f"{name}-{size}")
+    walls = []
+    for _ in range(2):
+        t0 = time.perf_counter()
+        gsm_jax.generate_tokens(params, [ids], max_new_tokens=1, eos_ids=[],
+                                prefill_chunk=chunk)
+        walls.append(time.perf_counter() - t0)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return {"peak_rss_bytes": peak, "rss_before_call_bytes": base,
+            "call_growth_bytes": peak - base, "first_call_s": walls[0],
+            "second_call_s": walls[1]}
+
+
+def measure_prefill(models, size: str, lengths, one_call_max: int, progress) -> dict:
+    import json
+    import subprocess
+
+    from gsm_jax.generation import PREFILL_CHUNK
+
+    out = {}
+    for name in models:
+        before = load_average()
+        rows = {}
+        for n in lengths:
+            arms = {"chunked": PREFILL_CHUNK}
+            if n <= one_call_max:
+                arms["one call"] = None
+            for arm, chunk in arms.items():
+                cmd = [sys.executable, __file__, "--prefill-child",
+                       json.dumps([name, size, n, chunk])]
+                r = subprocess.run(cmd, capture_output=True, text=True)
+                if r.returncode != 0:
+                    raise SystemExit(f"prefill child {name} {n} {arm} failed:\n"
+                                     f"{r.stderr[-2000:]}")
+                rows.setdefault(str(n), {})[arm] = json.loads(r.stdout.strip().splitlines()[-1])
+                got = rows[str(n)][arm]
+                progress(f"{name}: prefill {n} tokens, {arm}: peak RSS "
+                         f"{got['peak_rss_bytes'] / 1e9:.2f} GB, "
+                         f"{got['second_call_s']:.1f} s")
+        after = load_average()
+        worst = max((before or [0.0])[0], (after or [0.0])[0])
+        out[name] = {"lengths": rows, "load_before": before, "load_after": after,
+                     "comparable": worst <= MAX_COMPARABLE_LOAD}
+    return {"chunk": PREFILL_CHUNK, "one_call_max": one_call_max, "models": out}
+
+
 # ----------------------------------------------------------------------------- report
+
+
+def prefill_report(pre: dict) -> list[str]:
+    """Markdown lines of the prefill-memory table and its verdict."""
+    if not pre or not pre.get("models"):
+        return []
+    head = ["model", "prompt tokens", "arm", "peak RSS GB", "growth in the call GB",
+            "first call s (compile)", "second call s"]
+    rows, verdicts = [], []
+    for name, r in pre["models"].items():
+        for n, arms in r["lengths"].items():
+            for arm, c in arms.items():
+                rows.append([name + ("" if r["comparable"] else " *load*"), n, arm,
+                             f"{c['peak_rss_bytes'] / 1e9:.2f}",
+                             f"{c['call_growth_bytes'] / 1e9:.2f}",
+                             f"{c['first_call_s']:.1f}", f"{c['second_call_s']:.1f}"])
+        big = r["lengths"].get("16384", {}).get("chunked")
+        if name == "v4" and big:
+            ok = big["peak_rss_bytes"] <= TARGET_PREFILL_RSS
+            verdicts.append(f"- v4: a 16384-token prefill peaks at "
+                            f"{big['peak_rss_bytes'] / 1e9:.2f} GB RSS (target <= "
+                            f"{TARGET_PREFILL_RSS / 1e9:.0f} GB): {'met' if ok else 'missed'}")
+    return ["## Prefill memory against prompt length", "",
+            f"`generate_tokens(max_new_tokens=1)` on one prompt, a fresh process per cell; "
+            f"chunked = generate's default (chunks of {pre['chunk']} tokens), one call = "
+            f"`prefill_chunk=None` (run up to {pre['one_call_max']} tokens).", "",
+            markdown_table(head, rows), "", *verdicts, ""]
+
 
 
 def write_report(out: Path, res: dict) -> None:
@@ -214,6 +313,7 @@ def write_report(out: Path, res: dict) -> None:
         "",
         "*load*: the 1-minute load average passed 1.5 during that model's timing.",
         "",
+        *prefill_report(res.get("prefill")),
     ])
     write_markdown(out / "results.md", text)
     try:
@@ -253,13 +353,31 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="a smoke run of the script")
+    ap.add_argument("--prefill-lengths", default="1024,4096,16384",
+                    help="prompt lengths of the prefill-memory part ('' to skip it)")
+    ap.add_argument("--prefill-models", default="v4")
+    ap.add_argument("--one-call-max", type=int, default=4096,
+                    help="longest prompt also prefilled in one call (prefill_chunk=None)")
+    ap.add_argument("--prefill-child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.prefill_child:
+        import json
+
+        name, size, n, chunk = json.loads(args.prefill_child)
+        print(json.dumps(prefill_child(name, size, n, chunk)))
+        return 0
     if args.quick:
         args.contexts, args.steps, args.repeats = "256,1024", 2, 1
+        args.prefill_lengths, args.one_call_max = "64", 0
     models = [m.strip() for m in args.models.split(",") if m.strip()]
-    bad = [m for m in models if m not in MODELS]
+    pre_models = [m.strip() for m in args.prefill_models.split(",") if m.strip()]
+    bad = [m for m in models + pre_models if m not in MODELS]
     if bad or not models:
         raise SystemExit(f"--models: unknown {bad}; choose from {', '.join(MODELS)}")
+    try:
+        pre_lengths = sorted({int(c) for c in args.prefill_lengths.split(",") if c.strip()})
+    except ValueError as e:
+        raise SystemExit(f"--prefill-lengths must be integers: {e}") from e
     try:
         contexts = sorted({int(c) for c in args.contexts.split(",")})
     except ValueError as e:
@@ -277,12 +395,18 @@ def main(argv=None) -> int:
            "machine": machine_info(), "options": {"contexts": contexts, "batch": args.batch,
                                                   "steps": args.steps,
                                                   "repeats": args.repeats,
-                                                  "quick": args.quick, "size": args.size},
+                                                  "quick": args.quick, "size": args.size,
+                                                  "prefill_lengths": pre_lengths,
+                                                  "prefill_models": pre_models},
            "models": {}}
     for name in models:
         res["models"][name] = measure_model(name, args.size, contexts, args.batch,
                                             args.steps, args.repeats, args.seed, progress)
         write_json(out / "results.json", res)  # what is done so far survives a stop
+    if pre_lengths and pre_models:
+        res["prefill"] = measure_prefill(pre_models, args.size, pre_lengths,
+                                         args.one_call_max, progress)
+        write_json(out / "results.json", res)
     write_report(out, res)
     progress(f"wrote {out / 'results.json'}, results.md, results.png")
     return 0

@@ -33,10 +33,18 @@ def test_quick_tiny_run_writes_every_model_and_context(bench, tmp_path):
     md = (out / "results.md").read_text()
     assert "Decode step against context length" in md and "target <= 1.3" in md
     assert (out / "results.png").stat().st_size > 1000
+    # prefill memory: v4 at 64 tokens, in its own process (--quick: the chunked arm only)
+    pre = res["prefill"]["models"]["v4"]["lengths"]["64"]
+    assert set(pre) == {"chunked"}
+    for arm in pre.values():
+        assert arm["peak_rss_bytes"] >= arm["rss_before_call_bytes"] > 0
+        assert arm["second_call_s"] > 0
+    assert "Prefill memory against prompt length" in md
 
 
 def test_bad_arguments_are_named(bench, tmp_path):
     for argv, words in ((["--models", "gpt"], "unknown"), (["--contexts", "1k"], "integers"),
-                        (["--steps", "0"], ">= 1")):
+                        (["--steps", "0"], ">= 1"), (["--prefill-models", "x"], "unknown"),
+                        (["--prefill-lengths", "2k"], "integers")):
         with pytest.raises(SystemExit, match=words):
             bench.main([*argv, "--out", str(tmp_path / "x")])
