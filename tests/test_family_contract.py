@@ -12,7 +12,8 @@ must then pass (docs/adding_a_family.md). Every registered family needs a builde
 - GSM at strength 0 equals GSM compiled out;
 - every hook implementation (`models/sites.py`) sees the same activations, and hooks that
   only observe leave the logits unchanged;
-- sharded over 8 forced host devices (a subprocess) equals one device;
+- sharded over 8 forced host devices (a subprocess) equals one device, GSM on (families
+  whose own tests already run that check are listed in SHARDED_ELSEWHERE);
 - the int8 / FP8 weight containers run.
 """
 
@@ -338,17 +339,36 @@ def test_int8_and_fp8_containers_run(tiny, scheme):
 
 # ----------------------------------------------------------------------------- sharded
 
+# Families whose own tests already check, in a subprocess with 8 forced host devices, that
+# the forward with GSM on and greedy generate_tokens with GSM on over a mesh that splits
+# both the batch and the model equal one device: the contract skips them here (each family
+# compiles its own programs on both sides, ~25-35 s a family). A family registered later
+# is checked here until its own test exists and it is listed.
+SHARDED_ELSEWHERE = {
+    # tiny Gemma 3 (sliding and global layers), GSM on, meshes 1 x 2 and 2 x 4: logits to
+    # 1e-5 of the scale and equal greedy tokens
+    "gemma3": "tests/test_gemma3.py::test_sharded_equals_one_device",
+    # SmolLM2 (stacked layers, as the tiny Llama here), GSM on, 2 x 4: logits and greedy
+    # tokens; and the tiny workflow Llama, GSM on, 4 x 2: the forward's KLD and the greedy
+    # agreement equal one device's
+    "llama": "tests/test_sharding.py::test_smollm2_sharded_equals_one_device, "
+             "tests/test_sharding.py::test_workflow_tools_accept_sharded_params",
+}
+SHARDED_HERE = sorted(set(TINY) - set(SHARDED_ELSEWHERE))
+
+
 _SHARDED = textwrap.dedent("""
     import json, sys
     import jax, numpy as np
     sys.path.insert(0, "tests")
     import gsm_jax
-    from test_family_contract import TINY
+    from test_family_contract import SHARDED_HERE, TINY
     out = {}
     # model axis 2: it divides every tiny model's heads, KV heads, experts and output groups
     mesh = jax.make_mesh((4, 2), ("data", "model"))
     cfg = gsm_jax.GSMConfig(window_size=4, smooth_strength=0.3, target_layers="all")
-    for name, build in sorted(TINY.items()):
+    for name in SHARDED_HERE:
+        build = TINY[name]
         p = build()
         rng = np.random.default_rng(8)
         rows = [list(map(int, rng.integers(1, p.config.vocab_size, n))) for n in (12, 9, 12, 7)]
@@ -376,7 +396,8 @@ def test_sharded_equals_one_device():
                        capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(r.stdout.strip().splitlines()[-1])
-    assert set(res) == set(TINY)
+    assert set(SHARDED_ELSEWHERE) <= set(TINY)  # no stale names
+    assert set(res) == set(SHARDED_HERE) and "deepseek_v4" in res
     for name, v in res.items():
         assert v["err"] < 1e-5, (name, v)
         assert v["greedy_equal"], name

@@ -114,7 +114,8 @@ result = dict(a2a_w8a8=compare(gsm_jax.quantize(a2a, "w8a8", routed_experts=True
 """)
     # int8 routed experts with the all-to-all dispatch on 2 x 4, GSM on (each mesh compiles
     # its own programs, so one variant here). Float weights: the psum dispatch with GSM on
-    # is the family contract's 4 x 2 mesh (tests/test_family_contract.py, every family),
+    # is the family contract's 4 x 2 mesh (tests/test_family_contract.py, both DeepSeek
+    # families; Llama and Gemma 3 have their own mesh tests, its SHARDED_ELSEWHERE),
     # and psum / all-to-all on 1 x 8 and 2 x 4 without GSM are test_bench_mesh_tiny's
     # variants (tests/test_bench_mesh.py). The batch-only split: the contract's 4 x 2,
     # test_caches_and_gsm_rings_follow_the_batch and the workflow tools' 4 x 2 test
@@ -198,7 +199,8 @@ rows = [params.tokenizer.encode(t) for t in ("The capital of France is", "def fi
 gsm = gsm_jax.GSMConfig(window_size=8, smooth_strength=0.1, target_layers="all",
                         precision="f32")
 # each mesh shape once (each compiles its own programs): both axes with GSM, model only
-# with W8A8 (the batch-only split of the Llama family: the family contract's tiny model)
+# with W8A8 (a batch split of 4 with GSM on: test_workflow_tools_accept_sharded_params;
+# this test is one of the family contract's SHARDED_ELSEWHERE, so keep its GSM mesh here)
 result = dict(gsm=compare(params, rows, [(2, 4)], gsm=gsm),
               w8a8=compare(gsm_jax.quantize(params, "w8a8"), rows, [(1, 8)]))
 """, optimize=True)  # the real model runs many steps; and see the W8A8 note below

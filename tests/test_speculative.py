@@ -3,6 +3,8 @@ plain greedy decoding of the verifier, with and without GSM on either model."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -52,12 +54,22 @@ def test_gsm_changes_greedy_output(greedy):
     assert not np.array_equal(greedy[True], greedy[False])
 
 
-@pytest.mark.parametrize("arm, draft_layers", [(arm, 1) for arm in ARMS] + [("both", 2)])
-def test_equals_plain_greedy(tiny, prompt, greedy, arm, draft_layers):
+@pytest.mark.parametrize("arm, draft_layers, layout",
+                         [(arm, 1, "stacked") for arm in ARMS] + [("both", 2, "per_layer")])
+def test_equals_plain_greedy(tiny, prompt, greedy, arm, draft_layers, layout):
+    """`layout`: the tiny model's stacked [L, ...] weights, or the per-layer tuple that
+    `gsm_jax.load` gives (the draft is then a cut of the tuple), against that layout's own
+    plain greedy tokens. (Stacked with more than one draft layer: the SmolLM2 test below,
+    8 of 30.)"""
     gsm_v, gsm_d = ARMS[arm]
+    want = greedy[gsm_v is None]
+    if layout == "per_layer":
+        tiny = dataclasses.replace(tiny, weights=llama.unstack_layers(tiny.weights))
+        assert llama.is_per_layer(tiny.weights)
+        want = gsm_jax.generate_tokens(tiny, [prompt], max_new_tokens=NEW, gsm=gsm_v)[0]
     res = speculative_generate(tiny, prompt, max_new_tokens=NEW, draft_layers=draft_layers,
                                draft_len=4, gsm_verifier=gsm_v, gsm_draft=gsm_d)
-    np.testing.assert_array_equal(res.tokens, greedy[gsm_v is None])
+    np.testing.assert_array_equal(res.tokens, want)
     _check_counts(res, 4)
     # partial rejections happened, so the rollback was exercised
     assert any(m < 4 for m in res.accepted_per_round)
@@ -191,8 +203,11 @@ def test_chunked_verify_path(tiny, prompt, greedy, monkeypatch, fresh_programs):
 def test_smollm2_equals_plain_greedy(smollm2):
     """The real model, 24 new tokens, the first 8 of 30 layers drafting, GSM on in both
     models (its rings rolled back on every rejection). GSM off, and one-sided GSM, are
-    covered on the tiny models above at a fraction of the compile time: the real model's
-    30 unrolled layers compile once per program, so one arm here."""
+    covered on the tiny models above at a fraction of the compile time: one arm here.
+    Stacked layers (lax.scan: one compiled layer body; 30 unrolled layers made every
+    program here minutes of compilation); the per-layer layout `load` gives is the
+    tiny model's per-layer arm of test_equals_plain_greedy (its draft is a tuple cut)."""
+    smollm2 = dataclasses.replace(smollm2, weights=llama.stack_layers(smollm2.weights))
     ids = smollm2.tokenizer.encode("The history of the Roman Empire begins with")
     gsm = gsm_jax.GSMConfig(target_layers="all", smooth_strength=0.1, window_size=8)
     ref = gsm_jax.generate_tokens(smollm2, [ids], max_new_tokens=24, gsm=gsm)[0]
