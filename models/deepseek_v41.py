@@ -655,12 +655,11 @@ def index_scores(cfg: DeepseekV41Config, w: dict, x, q_res, positions, keys, spe
     scores = weighted_index_dots(q, keys.astype(q.dtype), head_w)
     if written is not None:
         slot, fresh, done = written
-        # the values the cache holds (its dtype), scored like the rest
+        # the values the cache holds (its dtype), scored like the rest, written into their
+        # slots as `_write_slots` writes the keys ([B, n, T] for the slot axis)
         got = weighted_index_dots(q, fresh.astype(keys.dtype).astype(q.dtype), head_w)
-        slot = jnp.where(done, slot, keys.shape[1])
-        rows = jnp.arange(keys.shape[0])[:, None]
-        scores = jnp.swapaxes(jnp.swapaxes(scores, 1, 2).at[rows, slot].set(
-            jnp.swapaxes(got, 1, 2), mode="drop"), 1, 2)
+        scores = jnp.swapaxes(_write_slots(jnp.swapaxes(scores, 1, 2), slot,
+                                           jnp.swapaxes(got, 1, 2), done), 1, 2)
     return scores.astype(jnp.float32)
 
 
