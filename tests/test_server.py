@@ -285,6 +285,21 @@ def test_admin_put_rollout_rollback_under_load(url):
     assert f"gsm_jax:gsm_config_version{{model_name=\"{MODEL}\"}} {float(v_new)}" in metrics
 
 
+def test_admin_steps_logs_each_engine_call(url):
+    """`/admin/steps` (claim 14 reads the decode-step spread from it): after a clear, one
+    request of 6 tokens shows its prefill (or extend) calls and at least 5 decode steps,
+    each with a positive time; it needs the admin token."""
+    assert httpx.get(f"{url}/admin/steps").status_code == 401
+    assert httpx.delete(f"{url}/admin/steps", headers=ADMIN).status_code == 200
+    assert httpx.get(f"{url}/admin/steps", headers=ADMIN).json()["steps"] == []
+    r = _complete(url, "One two three four five", 6, ignore_eos=True)
+    assert r.status_code == 200, r.text
+    steps = httpx.get(f"{url}/admin/steps", headers=ADMIN).json()["steps"]
+    kinds = [k for k, _, _ in steps]
+    assert kinds[0] in ("prefill", "extend") and kinds.count("decode") >= 5, kinds
+    assert all(t > 0 and n >= 1 for _, n, t in steps), steps
+
+
 def test_gsm_arm_changes_what_is_generated(url, params):
     """The "gsm" arm really runs the filter: at strength 0.3 on every layer, its greedy
     text equals gsm_jax.generate with the same config (and differs from no GSM on some

@@ -995,6 +995,21 @@ def build_app(server: GSMServer, *, load_in_background: bool = True) -> FastAPI:
             raise HTTPError(409, str(e), code="no_previous_version") from e
         return gsm_state()
 
+    @app.get("/admin/steps")
+    async def steps(http: Request) -> JSONResponse:
+        """The engine's last calls (at most `engine.STEP_LOG`), oldest first: [kind, size,
+        seconds], kind "prefill" (size: prompt bucket), "extend" (chunk) or "decode" (active
+        slots); a load test reads the step-time spread from it (evidence claim 14)."""
+        admin(http)
+        log = list(server.engine.step_times)  # one C-level copy: atomic under the GIL
+        return JSONResponse({"steps": [[k, int(n), float(t)] for k, n, t in log]})
+
+    @app.delete("/admin/steps")
+    async def clear_steps(http: Request) -> JSONResponse:
+        admin(http)
+        server.engine.step_times.clear()
+        return JSONResponse({"cleared": True})
+
     @app.get("/admin/stats")
     async def stats(http: Request) -> JSONResponse:
         admin(http)

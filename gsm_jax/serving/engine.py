@@ -94,6 +94,7 @@ from gsm_jax.sharding import mesh_of
 __all__ = ["DEFAULT", "Engine", "Request", "RequestRecord"]
 
 clock = time.perf_counter
+STEP_LOG = 65536  # engine calls kept in `Engine.step_times` outside `run`
 
 
 class _EngineDefault:
@@ -428,9 +429,11 @@ class Engine:
         self._seed = int(seed)
         self._submitted = 0
         # (kind, size, seconds) of every jitted call, host sync included: ("prefill",
-        # prompt bucket, s), ("extend", chunk, s) and ("decode", active slots, s).
-        # `run` starts a fresh list.
-        self.step_times: list[tuple[str, int, float]] = []
+        # prompt bucket, s), ("extend", chunk, s) and ("decode", active slots, s). A
+        # server steps the engine for days: the last `STEP_LOG` calls are kept (the
+        # server's `/admin/steps`); `run` starts a fresh list of its own calls.
+        self.step_times: deque[tuple[str, int, float]] | list[tuple[str, int, float]] = (
+            deque(maxlen=STEP_LOG))
         self.on_token: Callable[[RequestRecord, int], None] | None = None
         self.on_finish: Callable[[RequestRecord], None] | None = None
         self.gsm_compiled = gsm is not None or bool(compile_gsm)

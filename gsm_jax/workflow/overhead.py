@@ -91,3 +91,47 @@ def measure_overhead(params: Any, configs: dict[str, GSMConfig | None], *, batch
                          "min_ms": float(v.min()), "max_ms": float(v.max()), "reps": int(v.size),
                          "batch": batch, "prompt": prompt})
     return rows
+
+
+def generate_call_rounds(arms: dict[str, tuple[Any, GSMConfig | None]], *, batch: int,
+                         prompt_len: int, new_tokens: int, repeats: int, seed: int = 0,
+                         progress: bool = False) -> dict[str, dict[str, list[float]]]:
+    """Decode time of whole greedy `generate_tokens` calls, per arm (name -> (params, GSM
+    config or None)), round by round.
+
+    For each arm a 1-token and a `new_tokens`-token call on the same random rows (EOS
+    ignored, so every arm does the same work), timed as neighbours; long minus short is the
+    decode of `new_tokens - 1` tokens under the same conditions. Every program is compiled
+    (both calls run once) before timing; each round runs every arm, in an order that
+    rotates between rounds, so drift of a shared machine falls on all. Returns
+    {name: {"short_s": [...], "long_s": [...], "decode_s": [...]}}, one entry per round,
+    so that ratios between arms can be paired round by round."""
+    from tqdm import tqdm
+
+    from gsm_jax.generation import generate_tokens
+
+    if new_tokens < 2:
+        raise ValueError(f"new_tokens must be >= 2 to time a decode, got {new_tokens}")
+    names = list(arms)
+    vocab = min(int(p.config.vocab_size) for p, _ in arms.values())
+    rng = np.random.default_rng(seed)
+    rows = [rng.integers(2, vocab, prompt_len).tolist() for _ in range(batch)]
+
+    def call(name: str, n: int) -> float:
+        p, g = arms[name]
+        t = time.perf_counter()
+        jax.block_until_ready(generate_tokens(p, rows, max_new_tokens=n, eos_ids=[], gsm=g))
+        return time.perf_counter() - t
+
+    for name in tqdm(names, desc="generate: compile", disable=not progress, leave=False):
+        call(name, 1)
+        call(name, new_tokens)
+    out = {n: {"short_s": [], "long_s": [], "decode_s": []} for n in names}
+    for r in tqdm(range(repeats), desc="generate", disable=not progress, leave=False):
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            short = call(name, 1)
+            long = call(name, new_tokens)
+            out[name]["short_s"].append(short)
+            out[name]["long_s"].append(long)
+            out[name]["decode_s"].append(long - short)
+    return out

@@ -1,4 +1,4 @@
-"""Claim-by-claim evidence: the source document's 12 claims, measured on several models.
+"""Claim-by-claim evidence: the source document's 14 claims, measured on several models.
 
     gsm-jax evidence --models smollm2-135m,gemma3-270m --out reports
 
@@ -9,7 +9,8 @@ Modules (imported on use; nothing is imported here):
   claim and model to ``<out>/data/evidence/<model>/claim_<N>.json``.
 - `quality_claims`: claims 1, 2, 4, 5, 8, 11 and 12 (quality against the unsmoothed
   model, step time, bytes per decode step, back-off, protect_first).
-- `lowp_claims` (claims 3 and 9), `serving_claim` (6 and 7), `speculative_claim` (10):
+- `lowp_claims` (claims 3 and 9), `serving_claim` (6, 7 and 14), `speculative_claim` (10),
+  `kv_claims` (13):
   written elsewhere; a claim whose module is absent is reported as not measured.
 - `render`: `render_evidence`, the markdown ``<out>/gsm_evidence.md`` and one PNG per
   claim in ``<out>/figures/evidence/`` from those JSONs (measures nothing).

@@ -106,7 +106,7 @@ def _md(text: Any) -> str:
 
 # Claims whose verdict rests on a timing measured by the evidence run itself; the others
 # are deterministic quality numbers (or an XLA estimate), which the load cannot change.
-TIMED_CLAIMS = frozenset({6, 7, 10})
+TIMED_CLAIMS = frozenset({6, 7, 10, 13, 14})
 
 
 def _load_note(r: Mapping[str, Any]) -> str:
@@ -317,12 +317,13 @@ TARGET_COMMAND = ("gsm-jax evidence --models /models/DeepSeek-V4.1-Flash --mesh 
 # precision), and load (concurrency, tail latency)
 SPEED_CLAIMS = {1: "smoothing by itself", 3: "what it could enable: lower precision with "
                 "less loss", 9: "quantize first, then smooth (the document's order)",
-                6: "under concurrency"}
+                6: "under concurrency", 13: "with a low-precision KV cache",
+                14: "under continuous batching"}
 # what a CPU without the released weights cannot settle, by claim
 ONLY_ON_GPU = ("the quality claims on V4.1's own activations (3, 4, 8, 9, 11, 12: its "
                "outliers, FP8 / FP4 weights and mHC streams are not a small dense model's) "
-               "and the speed claims on the hardware they are about (1, 2, 6: SM "
-               "utilisation, L2 hit rate and batching on GPUs)")
+               "and the speed claims on the hardware they are about (1, 2, 6, 13, 14: SM "
+               "utilisation, L2 hit rate, batching and KV-cache bandwidth on GPUs)")
 
 
 def _released_target_size() -> tuple[int, int] | None:
@@ -436,8 +437,8 @@ def render_evidence(out: str | os.PathLike = "reports") -> Path:
     w = lines.append
     w("# GSM: the source document's claims, measured")
     w("")
-    w("The source document (`seed/000_406f5aba74b0aa2e.txt`) makes 12 claims about smoothing "
-      "activations at inference time. Each is measured here on "
+    w(f"The source document (`seed/000_406f5aba74b0aa2e.txt`) makes {len(CLAIMS)} claims about "
+      "smoothing activations at inference time. Each is measured here on "
       + (", ".join(f"`{m}`" for m in models) if models else "no model yet")
       + ", against the unsmoothed model on the same tokens, and given a verdict by a rule "
       "stated with its numbers (`gsm_jax/workflow/evidence/`). *Not testable here* means "

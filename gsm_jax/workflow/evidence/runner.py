@@ -1,4 +1,4 @@
-"""Run the source document's 12 claims on each model and write one JSON per claim.
+"""Run the source document's 14 claims on each model and write one JSON per claim.
 
     run_evidence(["smollm2-135m", "gemma3-270m"], "reports", sizes=EvidenceSizes())
 
@@ -85,6 +85,10 @@ CLAIMS: dict[int, ClaimSpec] = {c.number: c for c in (
               "layers)", "§4.1", f"{_PKG}.quality_claims:run_claim_11"),
     ClaimSpec(12, "Warm-up: the first tokens are smoothed differently and need their own "
               "treatment (here: protect_first)", "§4.4", f"{_PKG}.quality_claims:run_claim_12"),
+    ClaimSpec(13, "Smoothing and KV-cache optimisation together gain more than the sum of "
+              "each (here: the FP8 / int8 KV cache)", "§5.2", f"{_PKG}.kv_claims:run_claim_13"),
+    ClaimSpec(14, "Under continuous batching, with requests coming and going, smoothing "
+              "evens the load", "§5.2", f"{_PKG}.serving_claim:run_claim_14"),
 )}
 
 

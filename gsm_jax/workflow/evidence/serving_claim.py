@@ -1,4 +1,4 @@
-"""Verdicts on the source document's serving claims (issue 15): claims 6 and 7.
+"""Verdicts on the source document's serving claims (issues 15, 25): claims 6, 7 and 14.
 
 - Claim 6 (5.1: 高并发场景收益明显 ... 长序列场景收益明显;
   3.2: 平滑对尾延迟的改善往往比平均延迟更明显): GSM's gains grow with concurrency and
@@ -10,6 +10,11 @@
   and what the bypass leaves; latency: short requests through one server with GSM on and
   the bypass (`short_request_tokens`) switched on and off live (`PUT /admin/gsm`), or
   in-process with `gsm_jax.generate_tokens` (sizes["latency_route"]).
+- Claim 14 (5.2: 和连续批处理配合：连续批处理下请求动态进出，平滑能让负载更均匀): under continuous
+  batching, with requests coming and going, smoothing evens the load. The same two servers
+  under Poisson arrivals of a short / long request mix (open loop): throughput, the spread
+  of inter-token latency (P99 / P50, client side) and of the engine's decode-step time
+  (coefficient of variation, from the server's `/admin/steps`), GSM on vs off.
 
 Pinning (as `benchmarks/bench_serve.py --threads 1`): on a machine with >= 2 cores the
 servers run on core 0 and the load client (this thread) on core 1, its affinity restored
@@ -43,8 +48,9 @@ from gsm_jax.workflow.evidence.lowp_claims import (
     log_line,
 )
 
-__all__ = ["claim6_verdict", "claim7_latency_half", "claim7_quality_half", "claim7_verdict",
-           "run_claim_6", "run_claim_7", "welch"]
+__all__ = ["claim14_verdict", "claim6_verdict", "claim7_latency_half", "claim7_quality_half",
+           "claim7_verdict", "load_spread", "run_claim_14", "run_claim_6", "run_claim_7",
+           "welch"]
 
 LENGTHS = {"short": (16, 64), "long": (256, 512)}
 MARGIN = 0.02  # a ratio must move by more than 2% to count as rising / improving
@@ -605,6 +611,233 @@ def _claim7_figure(q: dict[str, Any], lat: dict[str, Any], model: str, path: Pat
     else:
         a1.text(0.5, 0.5, "latency not measured", ha="center", transform=a1.transAxes)
     fig.suptitle(f"Claim 7: short-request bypass, {model}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# ----------------------------------------------------------------------------- claim 14
+
+SMOKE_14 = {"requests": 6, "rate": 4.0, "repeats": 1, "short": (8, 16), "long": (24, 32),
+            "short_new": 4, "long_new": 8, "max_len": 128, "max_batch": 4, "bootstrap": 50}
+RATE_SHARE = 0.7  # rate "auto": this share of the request rate a closed-loop probe reached
+
+
+def load_spread(itl: Sequence[float], steps: Sequence[float], *, resamples: int = 200,
+                seed: int = 0) -> dict[str, Any]:
+    """How even the load was: inter-token latency P99 / P50 and decode-step time
+    coefficient of variation (std / mean), each with a bootstrap standard error
+    (`resamples` draws with replacement, fixed seed)."""
+    itl_a = np.asarray([x for x in itl if x is not None and np.isfinite(x)], np.float64)
+    st_a = np.asarray([x for x in steps if x is not None and np.isfinite(x)], np.float64)
+    rng = np.random.default_rng(seed)
+
+    def ratio(x: np.ndarray) -> float:
+        p50 = np.percentile(x, 50)
+        return float(np.percentile(x, 99) / p50) if p50 > 0 else math.nan
+
+    def cv(x: np.ndarray) -> float:
+        return float(x.std(ddof=1) / x.mean()) if x.size > 1 and x.mean() > 0 else math.nan
+
+    def boot(x: np.ndarray, f) -> float:
+        if x.size < 3:
+            return math.nan
+        return float(np.std([f(rng.choice(x, x.size)) for _ in range(resamples)], ddof=1))
+
+    return {"itl_p99_over_p50": ratio(itl_a) if itl_a.size else math.nan,
+            "itl_p99_over_p50_se": boot(itl_a, ratio), "itl_n": int(itl_a.size),
+            "step_cv": cv(st_a), "step_cv_se": boot(st_a, cv), "steps_n": int(st_a.size),
+            "step_mean_s": float(st_a.mean()) if st_a.size else math.nan,
+            "step_p99_over_p50": ratio(st_a) if st_a.size else math.nan}
+
+
+def claim14_verdict(off: dict[str, Any], on: dict[str, Any], margin: float = MARGIN
+                    ) -> tuple[str, dict[str, Any]]:
+    """off / on: `load_spread` plus "failed". Supported when GSM on lowers both spreads (ITL
+    P99 / P50 and decode-step CV) by more than `margin` relative and beyond SE_MULTIPLE
+    bootstrap standard errors of the difference; refuted otherwise; not testable with
+    failed requests or a spread that could not be measured."""
+    if off.get("failed") or on.get("failed"):
+        return "not testable here", {"reason": "failed requests"}
+    checks: dict[str, Any] = {"margin": margin}
+    ok = True
+    for key in ("itl_p99_over_p50", "step_cv"):
+        a, b = off[key], on[key]
+        se = math.hypot(off[f"{key}_se"], on[f"{key}_se"])
+        if not (np.isfinite(a) and np.isfinite(b) and a > 0):
+            return "not testable here", {"reason": f"{key} not measured (too few samples)"}
+        z = (a - b) / se if se > 0 else (math.inf if a > b else -math.inf if a < b else 0.0)
+        evener = bool(b < a * (1 - margin) and z > SE_MULTIPLE)
+        checks[key] = {"off": a, "on": b, "ratio_on_off": b / a, "z_off_minus_on": z,
+                       "evener_with_gsm": evener}
+        ok = ok and evener
+    return ("supported" if ok else "refuted"), checks
+
+
+def _decode_steps(url: str, token: str) -> list[float]:
+    import httpx
+
+    r = httpx.get(f"{url}/admin/steps", headers={"Authorization": f"Bearer {token}"},
+                  timeout=60)
+    r.raise_for_status()
+    return [float(t) for kind, _, t in r.json()["steps"] if kind == "decode"]
+
+
+def _clear_steps(url: str, token: str) -> None:
+    import httpx
+
+    httpx.delete(f"{url}/admin/steps", headers={"Authorization": f"Bearer {token}"},
+                 timeout=60).raise_for_status()
+
+
+def run_claim_14(params: ModelParams, *, sizes: dict, progress: bool,
+                 model_dir: Path | None) -> dict[str, Any]:
+    """Claim 14. sizes: "model" (default params.source), "requests" (48 per run), "rate"
+    (requests/s, or "auto": `RATE_SHARE` of what a closed loop of max_batch clients reached
+    on the GSM-off server), "repeats" (2, arms alternating), "short" ((16, 64)) / "long"
+    ((256, 512)) prompt tokens, "long_share" (0.25), "short_new" (16) / "long_new" (64)
+    tokens, "max_batch" (8), "max_len" (1024), "gsm", "pin" (True), "seed" (0),
+    "bootstrap" (200)."""
+    from gsm_jax.serving import bench_client as bc
+    from gsm_jax.serving.launch import ServerProcess
+
+    sizes = claim_sizes(sizes, SMOKE_14)
+    load0 = os.getloadavg()[0]
+    log = functools.partial(log_line, progress, 14)
+    model = str(sizes.get("model") or params.source)
+    n = int(sizes.get("requests", 48))
+    repeats = int(sizes.get("repeats", 2))
+    max_batch = int(sizes.get("max_batch", 8))
+    short, long = tuple(sizes.get("short", (16, 64))), tuple(sizes.get("long", (256, 512)))
+    cfg = gsm_config(sizes)
+    out = _out_dir(model_dir, "claim14")
+    (out / "gsm.json").write_text(json.dumps(cfg.to_dict(), indent=1))
+    reqs = bc.wikitext_requests(n, short=short, long=long,
+                                long_share=float(sizes.get("long_share", 0.25)),
+                                short_new=int(sizes.get("short_new", 16)),
+                                long_new=int(sizes.get("long_new", 64)),
+                                seed=int(sizes.get("seed", 0)))
+    token = secrets.token_hex(8)
+    base = _server_base(model, max_batch=max_batch, max_len=int(sizes.get("max_len", 1024)),
+                        warm=_buckets(long[1]), mesh=sizes.get("mesh"))
+    runs: dict[str, list[dict[str, Any]]] = {"off": [], "on": []}
+    steps: dict[str, list[float]] = {"off": [], "on": []}
+    servers: dict[str, ServerProcess] = {}
+    rate = sizes.get("rate", "auto")
+    probe = None
+    error = None
+    with _client_core(bool(sizes.get("pin", True))) as cores:
+        try:
+            for arm, extra in (("off", ["--no-gsm"]), ("on", ["--gsm", str(out / "gsm.json")])):
+                servers[arm] = ServerProcess(base + extra, log_path=out / f"server_{arm}.log",
+                                             admin_token=token, cpus=cores).start()
+                log(f"server GSM {arm} up in {servers[arm].startup_s:.0f} s")
+            for srv in servers.values():  # unmeasured warm-up
+                bc.run_bench(srv.url, reqs[:4], clients=min(4, max_batch), progress=False)
+            if rate in (None, "auto"):
+                probe = bc.run_bench(servers["off"].url, reqs, clients=max_batch,
+                                     progress=False)
+                rate = RATE_SHARE * probe["summary"]["all"]["request_per_s"]
+                log(f"closed loop of {max_batch} clients: {rate / RATE_SHARE:.2f} req/s; "
+                    f"Poisson rate {rate:.2f} req/s")
+            rate = float(rate)
+            for k in range(repeats):
+                for arm in (("off", "on") if k % 2 == 0 else ("on", "off")):
+                    srv = servers[arm]
+                    _clear_steps(srv.url, token)
+                    r = bc.run_bench(srv.url, reqs, clients=None, rate=rate, seed=k,
+                                     progress=False)
+                    runs[arm].append(r)
+                    steps[arm] += _decode_steps(srv.url, token)
+                    log(f"run {k + 1}/{repeats} GSM {arm}: "
+                        f"{r['summary']['all']['output_tok_per_s']:.1f} tok/s")
+        except (RuntimeError, OSError, ValueError) as e:
+            error = f"{type(e).__name__}: {e}"[:600]
+        finally:
+            for srv in servers.values():
+                srv.stop()
+    arms: dict[str, dict[str, Any]] = {}
+    for arm in ("off", "on"):
+        if not runs[arm]:
+            continue
+        pooled = bc.pooled_summary(runs[arm])
+        itl = [x for r in runs[arm] for row in r["requests"] if row["ok"] for x in row["itl"]]
+        arms[arm] = {
+            **load_spread(itl, steps[arm], resamples=int(sizes.get("bootstrap", 200))),
+            "output_tok_per_s": float(np.mean([r["summary"]["all"]["output_tok_per_s"] or 0.0
+                                               for r in runs[arm]])),
+            "output_tok_per_s_runs": [r["summary"]["all"]["output_tok_per_s"]
+                                      for r in runs[arm]],
+            "itl_s": pooled["itl_s"], "ttft_s": pooled["ttft_s"],
+            "completed": pooled["completed"], "failed": pooled["failed"],
+            "comparable": all(r["comparable"] for r in runs[arm])}
+    if error is not None or len(arms) < 2:
+        verdict, checks = "not testable here", {"reason": error or "a server did not run"}
+    else:
+        verdict, checks = claim14_verdict(arms["off"], arms["on"])
+    if verdict == "not testable here":
+        why = f"Not measured: {checks['reason']}."
+    else:
+        tp = arms["on"]["output_tok_per_s"] / arms["off"]["output_tok_per_s"]
+        itl_off, itl_on = (arms[a]["itl_p99_over_p50"] for a in ("off", "on"))
+        why = (f"Poisson arrivals at {rate:.2f} req/s, GSM on / off: throughput {tp:.3f}x; "
+               f"ITL P99/P50 {itl_off:.2f} -> {itl_on:.2f} "
+               f"(z {checks['itl_p99_over_p50']['z_off_minus_on']:+.1f}); "
+               f"decode-step CV {arms['off']['step_cv']:.3f} -> {arms['on']['step_cv']:.3f} "
+               f"(z {checks['step_cv']['z_off_minus_on']:+.1f}); "
+               + ("both spreads lower with GSM." if verdict == "supported" else
+                  "the load is not evener with GSM beyond the noise."))
+    figures = []
+    fig_dir = figures_dir(model_dir)
+    if fig_dir is not None and len(arms) == 2:
+        figures.append(str(_claim14_figure(arms, runs, steps, model,
+                                           fig_dir / "claim14_continuous_batching.png")))
+    return {
+        "claim": 14, "model": params.source, "verdict": verdict, "why": why,
+        "measurement": (None if verdict == "not testable here" else
+                        f"ITL P99/P50 x{itl_on / itl_off:.3f}, step CV "
+                        f"x{arms['on']['step_cv'] / arms['off']['step_cv']:.3f}"),
+        "numbers": {"server_model": model, "requests_per_run": n, "repeats": repeats,
+                    "rate_req_per_s": None if not isinstance(rate, float) else rate,
+                    "rate_rule": (f"{RATE_SHARE} x the closed-loop request rate"
+                                  if probe is not None else "given"),
+                    "prompt_tokens": {"short": list(short), "long": list(long)},
+                    "max_batch": max_batch, "gsm": cfg.to_dict(), "arms": arms,
+                    "checks": checks,
+                    "definitions": "ITL: client-side gaps between SSE chunks, pooled over "
+                                   "runs; step CV: std / mean of the engine's decode-step "
+                                   "times (server's /admin/steps); SE: bootstrap"},
+        "load_avg": load_avg(load0, os.getloadavg()[0]),
+        "figures": figures,
+    }
+
+
+def _claim14_figure(arms: dict[str, Any], runs: dict[str, list[dict[str, Any]]],
+                    steps: dict[str, list[float]], model: str, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a0, a1) = plt.subplots(1, 2, figsize=(10, 3.8))
+    for arm in ("off", "on"):
+        itl = np.sort([x * 1000 for r in runs[arm] for row in r["requests"] if row["ok"]
+                       for x in row["itl"]])
+        if itl.size:
+            a0.plot(itl, np.linspace(0, 1, itl.size), label=f"GSM {arm} "
+                    f"(P99/P50 {arms[arm]['itl_p99_over_p50']:.2f})")
+        st = np.sort(np.asarray(steps[arm]) * 1000)
+        if st.size:
+            a1.plot(st, np.linspace(0, 1, st.size), label=f"GSM {arm} "
+                    f"(CV {arms[arm]['step_cv']:.3f})")
+    a0.set_xlabel("inter-token latency, ms (client)")
+    a1.set_xlabel("decode step, ms (engine)")
+    for ax in (a0, a1):
+        ax.set_ylabel("fraction")
+        ax.set_xscale("log")
+        ax.legend(fontsize=8)
+    fig.suptitle(f"Claim 14 on {model}: continuous batching under Poisson arrivals")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
