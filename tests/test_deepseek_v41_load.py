@@ -166,26 +166,34 @@ def test_gsm_strength_zero_equals_gsm_off(params, greedy_off):
 
 @pytest.mark.heavy  # NeMo's model + the checkpoint + a third generate_tokens compile
 def test_greedy_tokens_with_engram_equal_the_reference(tmp_path):
-    """The same check with the Engram layers (1 and 5 of the tiny config): the greedy tokens
-    are NeMo's argmax continuation, and the logits each was picked from (prefill, then
-    cached decode steps carrying the n-gram history) equal our own teacher-forced forward
-    over prompt + output.
+    """The same check with the Engram layers (1 and 5 of the tiny config), with float caches
+    on both sides (`cache_qdq=False`; NeMo's cache quantize/dequantize patched to the
+    identity): the greedy tokens are NeMo's argmax continuation, the logits each was picked
+    from (prefill, then cached decode steps carrying the n-gram history) equal NeMo's and our
+    own teacher-forced forward over prompt + output, all to 1e-4 of the logit scale.
 
-    The logits against NeMo's are reported, not asserted (xfail with the measured gap): on
-    these prompts the jitted model differs from NeMo by up to ~9e-2 of the logit scale, from
-    position 0 of prompt 0 on (3.7e-3 there), while the same model run eagerly agrees with
-    NeMo to 3e-7, and with float caches (cache_qdq=False) eager and jitted agree to 3e-7.
-    So it is the cache QDQ's discontinuity (tests/test_deepseek_v41.py's module doc):
-    XLA's fused sums differ from eager ones by ulps, which here cross an FP8 / FP4 rounding
-    midpoint. The Engram pieces alone (hash ids, table rows, wkv, q/k weights, the update
-    given the same input) equal NeMo's exactly or to 4e-9."""
+    Why float caches here: with the roundings on, the Engram streams differ from NeMo's (and
+    the decode program's from the forward's) by ulps of XLA's fusion order, which on some
+    inputs cross an FP8 / FP4 rounding midpoint of the window or compressed KV; one flipped
+    FP4 level then moves everything after it (measured: 9.4e-2 of the scale between our own
+    decode and forward in one CI run, under 1e-4 in the runs before it on another CPU). Where
+    it flips is not a property of the model, so a 1e-4 check there cannot be stable. The
+    roundings themselves are checked where they are continuous enough to hold: bit for bit
+    against NeMo's quantizers (tests/test_deepseek_v41.py) and, on the Engram-free config,
+    decode logits against NeMo's at 1e-4 with the roundings on (the test above). The Engram
+    pieces alone (hash ids, table rows, wkv, q/k weights, the update given the same input)
+    equal NeMo's exactly or to 4e-9 (tests/test_deepseek_v41.py)."""
+    import dataclasses
+
     config = ref.tiny_config(index_n_heads=8)
     assert config["text_config"]["engram_layer_ids"] == [1, 5]
     model = ref.nemo_model(config, seed=SEED)
     path = _write(tmp_path / "ckpt", config, ref.released_state_dict(model))
     nemo = ref.nemo_from_checkpoint(model, path)
     params = gsm_jax.load(path, dtype="float32", keep_quantized=True)
-    assert params.config.active_engram_layers == (1, 5)
+    assert params.config.active_engram_layers == (1, 5) and params.config.cache_qdq
+    params = dataclasses.replace(params, config=dataclasses.replace(params.config,
+                                                                    cache_qdq=False))
     out, step_logits = gsm_jax.generate_tokens(params, list(PROMPTS), max_new_tokens=N_NEW,
                                                eos_ids=[], return_logits=True)
     rows = [np.concatenate([p, o]) for p, o in zip(PROMPTS, out, strict=True)]
@@ -193,17 +201,21 @@ def test_greedy_tokens_with_engram_equal_the_reference(tmp_path):
     mask = np.zeros_like(ids)
     for i, r in enumerate(rows):
         ids[i, : r.size], mask[i, : r.size] = r, 1
-    logits = ref.nemo_logits(nemo, ids, attention_mask=mask)
+    logits = ref.nemo_logits(nemo, ids, attention_mask=mask, cache_qdq=False)
     ours = np.asarray(gsm_jax.forward(params, [list(map(int, r)) for r in rows]))
-    gap = 0.0
     for i, (prompt, got) in enumerate(zip(PROMPTS, out, strict=True)):
         window = slice(len(prompt) - 1, len(prompt) - 1 + N_NEW)
-        np.testing.assert_array_equal(got, logits[i, window].argmax(-1), err_msg=f"prompt {i}")
+        steps = logits[i, window]
+        np.testing.assert_array_equal(got, steps.argmax(-1), err_msg=f"prompt {i}")
         err = _rel_err(step_logits[i], ours[i, window])
         assert err < REL_TOL, f"prompt {i}: decode vs forward off by {err:.2e} of the scale"
-        gap = max(gap, _rel_err(step_logits[i], logits[i, window]))
-    if gap >= REL_TOL:
-        pytest.xfail(f"cache QDQ flip: logits vs NeMo off by {gap:.2e} of the scale")
+        err = _rel_err(step_logits[i], steps)
+        assert err < REL_TOL, f"prompt {i}: decode vs NeMo off by {err:.2e} of the scale"
+        # the closest top-1 / top-2 call (6.6e-5 of the scale on prompt 0) against the two
+        # sides' measured gap (~5e-7): the equal tokens are not a coin toss at a near tie
+        top2 = np.sort(steps, axis=-1)[:, -2:]
+        margin = ((top2[:, 1] - top2[:, 0]) / np.abs(steps).max()).min()
+        assert margin > 10 * err, f"prompt {i}: reference near tie ({margin:.1e} vs {err:.1e})"
 
 
 # ----------------------------------------------------------------------------- text only

@@ -103,8 +103,8 @@ def test_load_flag():
 
 def test_names_and_errors(tmp_path):
     assert runner.parse_claims("5,1,5") == [1, 5]
-    assert runner.parse_claims(None) == list(range(1, 13))
-    for bad in ("13", "x", "0"):
+    assert runner.parse_claims(None) == list(range(1, 15))  # claims 1-12, KV cache 13, batching 14
+    for bad in ("15", "x", "0"):
         with pytest.raises(InvalidInputError, match="unknown claim"):
             runner.parse_claims(bad)
     with pytest.raises(InvalidInputError, match="unknown model 'no-such-model'"):
@@ -182,7 +182,7 @@ def test_smoke_markdown(smoke_run):
     md = path.read_text()
     assert path == out / "gsm_evidence.md"
     rows = [ln for ln in md.splitlines() if re.match(r"^\| \d+ \|", ln)]
-    assert len(rows) == 12
+    assert len(rows) == 14
     for n, row in enumerate(rows, 1):
         assert row.startswith(f"| {n} |")
         if n not in SMOKE_CLAIMS:

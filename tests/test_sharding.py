@@ -118,8 +118,14 @@ result = dict(a2a_w8a8=compare(gsm_jax.quantize(a2a, "w8a8", routed_experts=True
     # families; Llama and Gemma 3 have their own mesh tests, its SHARDED_ELSEWHERE),
     # and psum / all-to-all on 1 x 8 and 2 x 4 without GSM are test_bench_mesh_tiny's
     # variants (tests/test_bench_mesh.py). The batch-only split: the contract's 4 x 2,
-    # test_caches_and_gsm_rings_follow_the_batch and the workflow tools' 4 x 2 test
-    _check(res["a2a_w8a8"], {"2x4": 4})
+    # test_caches_and_gsm_rings_follow_the_batch and the workflow tools' 4 x 2 test.
+    # Tolerance: W8A8 rounds each token's activations to int8 levels of 1/127 of its max,
+    # from sums the mesh reorders, so an element at a rounding midpoint may land one level
+    # off on one side (CPU-dependent: 8.0e-3 of the logit scale in one CI run, < 1e-5 in the
+    # runs before it, this config); 3e-2 is a few such levels. A sharding error (a missing or
+    # doubled reduction, a wrong slice or expert offset, a scale from one shard's max) moves
+    # the logits by a large part of their scale; the float meshes (family contract) hold 1e-5.
+    _check(res["a2a_w8a8"], {"2x4": 4}, tol=3e-2)
 
 
 def test_expert_dispatches_agree_with_the_dense_reference():
