@@ -89,6 +89,12 @@ from gsm_jax.generation import (
 from gsm_jax.models import common
 from gsm_jax.models.gsm_sites import GSMInputs
 from gsm_jax.params import ModelParams
+from gsm_jax.serving.prefix_cache import (
+    PrefixCache,
+    check_capacity,
+    restore_rows,
+    snapshot_rows,
+)
 from gsm_jax.sharding import mesh_of
 
 __all__ = ["DEFAULT", "Engine", "Request", "RequestRecord"]
@@ -361,6 +367,7 @@ class _Prefilling:
     cfg: Any  # the GSMConfig smoothing it, or None
     rows: Any
     done: int  # prompt tokens already in `rows`
+    keys: dict[int, bytes] = field(default_factory=dict)  # prefix-cache key per boundary
 
 
 class Engine:
@@ -378,14 +385,19 @@ class Engine:
     the power of two >= its longest row + 1, at least this, at most max_len; None: every
     step reads all max_len slots, one decode program). `kv_cache_dtype`: "int8" / "fp8"
     hold the KV cache in that format (`gsm_jax.with_kv_cache_dtype`; None / "auto": the
-    model's own). Use `submit` + `step` to drive it yourself, or `run`.
+    model's own). `prefix_cache_bytes` > 0: automatic prefix caching within that many
+    bytes (`serving/prefix_cache.py`: the states at prefill-chunk boundaries, GSM rings
+    included, reused by later prompts that start with the same chunks; outputs are bit for
+    bit those with caching off; needs `prefill_chunk`). Use `submit` + `step` to drive it
+    yourself, or `run`.
     """
 
     def __init__(self, params: ModelParams, *, max_batch: int = 8, max_len: int = 1024,
                  gsm: Any = None, compile_gsm: bool = False,
                  eos_ids: Sequence[int] | None = None, seed: int = 0,
                  prefill_chunk: int | None = 512, gsm_ring: int | None = None,
-                 min_attend: int | None = 128, kv_cache_dtype: str | None = None) -> None:
+                 min_attend: int | None = 128, kv_cache_dtype: str | None = None,
+                 prefix_cache_bytes: int = 0) -> None:
         if not isinstance(params, ModelParams):
             raise InvalidInputError(
                 f"params must be what gsm_jax.load returns (ModelParams), got "
@@ -418,6 +430,14 @@ class Engine:
                 chunk = None  # this family prefills whole prompts only
             prefill_chunk = chunk
         self.prefill_chunk = prefill_chunk
+        capacity = check_capacity(prefix_cache_bytes)
+        if capacity and prefill_chunk is None:
+            raise InvalidInputError(
+                "prefix caching needs chunked prefill (its blocks are the prefill chunks): "
+                "give prefill_chunk, or prefix_cache_bytes=0"
+                + ("" if hasattr(self.family, "extend") else
+                   f"; the {self.config.family} family has no extend"))
+        self.prefix_cache = PrefixCache(capacity, prefill_chunk) if capacity else None
         if gsm_ring is not None and (isinstance(gsm_ring, bool) or int(gsm_ring) < 1):
             raise InvalidInputError(f"gsm_ring must be an integer >= 1, got {gsm_ring!r}")
         self._ring_request = None if gsm_ring is None else int(gsm_ring)
@@ -576,6 +596,8 @@ class Engine:
 
     def _new_cache(self) -> None:
         window = self._gsm_static[0] if self.gsm_compiled else None
+        if self.prefix_cache is not None:  # its states have the old cache's structure
+            self.prefix_cache.clear()
         self._cache = self.family.init_cache(
             self.config, self.max_batch, self.max_len, dtype=self.params.dtype,
             gsm_max_window=window,
@@ -885,6 +907,15 @@ class Engine:
         padded = min(bucket(first, MIN_PROMPT_BUCKET), self.max_len)
         tokens = np.zeros((1, padded), np.int32)
         tokens[0, :first] = prompt[:first]
+        keys = self._prefix_keys(item, cfg)
+        if self.prefix_cache is not None:
+            done, kept = self.prefix_cache.lookup(list(keys.items()), prompt.size)
+            if kept is not None:  # resume at the longest cached boundary: its next chunk now
+                with on_mesh(self._mesh):
+                    rows = restore_rows(kept, self.max_len)
+                self.step_times.append(("restore", done, clock() - rec.admitted))
+                self._prefilling = _Prefilling(item, slot, cfg, rows, done, keys)
+                return self._advance_prefill()
         gsm = self._one_row_gsm(cfg)
         sampling = self._sampling_args([s], [0])
         kw = dict(config=self.config, max_len=self.max_len)
@@ -898,10 +929,11 @@ class Engine:
             else:
                 _, rows = _prefill(self.params.weights, jnp.asarray(tokens),
                                    jnp.asarray([first], jnp.int32), gsm, **kw)
+                self._keep(keys, first, rows)
                 jax.block_until_ready(rows)
         self.step_times.append(("prefill", padded, clock() - rec.admitted))
         if first < prompt.size:
-            self._prefilling = _Prefilling(item, slot, cfg, rows, first)
+            self._prefilling = _Prefilling(item, slot, cfg, rows, first, keys)
             return False
         return self._occupy(slot, item, cfg, int(np.asarray(tok)[0]))
 
@@ -922,6 +954,7 @@ class Engine:
                                    attend=self.attend_bound(p.done + chunk - 1))
             p.rows, p.done = rows, p.done + n
             if p.done < prompt.size:
+                self._keep(p.keys, p.done, rows)
                 jax.block_until_ready(rows)
                 self.step_times.append(("extend", chunk, clock() - t))
                 return False
@@ -933,6 +966,34 @@ class Engine:
         self.step_times.append(("extend", chunk, clock() - t))
         self._prefilling = None
         return self._occupy(p.slot, item, p.cfg, token)
+
+    # ------------------------------------------------------------------ prefix caching
+
+    def _prefix_keys(self, item: _Waiting, cfg: Any) -> dict[int, bytes]:
+        """{boundary: key} of a prompt's chunk boundaries (`PrefixCache.keys`), empty with
+        caching off or a prompt of one chunk. Besides the tokens, the key holds what decides
+        the row's state: its GSM strengths and window (or not smoothed), the batch's
+        protect_first and the compiled ring / precision / kernel."""
+        if self.prefix_cache is None or item.prompt.size <= self.prefill_chunk:
+            return {}
+        if cfg is None:
+            gsm = b"not smoothed"
+        else:
+            strength, window = self._row_params(cfg)
+            gsm = np.ascontiguousarray(strength, np.float32).tobytes() + b"|w%d" % window
+        context = repr((self._gsm_static, self._protect, self.max_len)).encode() + b"|" + gsm
+        return dict(self.prefix_cache.keys(item.prompt, context))
+
+    def _keep(self, keys: dict[int, bytes], tokens: int, rows: Any) -> None:
+        """Keep the state a prefill reached at chunk boundary `tokens` (a copy: the next
+        `extend` donates `rows`), unless it is cached already."""
+        key = keys.get(tokens)
+        if key is not None and self.prefix_cache.wants(key):
+            self.prefix_cache.store(key, tokens, snapshot_rows(rows, tokens))
+
+    def prefix_cache_stats(self) -> dict[str, Any] | None:
+        """The prefix cache's counters (`PrefixCache.stats`), None when caching is off."""
+        return None if self.prefix_cache is None else self.prefix_cache.stats()
 
     def _decode_args(self) -> tuple[np.ndarray, tuple, dict[str, Any]]:
         """(active slots, arguments, static keywords) of the next decode step's `_decode`."""
