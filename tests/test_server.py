@@ -300,6 +300,37 @@ def test_admin_steps_logs_each_engine_call(url):
     assert all(t > 0 and n >= 1 for _, n, t in steps), steps
 
 
+def _metric(text: str, name: str) -> float:
+    line = next(ln for ln in text.splitlines() if ln.startswith(name + "{"))
+    return float(line.rsplit(" ", 1)[1])
+
+
+def test_prefix_cache_hit_equals_generate(url, params):
+    """Prefix caching is on by default: the second of two requests whose prompts share their
+    first 96 tokens (boundaries 32, 64 of --prefill-chunk 32 inside both) resumes at 64, and
+    both outputs are what `generate` gives each prompt alone; /metrics counts the hit."""
+    base = ("The history of the city begins with a small settlement on the river, where "
+            "traders from the north and the south met each summer to exchange salt, wool, "
+            "iron tools and stories of distant places. Over the centuries the settlement "
+            "grew into a market town, and then into a city with walls and towers ")
+    tok = params.tokenizer
+    assert len(tok.encode(base)) > 64
+    before = httpx.get(f"{url}/metrics").text
+    for tail in ("and bridges.", "whose gates were closed at night."):
+        r = _complete(url, base + tail, 8)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == gsm_jax.generate(params, base + tail,
+                                                                  max_new_tokens=8)[0]
+    after = httpx.get(f"{url}/metrics").text
+    hits = _metric(after, "gsm_jax:prefix_cache_hits_total") - _metric(
+        before, "gsm_jax:prefix_cache_hits_total")
+    assert hits >= 64, hits  # other tests' requests may add their own hits meanwhile
+    assert _metric(after, "gsm_jax:prefix_cache_queries_total") > _metric(
+        before, "gsm_jax:prefix_cache_queries_total")
+    stats = httpx.get(f"{url}/admin/stats", headers=ADMIN).json()["prefix_cache"]
+    assert stats["block_tokens"] == 32 and stats["entries"] >= 2 and stats["bytes"] > 0
+
+
 def test_gsm_arm_changes_what_is_generated(url, params):
     """The "gsm" arm really runs the filter: at strength 0.3 on every layer, its greedy
     text equals gsm_jax.generate with the same config (and differs from no GSM on some
@@ -490,6 +521,21 @@ def test_bad_min_attend_is_refused_before_loading(value, capsys, monkeypatch):
     assert main(["serve", "--min-attend", value, "--port", str(_free_port())]) == 2
     err = capsys.readouterr().err
     assert "--min-attend" in err and value in err
+
+
+def test_prefix_cache_flags(monkeypatch, capsys):
+    from gsm_jax.cli import main
+    from gsm_jax.serving import app
+
+    seen = []
+    monkeypatch.setattr(app, "serve", lambda options, **k: seen.append(
+        options.prefix_cache_bytes))
+    assert main(["serve"]) == 0
+    assert main(["serve", "--prefix-cache-gb", "0.5"]) == 0
+    assert main(["serve", "--no-enable-prefix-caching"]) == 0
+    assert seen == [10**9, 5 * 10**8, 0]
+    assert main(["serve", "--prefix-cache-gb", "-1"]) == 2
+    assert "--prefix-cache-gb must be >= 0" in capsys.readouterr().err
 
 
 def test_min_attend_reaches_the_server_options(monkeypatch):

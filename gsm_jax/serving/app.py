@@ -96,6 +96,9 @@ class ServerOptions:
     gsm_ring: int | None = None  # GSM ring rows; default: what `gsm` needs, else 16
     min_attend: int | None = 128  # smallest decode read bound (power of two); None: all
     kv_cache_dtype: str | None = None  # "int8" / "fp8": the KV cache's format; None: float
+    # automatic prefix caching (vLLM's --enable-prefix-caching, on by default as in vLLM
+    # V1): the states at prefill-chunk boundaries within this many bytes; 0: off
+    prefix_cache_bytes: int = 10**9
 
 
 class HTTPError(Exception):
@@ -253,7 +256,8 @@ class GSMServer:
                 self.params, max_batch=o.max_batch, max_len=o.max_len, compile_gsm=compile_gsm,
                 gsm=initial, seed=o.seed, prefill_chunk=o.prefill_chunk,
                 gsm_ring=o.gsm_ring or (None if initial is not None else 16),
-                min_attend=o.min_attend, kv_cache_dtype=o.kv_cache_dtype)
+                min_attend=o.min_attend, kv_cache_dtype=o.kv_cache_dtype,
+                prefix_cache_bytes=o.prefix_cache_bytes if o.prefill_chunk else 0)
             self.params = engine.params  # the KV-cache format is part of the model config
             self.live = LiveGSM(initial, check=self._check_gsm, on_change=self._gsm_changed)
             self._gsm_changed(self.live.current)
@@ -362,7 +366,7 @@ class GSMServer:
 
     def _engine_stepped(self, engine: Engine) -> None:
         self.metrics.observe_engine(self.loop.num_running, self.loop.num_waiting,
-                                    engine.kv_usage)
+                                    engine.kv_usage, engine.prefix_cache_stats())
 
     # ---------------------------------------------------------------- requests
 
@@ -1022,6 +1026,7 @@ def build_app(server: GSMServer, *, load_in_background: bool = True) -> FastAPI:
             "waiting": server.loop.num_waiting, "kv_usage": eng.kv_usage,
             "max_batch": eng.max_batch, "max_len": eng.max_len,
             "prefill_chunk": eng.prefill_chunk, "gsm_compiled": eng.gsm_compiled,
+            "prefix_cache": eng.prefix_cache_stats(),
         })
 
     return app

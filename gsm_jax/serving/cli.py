@@ -33,6 +33,15 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="waiting requests before new ones get 503")
     p.add_argument("--prefill-chunk", type=int, default=512,
                    help="longest prompt prefilled in one step; longer ones go in chunks")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=True,
+                   help="automatic prefix caching (default on, as vLLM's): a prompt that "
+                   "starts with the --prefill-chunk blocks of an earlier one resumes from "
+                   "the state its prefill reached there (KV, GSM rings); outputs equal "
+                   "caching off bit for bit")
+    p.add_argument("--prefix-cache-gb", type=float, default=1.0,
+                   help="memory the prefix cache may hold, in GB (least recently used "
+                   "states are evicted first)")
     p.add_argument("--gsm", default=None, help="GSM config file (YAML/JSON), reloaded on change")
     p.add_argument("--gsm-ring", type=int, default=None,
                    help="rows of the GSM ring buffers (compiled in): default what the --gsm "
@@ -74,6 +83,9 @@ def run_serve(args: argparse.Namespace) -> int:
     except ValueError:
         value = text  # refused by check_min_attend, which names it
     min_attend = check_min_attend(value, "--min-attend")
+    if not args.prefix_cache_gb >= 0:
+        raise InvalidInputError(f"--prefix-cache-gb must be >= 0, got {args.prefix_cache_gb}")
+    prefix_bytes = int(args.prefix_cache_gb * 1e9) if args.enable_prefix_caching else 0
     from gsm_jax.sharding import parse_mesh_spec
 
     mesh = parse_mesh_spec(args.mesh) if args.mesh else None
@@ -86,7 +98,8 @@ def run_serve(args: argparse.Namespace) -> int:
         shutdown_timeout=args.shutdown_timeout, warmup_lengths=warm,
         served_model_name=args.served_model_name, seed=args.seed, mesh=mesh,
         gsm_ring=args.gsm_ring, min_attend=min_attend,
-        kv_cache_dtype=None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype)
+        kv_cache_dtype=None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype,
+        prefix_cache_bytes=prefix_bytes)
     serve(options, host=args.host, port=args.port, log_level=args.log_level)
     return 0
 

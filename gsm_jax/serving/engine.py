@@ -10,7 +10,10 @@ fixed shapes, JetStream's split:
   the prefill, each further chunk by the family's `extend` (attention over the
   row's cache so far, GSM continuing from the row's ring), one chunk per engine
   step, so a long prompt delays the running decodes by one chunk at a time,
-  not by its whole prefill;
+  not by its whole prefill (the last chunk is padded to its own bucket). With
+  prefix caching (`prefix_cache_bytes`, `serving/prefix_cache.py`) the state at
+  each chunk boundary is kept, and a prompt starting with the same chunks resumes
+  from the longest one kept, bit for bit as if it had prefilled them;
 - **insert** the finished row into a free slot of the running cache
   (`family.cache_insert`, running cache donated); the prefill's logits give the
   request's first token (its time to first token);
@@ -943,27 +946,30 @@ class Engine:
         item, s = p.item, p.item.sampling
         prompt, chunk = item.prompt, self.prefill_chunk
         n = min(chunk, prompt.size - p.done)
-        tokens = np.zeros((1, chunk), np.int32)
+        # the last chunk is padded to its own prompt bucket, not to a whole chunk (a
+        # 1030-token prompt's last 6 tokens cost a 16-wide call, not a 512-wide one)
+        width = chunk if n == chunk else min(bucket(n, MIN_PROMPT_BUCKET), chunk)
+        tokens = np.zeros((1, width), np.int32)
         tokens[0, :n] = prompt[p.done: p.done + n]
         t = clock()
         with on_mesh(self._mesh):
-            # the chunk's slots are [done, done + chunk): bound the reads there
+            # the chunk's slots are [done, done + width): bound the reads there
             logits, rows = _extend(self.params.weights, jnp.asarray(tokens),
                                    jnp.asarray([n], jnp.int32), p.rows,
                                    self._one_row_gsm(p.cfg), config=self.config,
-                                   attend=self.attend_bound(p.done + chunk - 1))
+                                   attend=self.attend_bound(p.done + width - 1))
             p.rows, p.done = rows, p.done + n
             if p.done < prompt.size:
                 self._keep(p.keys, p.done, rows)
                 jax.block_until_ready(rows)
-                self.step_times.append(("extend", chunk, clock() - t))
+                self.step_times.append(("extend", width, clock() - t))
                 return False
             self._cache = _insert(self._cache, rows, jnp.asarray([p.slot], jnp.int32),
                                   config=self.config)
             tok = _pick(logits, self._sampling_args([s], [0]), self._one_row_penalties(item),
                         sample=s.sample, filtered=s.filtered)
         token = int(np.asarray(tok)[0])
-        self.step_times.append(("extend", chunk, clock() - t))
+        self.step_times.append(("extend", width, clock() - t))
         self._prefilling = None
         return self._occupy(p.slot, item, p.cfg, token)
 

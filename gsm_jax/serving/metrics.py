@@ -52,6 +52,16 @@ class ServerMetrics:
         self.kv_usage = Gauge("gsm_jax:kv_cache_usage_perc",
                               "Fraction of KV-cache slots holding running requests' tokens.",
                               ["model_name"], registry=r)
+        # vLLM's prefix-cache counters, in prompt tokens: hits / queries is the hit rate
+        self.prefix_queries = Counter("gsm_jax:prefix_cache_queries",
+                                      "Prompt tokens looked up in the prefix cache.",
+                                      ["model_name"], registry=r)
+        self.prefix_hits = Counter("gsm_jax:prefix_cache_hits",
+                                   "Prompt tokens restored from the prefix cache instead of "
+                                   "prefilled.", ["model_name"], registry=r)
+        self.prefix_bytes = Gauge("gsm_jax:prefix_cache_bytes",
+                                  "Bytes the prefix cache holds.", ["model_name"], registry=r)
+        self._prefix_seen = (0, 0)
         self.gsm_version = Gauge("gsm_jax:gsm_config_version",
                                  "The GSM config version in force.", ["model_name"], registry=r)
         self.gsm_fraction = Gauge("gsm_jax:gsm_rollout_fraction",
@@ -94,11 +104,18 @@ class ServerMetrics:
             self.generation_tokens.labels(m, v, arm).inc(rec.n_tokens)
         self.requests.labels(m, v, arm, rec.finish_reason or "unknown").inc()
 
-    def observe_engine(self, running: int, waiting: int, kv_usage: float) -> None:
+    def observe_engine(self, running: int, waiting: int, kv_usage: float,
+                       prefix: dict | None = None) -> None:
         m = self.model_name
         self.running.labels(m).set(running)
         self.waiting.labels(m).set(waiting)
         self.kv_usage.labels(m).set(kv_usage)
+        if prefix is not None:  # the engine's running totals: add what is new since
+            queries, hits = prefix["queries_tokens"], prefix["hits_tokens"]
+            self.prefix_queries.labels(m).inc(queries - self._prefix_seen[0])
+            self.prefix_hits.labels(m).inc(hits - self._prefix_seen[1])
+            self._prefix_seen = (queries, hits)
+            self.prefix_bytes.labels(m).set(prefix["bytes"])
 
     def observe_gsm(self, version: int, fraction: float) -> None:
         self.gsm_version.labels(self.model_name).set(version)
