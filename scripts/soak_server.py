@@ -32,7 +32,8 @@ Checks (`result["checks"]`, all must hold; `result["ok"]`):
 - every completed answer equals its prompt's output run alone at its GSM version: the
   response names its version and arm; the arm "gsm" is that version's config (recorded
   from the admin answers), every other arm unsmoothed; the references are
-  `gsm_jax.generate` in this process, one call per (config, prompt);
+  `gsm_jax.generate` in this process, one batched call per config (a row's output is its
+  output alone: tests/test_gsm_model.py::test_batch_invariance);
 - the server's RSS grew by at most `--rss-growth` (5%) from the end of the warm-up to the
   end, net of the prefix cache's own bytes (a store bounded by `--prefix-cache-gb`, which
   the server reports; the raw growth is reported too);
@@ -244,9 +245,9 @@ class _Admin:
 # ----------------------------------------------------------------------------- references
 
 def references(params: Any, recs: list[dict[str, Any]], versions: dict[int, Any],
-               max_tokens: int) -> dict[tuple[str, str], str]:
-    """{(config key, prompt): text} of `gsm_jax.generate` on each prompt alone, for every
-    (config, prompt) the completed answers need."""
+               max_tokens: int, pool: dict[str, list[str]]) -> dict[tuple[str, str], str]:
+    """{(config key, prompt): text} of `gsm_jax.generate` (its output for each prompt, which
+    is the prompt's output alone), for every (config, prompt) the completed answers need."""
     import gsm_jax
 
     need: dict[str, tuple[Any, set[str]]] = {}
@@ -260,8 +261,14 @@ def references(params: Any, recs: list[dict[str, Any]], versions: dict[int, Any]
     for key, (cfg, prompts) in need.items():
         gsm = None if cfg is None else gsm_jax.GSMConfig.from_dict(
             {**cfg, "rollout_fraction": 1.0, "short_request_tokens": 0})
-        for p in sorted(prompts):
-            out[(key, p)] = gsm_jax.generate(params, p, max_new_tokens=max_tokens, gsm=gsm)[0]
+        # one call per config over the whole pool: a row's output does not depend on its
+        # neighbours or on the batch's padding (tests/test_gsm_model.py::
+        # test_batch_invariance), and every config's call has the same shapes, so the
+        # smoothed configs share one compiled program (their numbers are runtime arrays)
+        ordered = sorted(set(pool["prefix"]) | set(pool["plain"]))
+        assert prompts <= set(ordered)
+        texts = gsm_jax.generate(params, ordered, max_new_tokens=max_tokens, gsm=gsm)
+        out.update({(key, p): t for p, t in zip(ordered, texts, strict=True)})
     return out
 
 
@@ -337,7 +344,7 @@ def run_soak(url: str, *, admin_token: str, pid: int | None, params: Any, minute
     drop_errors = [r for r in recs if r["drop"] and (r["error"] is not None
                                                     or r["status"] != 200)]
     t_refs = time.time()
-    refs = references(params, kept, admin.versions, max_tokens)
+    refs = references(params, kept, admin.versions, max_tokens, pool)
     t_refs = time.time() - t_refs
     mismatches = []
     for r in kept:
