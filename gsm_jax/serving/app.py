@@ -1014,6 +1014,18 @@ def build_app(server: GSMServer, *, load_in_background: bool = True) -> FastAPI:
         server.engine.step_times.clear()
         return JSONResponse({"cleared": True})
 
+    @app.post("/admin/reset_prefix_cache")
+    async def reset_prefix_cache(http: Request) -> JSONResponse:
+        """vLLM's `POST /reset_prefix_cache` (dev mode there; the admin token here): drops
+        every cached prefix state on the engine thread, between steps. 409 when the server
+        runs without prefix caching."""
+        admin(http)
+        done = await asyncio.to_thread(server.loop.call, lambda eng: eng.reset_prefix_cache())
+        if not done:
+            raise HTTPError(409, "prefix caching is off (--no-enable-prefix-caching or "
+                            "--prefix-cache-gb 0)", code="prefix_caching_disabled")
+        return JSONResponse({"reset": True})
+
     @app.get("/admin/stats")
     async def stats(http: Request) -> JSONResponse:
         admin(http)

@@ -997,6 +997,15 @@ class Engine:
         if key is not None and self.prefix_cache.wants(key):
             self.prefix_cache.store(key, tokens, snapshot_rows(rows, tokens))
 
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached prefix state (vLLM's `reset_prefix_cache`); running rows keep
+        their own caches (a cached state is a copy), so this is safe between steps. False
+        when caching is off."""
+        if self.prefix_cache is None:
+            return False
+        self.prefix_cache.clear()
+        return True
+
     def prefix_cache_stats(self) -> dict[str, Any] | None:
         """The prefix cache's counters (`PrefixCache.stats`), None when caching is off."""
         return None if self.prefix_cache is None else self.prefix_cache.stats()
