@@ -417,6 +417,32 @@ def bound_reads(cache: Any, n: int | None) -> Any:
     return cache.replace(attend=int(n))
 
 
+def first_rows(cache: KVCache, rows: int) -> KVCache:
+    """The cache as a decode step over its first `rows` rows sees it (the serving engine's
+    row bound: a step costs the rows it runs, not `max_batch`): lengths and GSM rings cut
+    to those rows; k and v (and their scales) stay whole, the step writes its rows' new
+    slots in place and reads rows [0, rows) of them (`kv_attention`). `put_first_rows`
+    puts the step's result back. For the dense families' KVCache (`can_bound_reads`)."""
+    if not isinstance(rows, int) or isinstance(rows, bool) or not 1 <= rows <= len(
+            cache.lengths):
+        raise InvalidInputError(f"first_rows: rows must be in [1, {len(cache.lengths)}], "
+                                f"got {rows!r}")
+    rings = None if cache.rings is None else tuple(r[:, :rows] for r in cache.rings)
+    return cache.replace(lengths=cache.lengths[:rows], rings=rings)
+
+
+def put_first_rows(cache: KVCache, part: KVCache) -> KVCache:
+    """`cache` (the whole one `first_rows` cut) with the step's result `part` for its first
+    rows: part's k, v (the whole arrays, written in place), its lengths and rings put into
+    rows [0, rows) of cache's."""
+    rings = cache.rings
+    if rings is not None:
+        rings = tuple(jax.lax.dynamic_update_slice(r, p.astype(r.dtype), (0,) * r.ndim)
+                      for r, p in zip(rings, part.rings, strict=True))
+    return part.replace(lengths=jax.lax.dynamic_update_slice(
+        cache.lengths, part.lengths.astype(cache.lengths.dtype), (0,)), rings=rings)
+
+
 def insert_rows(cache: Any, rows: Any, slots: jax.Array) -> Any:
     """Copy the rows of `rows` (same max_len) into `cache` at batch indices `slots` [b]:
     continuous batching, a request prefilled on its own joins a running batch. Works for
@@ -501,12 +527,15 @@ def kv_attention(q: jax.Array, k: jax.Array, v: jax.Array, kv_cache: tuple | Non
     mask = step.cache_mask()
     if mask_fn is not None:
         mask = mask_fn(mask, step.slots)
-    # Bounded reads (`bound_reads`): only the slots [0, attend) the rows can hold.
+    # Bounded reads (`bound_reads`): only the slots [0, attend) the rows can hold; and only
+    # the call's rows: a decode step over the first rows of a bigger cache (`first_rows`)
+    # reads those rows.
     n = piece[0].shape[2] if step.attend is None else step.attend
-    kr, vr = piece[0][:, :, :n], piece[1][:, :, :n]
+    b = q.shape[0]
+    kr, vr = piece[0][:b, :, :n], piece[1][:b, :, :n]
     if kv_dtype is not None:
-        kr = kv_dequantize(kr, piece[2][:, :, :n], q.dtype)
-        vr = kv_dequantize(vr, piece[3][:, :, :n], q.dtype)
+        kr = kv_dequantize(kr, piece[2][:b, :, :n], q.dtype)
+        vr = kv_dequantize(vr, piece[3][:b, :, :n], q.dtype)
     with jax.named_scope("attention"):
         if step.mode == "decode":
             out = decode_attention(q[:, 0], kr, vr, mask[:, 0], scale)[:, None]

@@ -31,6 +31,14 @@ the whole cache. A chunked prefill's `extend` is bounded the same way. Families 
 caches have their own sizes (DeepSeek-V4's sliding window and compressed entries) are
 not bounded (one program).
 
+Rows bounded by what is running (`bound_rows`, on by default). A decode step runs the first
+r slots only, r = the power of two >= the highest running slot + 1 (new requests take the
+lowest free slot, so the running ones stay low): one stream costs a one-row step, not a
+`max_batch` one (vLLM pads its batches to a few captured sizes the same way). Each (n, r)
+pair is one compiled program, all compiled by `warmup`; the slots past r are left as they
+are (`models.common.first_rows`). The dense families' caches on one device; DeepSeek caches
+and a mesh (its data axis splits the slots) step every slot.
+
 A request finishes at EOS (kept in its output, like `generate_tokens`), at its
 `max_new_tokens`, or when the caller aborts it (`abort`: a client that went away,
 a stop string matched); its slot is free for the next step's admissions.
@@ -297,14 +305,27 @@ def _prefill_insert(weights, tokens, lengths, cache, slots, gsm, *, config, max_
     return logits, family.cache_insert(cache, rows, slots)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "attend"), donate_argnames=("cache",))
-def _decode(weights, tokens, cache, gsm, active, *, config, attend: int | None = None):
+@functools.partial(jax.jit, static_argnames=("config", "attend", "rows"),
+                   donate_argnames=("cache",))
+def _decode(weights, tokens, cache, gsm, active, *, config, attend: int | None = None,
+            rows: int | None = None):
     """One decode step over every slot, attending over the first `attend` cache slots
     (None: all; every active row must hold fewer tokens); returns the logits per slot and
-    the cache (whole: the writes go to all `max_len` slots)."""
-    logits, cache = family_module(config.family).decode_step(
-        weights, config, tokens, common.bound_reads(cache, attend), gsm, active)
-    return logits, _unbound(cache)
+    the cache (whole: the writes go to all `max_len` slots).
+
+    `rows` (the row bound, `Engine.rows_bound`): only the first `rows` slots step, so the
+    step costs the rows in use, not `max_batch`; tokens, gsm and active are given for
+    those rows and the logits come back for them; the other slots are left as they are
+    (`common.first_rows`). None: every slot."""
+    family = family_module(config.family)
+    if rows is None:
+        logits, cache = family.decode_step(
+            weights, config, tokens, common.bound_reads(cache, attend), gsm, active)
+        return logits, _unbound(cache)
+    logits, part = family.decode_step(
+        weights, config, tokens, common.bound_reads(common.first_rows(cache, rows), attend),
+        gsm, active)
+    return logits, common.put_first_rows(cache, _unbound(part))
 
 
 COMPILED = {"pick": _pick, "prefill": _prefill, "extend": _extend, "insert": _insert,
@@ -391,8 +412,12 @@ class Engine:
     model's own). `prefix_cache_bytes` > 0: automatic prefix caching within that many
     bytes (`serving/prefix_cache.py`: the states at prefill-chunk boundaries, GSM rings
     included, reused by later prompts that start with the same chunks; outputs are bit for
-    bit those with caching off; needs `prefill_chunk`). Use `submit` + `step` to drive it
-    yourself, or `run`.
+    bit those with caching off; needs `prefill_chunk`). `bound_rows` (default on): a decode
+    step runs the first power of two of slots that holds every running row (new requests
+    take the lowest free slot), so one stream costs a one-row step, not a `max_batch` one,
+    as vLLM's batch-size buckets do (the dense families' caches on one device; DeepSeek
+    caches and a mesh step every slot). Use `submit` + `step` to drive it yourself, or
+    `run`.
     """
 
     def __init__(self, params: ModelParams, *, max_batch: int = 8, max_len: int = 1024,
@@ -400,7 +425,7 @@ class Engine:
                  eos_ids: Sequence[int] | None = None, seed: int = 0,
                  prefill_chunk: int | None = 512, gsm_ring: int | None = None,
                  min_attend: int | None = 128, kv_cache_dtype: str | None = None,
-                 prefix_cache_bytes: int = 0) -> None:
+                 prefix_cache_bytes: int = 0, bound_rows: bool = True) -> None:
         if not isinstance(params, ModelParams):
             raise InvalidInputError(
                 f"params must be what gsm_jax.load returns (ModelParams), got "
@@ -445,6 +470,7 @@ class Engine:
             raise InvalidInputError(f"gsm_ring must be an integer >= 1, got {gsm_ring!r}")
         self._ring_request = None if gsm_ring is None else int(gsm_ring)
         self.min_attend = check_min_attend(min_attend)
+        self.bound_rows = bool(bound_rows)
         if eos_ids is None:
             tok = params.tokenizer
             eos_ids = tok.eos_ids if tok is not None else self.config.eos_token_ids
@@ -1010,17 +1036,51 @@ class Engine:
         """The prefix cache's counters (`PrefixCache.stats`), None when caching is off."""
         return None if self.prefix_cache is None else self.prefix_cache.stats()
 
-    def _decode_args(self) -> tuple[np.ndarray, tuple, dict[str, Any]]:
-        """(active slots, arguments, static keywords) of the next decode step's `_decode`."""
-        active = np.array([s is not None for s in self.slots])
-        gsm = self._gsm_inputs(self._rows * active, self._strength, self._window)
-        # an active row holds its prompt and every output token but the last (this
-        # step writes that one at slot `held`)
-        held = max((r.prompt_len + r.n_tokens - 1 for r in self.slots if r is not None),
-                   default=0)
-        args = (self.params.weights, jnp.asarray(self._last), self._cache, gsm,
-                jnp.asarray(active))
-        return active, args, {"config": self.config, "attend": self.attend_bound(held)}
+    def rows_bound(self, active: np.ndarray) -> int | None:
+        """The row bound of a decode step whose running slots are `active` [max_batch]: the
+        power of two >= the highest running slot + 1; None (every slot) when that is
+        max_batch, when bounding is off, on a mesh (the data axis splits the slots), or for a
+        cache `common.first_rows` cannot cut (DeepSeek's)."""
+        if (not self.bound_rows or self._mesh is not None
+                or not common.can_bound_reads(self._cache)):
+            return None
+        used = np.flatnonzero(active)
+        n = bucket(int(used[-1]) + 1 if used.size else 1)
+        return None if n >= self.max_batch else n
+
+    def rows_bounds(self) -> list[int | None]:
+        """Every row bound a decode step can take (1, 2, 4, ... below max_batch, then None:
+        all); one each when bounding is off."""
+        if (not self.bound_rows or self._mesh is not None
+                or not common.can_bound_reads(self._cache)):
+            return [None]
+        out, n = [], 1
+        while n < self.max_batch:
+            out.append(n)
+            n *= 2
+        return out + [None]
+
+    def _decode_args(self, active: np.ndarray | None = None, attend: Any = "held",
+                     rows: Any = "active") -> tuple[np.ndarray, tuple, dict[str, Any]]:
+        """(active slots, arguments, static keywords) of the next decode step's `_decode`;
+        the per-slot arguments are cut to its row bound. `active` / `attend` / `rows`
+        override what the slots say (the warm-up compiles every bound on idle slots)."""
+        if active is None:
+            active = np.array([s is not None for s in self.slots])
+        if attend == "held":
+            # an active row holds its prompt and every output token but the last (this
+            # step writes that one at slot `held`)
+            held = max((r.prompt_len + r.n_tokens - 1 for r in self.slots if r is not None),
+                       default=0)
+            attend = self.attend_bound(held)
+        if rows == "active":
+            rows = self.rows_bound(active)
+        cut = slice(None) if rows is None else slice(0, rows)
+        gsm = self._gsm_inputs((self._rows * active)[cut], self._strength[cut],
+                               self._window[cut])
+        args = (self.params.weights, jnp.asarray(self._last[cut]), self._cache, gsm,
+                jnp.asarray(active[cut]))
+        return active, args, {"config": self.config, "attend": attend, "rows": rows}
 
     def lower_decode(self) -> Any:
         """The decode step the engine would run next, lowered but not run (a
@@ -1032,14 +1092,14 @@ class Engine:
 
     def _decode_once(self) -> list[RequestRecord]:
         active, args, kw = self._decode_args()
-        counts = [0 if r is None else r.n_tokens for r in self.slots]
-        sampling = (jnp.asarray(self._temps), jnp.asarray(self._top_k),
-                    jnp.asarray(self._top_p), jnp.asarray(self._seeds),
-                    jnp.asarray(counts, jnp.int32))
+        cut = slice(None) if kw["rows"] is None else slice(0, kw["rows"])
+        counts = np.array([0 if r is None else r.n_tokens for r in self.slots], np.int32)
+        sampling = tuple(jnp.asarray(a[cut]) for a in (
+            self._temps, self._top_k, self._top_p, self._seeds, counts))
         sample = bool((self._temps[active] > 0).any())
         penalties = None
         if self._penalized[active].any():
-            penalties = tuple(jnp.asarray(a) for a in (
+            penalties = tuple(jnp.asarray(a[cut]) for a in (
                 self._freq, self._pres, self._rep, self._out_counts, self._seen, self._bias))
         t = clock()
         with on_mesh(self._mesh):
@@ -1121,19 +1181,21 @@ class Engine:
         return out
 
     def _warm_attend(self) -> dict[str, float]:
-        """Compile and run the decode program of every read bound on the idle cache, every
-        row inactive (no row advances; the junk rows' slots it writes are overwritten by
-        the next admissions)."""
+        """Compile and run the decode program of every read bound and row bound (and the
+        greedy pick of each row bound) on the idle cache, every row inactive (no row
+        advances; the junk rows' slots it writes are overwritten by the next admissions)."""
         inactive = np.zeros((self.max_batch,), bool)
-        gsm = self._gsm_inputs(self._rows * inactive, self._strength, self._window)
         out: dict[str, float] = {}
         for n in self.attend_bounds():
             t = clock()
-            with on_mesh(self._mesh):
-                _, self._cache = _decode(self.params.weights, jnp.asarray(self._last),
-                                         self._cache, gsm, jnp.asarray(inactive),
-                                         config=self.config, attend=n)
-                jax.block_until_ready(self._cache)
+            for rows in self.rows_bounds():
+                _, args, kw = self._decode_args(inactive, attend=n, rows=rows)
+                with on_mesh(self._mesh):
+                    logits, self._cache = _decode(*args, **kw)
+                    jax.block_until_ready(_pick(logits, tuple(
+                        jnp.zeros(logits.shape[:1], d) for d in (
+                            jnp.float32, jnp.int32, jnp.float32, jnp.int32, jnp.int32)),
+                        sample=False, filtered=False))
             out[str(n or self.max_len)] = clock() - t
         return out
 
