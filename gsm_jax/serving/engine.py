@@ -1195,7 +1195,7 @@ class Engine:
                     jax.block_until_ready(_pick(logits, tuple(
                         jnp.zeros(logits.shape[:1], d) for d in (
                             jnp.float32, jnp.int32, jnp.float32, jnp.int32, jnp.int32)),
-                        sample=False, filtered=False))
+                        None, sample=False, filtered=False))  # as `_decode_once` calls it
             out[str(n or self.max_len)] = clock() - t
         return out
 
