@@ -18,7 +18,8 @@ Per-stream decode rate:
   `common.measure_decode` does.
 
 Rounds alternate the order (server first, then generate; then the reverse), `--repeats`
-of them, after one untimed round that compiles everything. Reported: the median rate of
+of them, after one untimed round that compiles everything and a wait (at most
+`--settle-s`) for the load average to fall below 1. Reported: the median rate of
 each, their ratio (target >= 0.9), TTFT of the stream, and the 1-minute load average
 before and after (above 1.5: marked not comparable). Both sides run on the whole machine,
 as a user runs them; nothing is pinned.
@@ -51,6 +52,13 @@ def wikitext_prompt(tokenizer, n_tokens: int) -> list[int]:
     if len(ids) < n_tokens:
         raise SystemExit(f"no WikiText-2 paragraph has {n_tokens} tokens")
     return ids[:n_tokens]
+
+
+def settle(limit_s: float, below: float = 1.0) -> None:
+    """Wait (at most limit_s) for the 1-minute load average to fall below `below`."""
+    end = time.time() + limit_s
+    while time.time() < end and (common.load_average() or [0])[0] >= below:
+        time.sleep(5)
 
 
 def stream_once(url: str, model: str, prompt: list[int], new_tokens: int) -> dict:
@@ -89,11 +97,14 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=6)
+    ap.add_argument("--settle-s", type=float, default=180.0,
+                    help="before timing, wait at most this long for the 1-minute load "
+                         "average to fall below 1 (start-up compiles raise it)")
     ap.add_argument("--quick", action="store_true",
                     help="smoke run: 16 new tokens, 2 repeats (not a measurement)")
     args = ap.parse_args()
     if args.quick:
-        args.new_tokens, args.repeats = 16, 2
+        args.new_tokens, args.repeats, args.settle_s = 16, 2, 0.0
     if args.new_tokens < 2 or args.prompt_tokens < 1 or args.repeats < 1:
         raise SystemExit("--new-tokens must be >= 2, --prompt-tokens and --repeats >= 1")
     out_dir = Path(args.out)
@@ -118,16 +129,20 @@ def main() -> None:
           flush=True)
     server.start()
     try:
+        # a warm-up round (compiles generate's programs), then quiet before timing: the
+        # server's start-up compiles raise the load average for a minute after
+        stream_once(server.url, args.model, prompt, n)
+        jax.block_until_ready((gen(1), gen(n)))
+        settle(args.settle_s)
         served, generated, ttft = [], [], []
         load_before = common.load_average()
-        for r in range(args.repeats + 1):  # round 0: untimed (compiles everything)
+        for r in range(1, args.repeats + 1):
             order = ("server", "generate") if r % 2 == 0 else ("generate", "server")
             for side in order:
                 if side == "server":
                     s = stream_once(server.url, args.model, prompt, n)
-                    if r:
-                        served.append(s["decode_tok_s"])
-                        ttft.append(s["ttft_s"])
+                    served.append(s["decode_tok_s"])
+                    ttft.append(s["ttft_s"])
                 else:
                     t = time.perf_counter()
                     jax.block_until_ready(gen(1))
@@ -135,11 +150,9 @@ def main() -> None:
                     t = time.perf_counter()
                     jax.block_until_ready(gen(n))
                     tn = time.perf_counter() - t
-                    if r:
-                        generated.append((n - 1) / (tn - t1) if tn > t1 else float("nan"))
-            if r:
-                print(f"[serve-stream] round {r}/{args.repeats}: server {served[-1]:.1f} "
-                      f"tok/s, generate {generated[-1]:.1f} tok/s", flush=True)
+                    generated.append((n - 1) / (tn - t1) if tn > t1 else float("nan"))
+            print(f"[serve-stream] round {r}/{args.repeats}: server {served[-1]:.1f} "
+                  f"tok/s, generate {generated[-1]:.1f} tok/s", flush=True)
         load_after = common.load_average()
     finally:
         server.stop()

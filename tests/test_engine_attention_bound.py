@@ -212,7 +212,7 @@ def test_decode_program_runs_only_the_rows_in_use(llama_params):
     """max_batch 16, one request in slot 0: the decode step is compiled for one row (logits
     [1, V], no batch-16 array in its attention), the whole-batch engine (bound_rows=False)
     for 16; both
-    bounds on slots too. `rows_bound` is the power of two above the highest running slot,
+    bounds on slots too. `rows_bound` is the power of 4 above the highest running slot,
     None at max_batch; refused on a DeepSeek cache (its caches are not cut)."""
     prompt = np.random.default_rng(1).integers(4, 64, 20).tolist()
     vocab = llama_params.config.vocab_size
@@ -229,11 +229,11 @@ def test_decode_program_runs_only_the_rows_in_use(llama_params):
     eng = Engine(llama_params, max_batch=8, max_len=256, eos_ids=[])
     act = np.zeros(8, bool)
     assert eng.rows_bound(act) == 1
-    for slot, want in ((0, 1), (1, 2), (2, 4), (3, 4), (4, 8), (7, 8)):
+    for slot, want in ((0, 1), (1, 4), (2, 4), (3, 4), (4, 16), (7, 16)):
         act[:] = False
         act[slot] = True
-        assert eng.rows_bound(act) == (None if want == 8 else want), slot
-    assert eng.rows_bounds() == [1, 2, 4, None]
+        assert eng.rows_bound(act) == (None if want >= 8 else want), slot
+    assert eng.rows_bounds() == [1, 4, None]
     from tiny_models import tiny_dsv4
 
     dsv4 = Engine(tiny_dsv4(), max_batch=4, max_len=64, eos_ids=[])
@@ -242,24 +242,27 @@ def test_decode_program_runs_only_the_rows_in_use(llama_params):
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_row_bounded_engine_equals_whole_batch_engine(llama_params, family):
-    """max_batch 4: requests arrive and finish so the running slots go 1 -> 2 -> 3 -> 1 and
-    a late one takes the lowest free slot; GSM on for some rows (their rings cut and put
-    back), a seeded sampled row, a penalized row. Every request's tokens equal those of the
-    engine stepping all 4 slots every step (bound_rows=False), and after the run the
-    caches agree (lengths exactly; the k / v slots the rows hold to float tolerance: a
-    one-row step may sum in another order than a four-row one). The GSM rings of running
-    rows feed the smoothed rows' tokens; a freed row's ring is junk either way (the
-    whole-batch step keeps computing it as an idle row; an admission overwrites it)."""
+    """max_batch 5 (row bounds 1, 4, all): requests arrive and finish so the running
+    slots go 1 -> 4 -> 5 -> fewer, and a late one takes the lowest free slot; GSM on for
+    some rows (their rings cut and put back), a seeded sampled row, a penalized row. Every
+    request's tokens equal those of the engine stepping all 5 slots every step
+    (bound_rows=False), and after the run the caches agree (lengths exactly; the k / v
+    slots the rows hold to float tolerance: a one-row step may sum in another order than
+    a five-row one). The GSM rings of running rows feed the smoothed rows' tokens; a freed
+    row's ring is junk either way (the whole-batch step keeps computing it as an idle
+    row; an admission overwrites it)."""
     params = llama_params if family == "llama" else tiny_gemma3()
     rng = np.random.default_rng(7)
     shapes = [(6, 24, GSM, {}), (9, 6, None, {"temperature": 0.8, "seed": 3}),
-              (4, 10, GSM, {"frequency_penalty": 0.5}), (7, 12, None, {})]
-    arrive = [0, 2, 3, 14]  # at engine steps
+              (4, 10, GSM, {"frequency_penalty": 0.5}), (7, 12, None, {}), (5, 8, GSM, {}),
+              (3, 5, None, {})]
+    arrive = [0, 2, 3, 14, 4, 5]  # at engine steps
     prompts = [rng.integers(4, 64, n).tolist() for n, _, _, _ in shapes]
     outs, caches = {}, {}
     for bound_rows in (True, False):
-        eng = Engine(params, max_batch=4, max_len=64, compile_gsm=True, eos_ids=[],
+        eng = Engine(params, max_batch=5, max_len=64, compile_gsm=True, eos_ids=[],
                      bound_rows=bound_rows)
+        assert eng.rows_bounds() == ([1, 4, None] if bound_rows else [None])
         recs, seen_rows = [], set()
         for step in range(80):
             for i, at in enumerate(arrive):
@@ -273,7 +276,7 @@ def test_row_bounded_engine_equals_whole_batch_engine(llama_params, family):
             eng.step()
         assert not eng.has_work
         if bound_rows:
-            assert {1, 2, None} <= seen_rows, seen_rows  # 1, 2 and all 4 rows stepped
+            assert seen_rows == {1, 4, None}, seen_rows  # 1, 4 and all 5 rows stepped
         outs[bound_rows] = [list(r.tokens) for r in recs]
         caches[bound_rows] = eng._cache
     assert outs[True] == outs[False]

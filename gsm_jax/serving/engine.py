@@ -31,13 +31,14 @@ the whole cache. A chunked prefill's `extend` is bounded the same way. Families 
 caches have their own sizes (DeepSeek-V4's sliding window and compressed entries) are
 not bounded (one program).
 
-Rows bounded by what is running (`bound_rows`, on by default). A decode step runs the first
-r slots only, r = the power of two >= the highest running slot + 1 (new requests take the
-lowest free slot, so the running ones stay low): one stream costs a one-row step, not a
-`max_batch` one (vLLM pads its batches to a few captured sizes the same way). Each (n, r)
-pair is one compiled program, all compiled by `warmup`; the slots past r are left as they
-are (`models.common.first_rows`). The dense families' caches on one device; DeepSeek caches
-and a mesh (its data axis splits the slots) step every slot.
+Rows bounded by what is running (`bound_rows`, on by default). A decode step runs the
+first r slots only, r = the power of 4 >= the highest running slot + 1
+(`ROW_BOUND_FACTOR`; new requests take the lowest free slot, so the running ones stay
+low): one stream costs a one-row step, not a `max_batch` one (vLLM pads its batches to a
+few captured sizes the same way). Each (n, r) pair is one compiled program, all compiled
+by `warmup`; the slots past r are left as they are (`models.common.first_rows`). The
+dense families' caches on one device; DeepSeek caches and a mesh (its data axis splits
+the slots) step every slot.
 
 A request finishes at EOS (kept in its output, like `generate_tokens`), at its
 `max_new_tokens`, or when the caller aborts it (`abort`: a client that went away,
@@ -328,6 +329,12 @@ def _decode(weights, tokens, cache, gsm, active, *, config, attend: int | None =
     return logits, common.put_first_rows(cache, _unbound(part))
 
 
+# Row bounds grow by this factor (1, 4, 16, ...): on CPU a decode step's cost is mostly the
+# weights it reads, so 2 rows cost about what 1 does and 4 little more, while every bound
+# is another program per read bound to compile at start-up (powers of two: 25 at the
+# default --max-batch 16 --max-len 2048; powers of four: 15).
+ROW_BOUND_FACTOR = 4
+
 COMPILED = {"pick": _pick, "prefill": _prefill, "extend": _extend, "insert": _insert,
             "prefill_insert": _prefill_insert, "decode": _decode}
 
@@ -413,11 +420,11 @@ class Engine:
     bytes (`serving/prefix_cache.py`: the states at prefill-chunk boundaries, GSM rings
     included, reused by later prompts that start with the same chunks; outputs are bit for
     bit those with caching off; needs `prefill_chunk`). `bound_rows` (default on): a decode
-    step runs the first power of two of slots that holds every running row (new requests
-    take the lowest free slot), so one stream costs a one-row step, not a `max_batch` one,
-    as vLLM's batch-size buckets do (the dense families' caches on one device; DeepSeek
-    caches and a mesh step every slot). Use `submit` + `step` to drive it yourself, or
-    `run`.
+    step runs the first 1, 4, 16, ... slots, the fewest that hold every running row (new
+    requests take the lowest free slot), so one stream costs a one-row step, not a
+    `max_batch` one, as vLLM's batch-size buckets do (the dense families' caches on one
+    device; DeepSeek caches and a mesh step every slot). Use `submit` + `step` to drive it
+    yourself, or `run`.
     """
 
     def __init__(self, params: ModelParams, *, max_batch: int = 8, max_len: int = 1024,
@@ -1038,18 +1045,20 @@ class Engine:
 
     def rows_bound(self, active: np.ndarray) -> int | None:
         """The row bound of a decode step whose running slots are `active` [max_batch]: the
-        power of two >= the highest running slot + 1; None (every slot) when that is
-        max_batch, when bounding is off, on a mesh (the data axis splits the slots), or for a
-        cache `common.first_rows` cannot cut (DeepSeek's)."""
+        power of `ROW_BOUND_FACTOR` (4) >= the highest running slot + 1; None (every slot)
+        when that reaches max_batch, when bounding is off, on a mesh (the data axis splits
+        the slots), or for a cache `common.first_rows` cannot cut (DeepSeek's)."""
         if (not self.bound_rows or self._mesh is not None
                 or not common.can_bound_reads(self._cache)):
             return None
         used = np.flatnonzero(active)
-        n = bucket(int(used[-1]) + 1 if used.size else 1)
+        top, n = (int(used[-1]) + 1 if used.size else 1), 1
+        while n < top:
+            n *= ROW_BOUND_FACTOR
         return None if n >= self.max_batch else n
 
     def rows_bounds(self) -> list[int | None]:
-        """Every row bound a decode step can take (1, 2, 4, ... below max_batch, then None:
+        """Every row bound a decode step can take (1, 4, 16, ... below max_batch, then None:
         all); one each when bounding is off."""
         if (not self.bound_rows or self._mesh is not None
                 or not common.can_bound_reads(self._cache)):
@@ -1057,7 +1066,7 @@ class Engine:
         out, n = [], 1
         while n < self.max_batch:
             out.append(n)
-            n *= 2
+            n *= ROW_BOUND_FACTOR
         return out + [None]
 
     def _decode_args(self, active: np.ndarray | None = None, attend: Any = "held",
