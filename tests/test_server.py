@@ -418,6 +418,90 @@ def test_gsm_file_watcher_reloads_and_keeps_last_good(server):
 # ----------------------------------------------------------------------------- bad input
 
 
+LAMBADA_TASK = """task: gsm_jax_lambada
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {path}
+test_split: test
+output_type: loglikelihood
+doc_to_text: "{{{{text.split(' ')[:-1]|join(' ')}}}}"
+doc_to_target: "{{{{' '+text.split(' ')[-1]}}}}"
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+"""
+
+
+def test_lm_eval_harness_scores_lambada_through_the_server(url, params, tmp_path,
+                                                           monkeypatch):
+    """lm-evaluation-harness (0.4.13) runs LAMBADA against the server as its users run it
+    against vLLM: `local-completions`, which finds the server's /tokenizer_info and
+    /tokenize and tokenizes through them (no tokenizer files on the client), then scores
+    each example with an echo + logprobs request (lambada_openai's split and metric: the
+    target tokens all greedy). GSM off. Its accuracy equals, example for example, the
+    in-process evaluator's (`gsm_jax.workflow.evaluate.Evaluator`, LAMBADA last-word
+    accuracy under greedy decoding) on the same examples, and the same metric computed
+    from `gsm_jax.forward` in this process."""
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    from gsm_jax.workflow.data import default_lambada_path, split_last_word
+    from gsm_jax.workflow.evaluate import Evaluator
+
+    assert httpx.put(f"{url}/admin/gsm", json={"enable": False, "target_layers": "all"},
+                     headers=ADMIN).status_code == 200
+    tok = params.tokenizer
+    texts = []
+    for line in default_lambada_path().read_text(encoding="utf-8").split("\n"):
+        if not line.strip():
+            continue
+        text = json.loads(line)["text"]
+        ex = split_last_word(text)
+        head, _, last = text.rpartition(" ")
+        # lm-eval's split (at the last space) must be the evaluator's, and fit max_len 256
+        if (ex.separator, ex.context, ex.target) == (" ", head, last) and len(
+                tok.encode(text)) <= 160:
+            texts.append(text)
+        if len(texts) == 24:
+            break
+    data = tmp_path / "lambada.jsonl"
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    (tmp_path / "tasks").mkdir()
+    (tmp_path / "tasks" / "gsm_jax_lambada.yaml").write_text(LAMBADA_TASK.format(path=data))
+
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    out = lm_eval.simple_evaluate(
+        model="local-completions",
+        model_args=f"model={MODEL},base_url={url}/v1/completions,num_concurrent=1,"
+                   "max_retries=1,tokenized_requests=True",
+        tasks=["gsm_jax_lambada"], task_manager=TaskManager(include_path=str(tmp_path / "tasks")),
+        batch_size=1, log_samples=True)
+    acc = out["results"]["gsm_jax_lambada"]["acc,none"]
+    harness = [bool(s["acc"]) for s in sorted(out["samples"]["gsm_jax_lambada"],
+                                              key=lambda s: s["doc_id"])]
+    assert len(harness) == len(texts) == 24
+
+    # the same metric from gsm_jax.forward (lm-eval's pair encoding: context, then the rest)
+    mine = []
+    for text in texts:
+        head, _, last = text.rpartition(" ")
+        whole = tok.encode(head + " " + last, add_bos=False)
+        ctx = tok.encode(head, add_bos=False)
+        logits = np.asarray(gsm_jax.forward(params, [whole]))[0]
+        mine.append(all(int(logits[i - 1].argmax()) == whole[i]
+                        for i in range(len(ctx), len(whole))))
+    assert harness == mine
+    ev = Evaluator(params, lambada=str(data), num_sequences=1, seq_len=2, greedy_prompts=0,
+                   progress=False)
+    correct = [bool(c) for c in ev.reference(("lambada",))["lambada_correct"]]
+    assert harness == correct, (harness, correct)
+    assert acc == pytest.approx(np.mean(correct)) and 0 < acc < 1
+
+
 def test_bad_input_gets_openai_errors(url):
     def err(r, status, code=None):
         assert r.status_code == status, r.text

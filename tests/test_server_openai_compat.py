@@ -286,6 +286,41 @@ def test_models_by_id_and_response_ids(client, url):
     assert r.headers["x-request-id"] == "abc"
 
 
+def test_tokenizer_endpoints(url, params):
+    """vLLM's /tokenize (prompt, with or without BOS; chat messages as the chat endpoint
+    renders them), /detokenize and /tokenizer_info (what lm-evaluation-harness's
+    local-completions probes for); bad bodies are 400 naming the problem, another model 404."""
+    tok = params.tokenizer
+    r = httpx.post(f"{url}/tokenize", json={"prompt": "hello there"}, timeout=30)
+    assert r.status_code == 200 and r.json() == {
+        "count": len(tok.encode("hello there")), "max_model_len": MAX_LEN,
+        "tokens": tok.encode("hello there")}
+    r = httpx.post(f"{url}/tokenize", json={"model": NAME, "prompt": "hello",
+                                           "add_special_tokens": False}, timeout=30)
+    assert r.json()["tokens"] == tok.encode("hello", add_bos=False)
+    msgs = [{"role": "user", "content": "hi"}]
+    r = httpx.post(f"{url}/tokenize", json={"messages": msgs}, timeout=30)
+    assert r.json()["tokens"] == tok.encode_chat(msgs)  # what /v1/chat/completions sends
+    ids = tok.encode("a lazy dog")
+    r = httpx.post(f"{url}/detokenize", json={"tokens": ids}, timeout=30)
+    assert r.status_code == 200 and r.json() == {
+        "prompt": tok.decode(ids, skip_special_tokens=False)}
+    info = httpx.get(f"{url}/tokenizer_info", timeout=30).json()
+    assert info["eos_token"] == "</s>" and info["bos_token"] == "<s>"
+    assert info["chat_template"] == tok.chat_template and info["model_max_length"] == MAX_LEN
+    for path, body, param in (
+            ("/tokenize", {}, "prompt"),
+            ("/tokenize", {"prompt": "a", "messages": msgs}, "prompt"),
+            ("/tokenize", {"prompt": 5}, "prompt"),
+            ("/tokenize", {"prompt": "a", "colour": "red"}, "colour"),
+            ("/detokenize", {"tokens": [1, 10_000]}, "tokens"),
+            ("/detokenize", {"tokens": "abc"}, "tokens")):
+        r = httpx.post(f"{url}{path}", json=body, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+    r = httpx.post(f"{url}/tokenize", json={"model": "other", "prompt": "a"}, timeout=30)
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+
+
 # ----------------------------------------------------------------------------- refusals
 
 

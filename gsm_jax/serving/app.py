@@ -63,6 +63,8 @@ from gsm_jax.serving.protocol import (
     MAX_LOGPROBS,
     ChatRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
     ValidationError,
     error_body,
     first_error,
@@ -941,6 +943,69 @@ def build_app(server: GSMServer, *, load_in_background: bool = True) -> FastAPI:
                             f"{server.name!r}", type="not_found_error", param="model",
                             code="model_not_found")
         return JSONResponse(model_card())
+
+    # vLLM's tokenizer endpoints (lm-evaluation-harness's `local-completions` finds them and
+    # tokenizes through the server: no tokenizer files on the client's side)
+    async def tool_body(http: Request, model_cls: Any) -> Any:
+        server._ready()
+        raw = await json_body(http)
+        if not isinstance(raw, dict):
+            raise HTTPError(400, "the body must be a JSON object", code="invalid_json")
+        try:
+            body = model_cls.model_validate(raw)
+        except ValidationError as e:
+            msg, param = first_error(e)
+            raise HTTPError(400, msg, param=param, code="invalid_value") from e
+        if body.model is not None and body.model != server.name:
+            raise HTTPError(404, f"the model {body.model!r} does not exist; this server "
+                            f"serves {server.name!r}", type="not_found_error", param="model",
+                            code="model_not_found")
+        if server.params.tokenizer is None:
+            raise HTTPError(400, f"{server.name}: no tokenizer", code="no_tokenizer")
+        return body
+
+    @app.post("/tokenize")
+    async def tokenize(http: Request) -> JSONResponse:
+        body = await tool_body(http, TokenizeRequest)
+        tok = server.params.tokenizer
+        if (body.prompt is None) == (body.messages is None):
+            raise HTTPError(400, "give either prompt or messages", param="prompt")
+        if body.messages is not None:
+            kwargs = dict(body.chat_template_kwargs or {})
+            kwargs["add_generation_prompt"] = body.add_generation_prompt
+            try:
+                ids = tok.encode_chat([m.as_template_message() for m in body.messages],
+                                      **kwargs)
+            except GSMJaxError as e:
+                raise HTTPError(400, str(e), param="messages") from e
+        else:
+            ids = tok.encode(body.prompt, add_bos=None if body.add_special_tokens else False)
+        return JSONResponse({"count": len(ids), "max_model_len": server.options.max_len,
+                             "tokens": ids})
+
+    @app.post("/detokenize")
+    async def detokenize(http: Request) -> JSONResponse:
+        body = await tool_body(http, DetokenizeRequest)
+        vocab = server.params.config.vocab_size
+        bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise HTTPError(400, f"token id {bad} is outside the vocabulary [0, {vocab})",
+                            param="tokens")
+        text = server.params.tokenizer.decode(body.tokens, skip_special_tokens=False)
+        return JSONResponse({"prompt": text})
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> JSONResponse:
+        server._ready()
+        tok = server.params.tokenizer
+        if tok is None:
+            raise HTTPError(400, f"{server.name}: no tokenizer", code="no_tokenizer")
+        return JSONResponse({"tokenizer_class": "gsm_jax.Tokenizer",
+                             "bos_token": tok.bos_token, "eos_token": tok.eos_token,
+                             "pad_token": tok.pad_token, "add_bos_token": tok.add_bos,
+                             "chat_template": tok.chat_template,
+                             "model_max_length": server.options.max_len,
+                             "vocab_size": server.params.config.vocab_size})
 
     @app.get("/health")
     async def health() -> JSONResponse:

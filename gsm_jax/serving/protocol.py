@@ -18,8 +18,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-__all__ = ["MAX_LOGPROBS", "ChatRequest", "CompletionRequest", "ValidationError", "error_body",
-           "first_error", "unsupported_field"]
+__all__ = ["MAX_LOGPROBS", "ChatRequest", "CompletionRequest", "DetokenizeRequest",
+           "TokenizeRequest", "ValidationError", "error_body", "first_error",
+           "unsupported_field"]
 
 MAX_LOGPROBS = 20  # the most top log-probabilities per token (OpenAI's and vLLM's limit)
 
@@ -115,6 +116,25 @@ class ChatRequest(_Sampling):
 
     def top_logprobs_k(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's `POST /tokenize`: a `prompt`, or chat `messages` rendered as the chat endpoint
+    renders them (generation header included)."""
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True  # the model's BOS (prompts only, as vLLM)
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's `POST /detokenize`."""
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: str | None = None
+    tokens: list[int]
 
 
 # ----------------------------------------------------------------------------- refused fields
