@@ -17,8 +17,9 @@ fixed shapes, JetStream's split:
 - **insert** the finished row into a free slot of the running cache
   (`family.cache_insert`, running cache donated); the prefill's logits give the
   request's first token (its time to first token);
-- **generate**: one `decode_step` over all slots (cache donated; free slots are
-  inactive rows), one token per active slot handed to the host.
+- **generate**: one `decode_step` over the slots up to the row bound (below; cache
+  donated; free slots among them are inactive rows), one token per active slot handed to
+  the host.
 
 Reads bounded by what rows hold. The running cache has `max_len` slots, but a decode
 step attends over slots [0, n) only, n = the power of two >= the longest active row + 1
