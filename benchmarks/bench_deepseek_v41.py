@@ -195,11 +195,8 @@ SETTLE_S = 120.0  # set by --settle-s (0 for smoke runs)
 
 
 def settle(limit: float = 1.0) -> None:
-    """Wait (at most SETTLE_S) for the 1-minute load average to fall below `limit` after
-    compiling (XLA's compile threads raise it), so a timed block starts quiet."""
-    end = time.time() + SETTLE_S
-    while time.time() < end and (common.load_average() or [0])[0] >= limit:
-        time.sleep(5)
+    """`common.settle` for at most SETTLE_S (--settle-s)."""
+    common.settle(SETTLE_S, limit)
 
 
 def measure_prefill(params, model, batch: int, prompt_len: int, repeats: int,

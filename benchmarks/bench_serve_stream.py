@@ -54,13 +54,6 @@ def wikitext_prompt(tokenizer, n_tokens: int) -> list[int]:
     return ids[:n_tokens]
 
 
-def settle(limit_s: float, below: float = 1.0) -> None:
-    """Wait (at most limit_s) for the 1-minute load average to fall below `below`."""
-    end = time.time() + limit_s
-    while time.time() < end and (common.load_average() or [0])[0] >= below:
-        time.sleep(5)
-
-
 def stream_once(url: str, model: str, prompt: list[int], new_tokens: int) -> dict:
     """One streamed completion of token-id `prompt`; arrival times of its text chunks."""
     import httpx
@@ -133,7 +126,7 @@ def main() -> None:
         # server's start-up compiles raise the load average for a minute after
         stream_once(server.url, args.model, prompt, n)
         jax.block_until_ready((gen(1), gen(n)))
-        settle(args.settle_s)
+        common.settle(args.settle_s)
         served, generated, ttft = [], [], []
         load_before = common.load_average()
         for r in range(1, args.repeats + 1):

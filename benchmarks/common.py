@@ -228,6 +228,14 @@ def summarize(values: Sequence[float | None]) -> dict[str, Any]:
     }
 
 
+def settle(limit_s: float, below: float = 1.0) -> None:
+    """Wait (at most `limit_s` seconds) for the 1-minute load average to fall below `below`,
+    so a timed block starts quiet after compiling (XLA's compile threads raise it)."""
+    end = time.time() + limit_s
+    while time.time() < end and (load_average() or [0])[0] >= below:
+        time.sleep(5)
+
+
 def load_average() -> list[float] | None:
     try:
         return [round(x, 2) for x in os.getloadavg()]
