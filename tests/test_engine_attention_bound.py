@@ -212,7 +212,8 @@ def test_decode_program_runs_only_the_rows_in_use(llama_params):
     """max_batch 16, one request in slot 0: the decode step is compiled for one row (logits
     [1, V], no batch-16 array in its attention), the whole-batch engine (bound_rows=False)
     for 16; both
-    bounds on slots too. `rows_bound` is the power of 4 above the highest running slot,
+    bounds on slots too. `rows_bound` is the power of ROW_BOUND_FACTOR above the highest
+    running slot,
     None at max_batch; refused on a DeepSeek cache (its caches are not cut)."""
     prompt = np.random.default_rng(1).integers(4, 64, 20).tolist()
     vocab = llama_params.config.vocab_size
@@ -226,14 +227,16 @@ def test_decode_program_runs_only_the_rows_in_use(llama_params):
         dims = _attention_dims(lowered.compile().as_text())
         assert dims and any(128 in d for d in dims)  # the slot bound, both ways
         assert any(16 in d for d in dims) == (not bound_rows), dims
-    eng = Engine(llama_params, max_batch=8, max_len=256, eos_ids=[])
-    act = np.zeros(8, bool)
+    from gsm_jax.serving.engine import ROW_BOUND_FACTOR as F
+
+    eng = Engine(llama_params, max_batch=F**2 + 1, max_len=256, eos_ids=[])
+    act = np.zeros(F**2 + 1, bool)
     assert eng.rows_bound(act) == 1
-    for slot, want in ((0, 1), (1, 4), (2, 4), (3, 4), (4, 16), (7, 16)):
+    for slot, want in ((0, 1), (1, F), (F - 1, F), (F, F**2), (F**2 - 1, F**2), (F**2, None)):
         act[:] = False
         act[slot] = True
-        assert eng.rows_bound(act) == (None if want >= 8 else want), slot
-    assert eng.rows_bounds() == [1, 4, None]
+        assert eng.rows_bound(act) == want, slot
+    assert eng.rows_bounds() == [1, F, F**2, None]
     from tiny_models import tiny_dsv4
 
     dsv4 = Engine(tiny_dsv4(), max_batch=4, max_len=64, eos_ids=[])
@@ -242,15 +245,17 @@ def test_decode_program_runs_only_the_rows_in_use(llama_params):
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_row_bounded_engine_equals_whole_batch_engine(llama_params, family):
-    """max_batch 5 (row bounds 1, 4, all): requests arrive and finish so the running
-    slots go 1 -> 4 -> 5 -> fewer, and a late one takes the lowest free slot; GSM on for
-    some rows (their rings cut and put back), a seeded sampled row, a penalized row. Every
-    request's tokens equal those of the engine stepping all 5 slots every step
-    (bound_rows=False), and after the run the caches agree (lengths exactly; the k / v
-    slots the rows hold to float tolerance: a one-row step may sum in another order than
-    a five-row one). The GSM rings of running rows feed the smoothed rows' tokens; a freed
-    row's ring is junk either way (the whole-batch step keeps computing it as an idle
-    row; an admission overwrites it)."""
+    """max_batch 5 (row bounds 1, 2, 4, all at ROW_BOUND_FACTOR 2): requests arrive and
+    finish so the running slots go 1 -> 3 -> 5 -> fewer, and a late one takes the lowest
+    free slot; GSM on for some rows (their rings cut and put back), a seeded sampled row, a
+    penalized row. Every request's tokens equal those of the engine stepping all 5 slots
+    every step (bound_rows=False), and after the run the caches agree (lengths exactly;
+    the k / v slots the rows hold to float tolerance: a one-row step may sum in another
+    order than a five-row one). The GSM rings of running rows feed the smoothed rows'
+    tokens; a freed row's ring is junk either way (the whole-batch step keeps computing it
+    as an idle row; an admission overwrites it)."""
+    from gsm_jax.serving.engine import ROW_BOUND_FACTOR as F
+
     params = llama_params if family == "llama" else tiny_gemma3()
     rng = np.random.default_rng(7)
     shapes = [(6, 24, GSM, {}), (9, 6, None, {"temperature": 0.8, "seed": 3}),
@@ -262,7 +267,9 @@ def test_row_bounded_engine_equals_whole_batch_engine(llama_params, family):
     for bound_rows in (True, False):
         eng = Engine(params, max_batch=5, max_len=64, compile_gsm=True, eos_ids=[],
                      bound_rows=bound_rows)
-        assert eng.rows_bounds() == ([1, 4, None] if bound_rows else [None])
+        bounds = eng.rows_bounds()
+        assert bounds == ([b for b in (1, F, F * F) if b < 5] + [None] if bound_rows
+                          else [None])
         recs, seen_rows = [], set()
         for step in range(80):
             for i, at in enumerate(arrive):
@@ -276,7 +283,7 @@ def test_row_bounded_engine_equals_whole_batch_engine(llama_params, family):
             eng.step()
         assert not eng.has_work
         if bound_rows:
-            assert seen_rows == {1, 4, None}, seen_rows  # 1, 4 and all 5 rows stepped
+            assert seen_rows == set(bounds), seen_rows  # every bound stepped
         outs[bound_rows] = [list(r.tokens) for r in recs]
         caches[bound_rows] = eng._cache
     assert outs[True] == outs[False]

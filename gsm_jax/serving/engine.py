@@ -33,7 +33,7 @@ caches have their own sizes (DeepSeek-V4's sliding window and compressed entries
 not bounded (one program).
 
 Rows bounded by what is running (`bound_rows`, on by default). A decode step runs the
-first r slots only, r = the power of 4 >= the highest running slot + 1
+first r slots only, r = the power of 2 >= the highest running slot + 1
 (`ROW_BOUND_FACTOR`; new requests take the lowest free slot, so the running ones stay
 low): one stream costs a one-row step, not a `max_batch` one (vLLM pads its batches to a
 few captured sizes the same way). Each (n, r) pair is one compiled program, all compiled
@@ -330,11 +330,12 @@ def _decode(weights, tokens, cache, gsm, active, *, config, attend: int | None =
     return logits, common.put_first_rows(cache, _unbound(part))
 
 
-# Row bounds grow by this factor (1, 4, 16, ...): on CPU a decode step's cost is mostly the
-# weights it reads, so 2 rows cost about what 1 does and 4 little more, while every bound
-# is another program per read bound to compile at start-up (powers of two: 25 at the
-# default --max-batch 16 --max-len 2048; powers of four: 15).
-ROW_BOUND_FACTOR = 4
+# Row bounds grow by this factor (1, 2, 4, ...). Measured (docs/performance_notes.md,
+# "Serving engine: row bounds are powers of two"): a SmolLM2 step of 2 rows costs 1.52x
+# one row, 4 rows 1.77x, 8 rows 2.14x, 16 rows 2.86x, so a coarser factor (4: 15 programs
+# instead of 25 at the default --max-batch 16 --max-len 2048) would run 5-8 streams at 1.34x
+# the cost; the extra programs cost start-up time once (the compilation cache keeps them).
+ROW_BOUND_FACTOR = 2
 
 COMPILED = {"pick": _pick, "prefill": _prefill, "extend": _extend, "insert": _insert,
             "prefill_insert": _prefill_insert, "decode": _decode}
@@ -421,7 +422,7 @@ class Engine:
     bytes (`serving/prefix_cache.py`: the states at prefill-chunk boundaries, GSM rings
     included, reused by later prompts that start with the same chunks; outputs are bit for
     bit those with caching off; needs `prefill_chunk`). `bound_rows` (default on): a decode
-    step runs the first 1, 4, 16, ... slots, the fewest that hold every running row (new
+    step runs the first 1, 2, 4, ... slots, the fewest that hold every running row (new
     requests take the lowest free slot), so one stream costs a one-row step, not a
     `max_batch` one, as vLLM's batch-size buckets do (the dense families' caches on one
     device; DeepSeek caches and a mesh step every slot). Use `submit` + `step` to drive it
@@ -1046,7 +1047,7 @@ class Engine:
 
     def rows_bound(self, active: np.ndarray) -> int | None:
         """The row bound of a decode step whose running slots are `active` [max_batch]: the
-        power of `ROW_BOUND_FACTOR` (4) >= the highest running slot + 1; None (every slot)
+        power of `ROW_BOUND_FACTOR` (2) >= the highest running slot + 1; None (every slot)
         when that reaches max_batch, when bounding is off, on a mesh (the data axis splits
         the slots), or for a cache `common.first_rows` cannot cut (DeepSeek's)."""
         if (not self.bound_rows or self._mesh is not None
@@ -1059,7 +1060,7 @@ class Engine:
         return None if n >= self.max_batch else n
 
     def rows_bounds(self) -> list[int | None]:
-        """Every row bound a decode step can take (1, 4, 16, ... below max_batch, then None:
+        """Every row bound a decode step can take (1, 2, 4, ... below max_batch, then None:
         all); one each when bounding is off."""
         if (not self.bound_rows or self._mesh is not None
                 or not common.can_bound_reads(self._cache)):
