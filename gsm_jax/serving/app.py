@@ -209,6 +209,14 @@ def _finite(x: float) -> float:
 # ----------------------------------------------------------------------------- server
 
 
+async def read_json(http: Request) -> Any:
+    """The request's body parsed as JSON, or a 400 saying why it is not."""
+    try:
+        return await http.json()
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise HTTPError(400, f"the body is not valid JSON: {e}", code="invalid_json") from e
+
+
 class GSMServer:
     """Model, engine thread, live GSM config and metrics behind one FastAPI app."""
 
@@ -470,28 +478,39 @@ class GSMServer:
                 code="context_length_exceeded")
         return limit
 
-    async def handle(self, http: Request, kind: str) -> Response:
-        self._ready()
-        try:
-            raw = await http.json()
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise HTTPError(400, f"the body is not valid JSON: {e}", code="invalid_json") from e
+    def check_model(self, name: str | None) -> None:
+        """404 naming `name` unless it is this server's model (None: not given, fine)."""
+        if name is not None and name != self.name:
+            raise HTTPError(404, f"the model {name!r} does not exist; this server serves "
+                            f"{self.name!r}", type="not_found_error", param="model",
+                            code="model_not_found")
+
+    @staticmethod
+    async def json_object(http: Request) -> dict[str, Any]:
+        """The request's body as a JSON object, or a 400 saying what it is not."""
+        raw = await read_json(http)
         if not isinstance(raw, dict):
             raise HTTPError(400, "the body must be a JSON object", code="invalid_json")
+        return raw
+
+    @staticmethod
+    def validate(model_cls: Any, raw: dict[str, Any]) -> Any:
+        """`model_cls.model_validate(raw)`, or a 400 naming the first bad field."""
+        try:
+            return model_cls.model_validate(raw)
+        except ValidationError as e:
+            msg, param = first_error(e)
+            raise HTTPError(400, msg, param=param, code="invalid_value") from e
+
+    async def handle(self, http: Request, kind: str) -> Response:
+        self._ready()
+        raw = await self.json_object(http)
         refused = unsupported_field(raw, kind)
         if refused is not None:
             self.metrics.refuse(refused[0].split("[")[0])
             raise HTTPError(400, refused[1], param=refused[0], code="unsupported")
-        model_cls = ChatRequest if kind == "chat" else CompletionRequest
-        try:
-            body = model_cls.model_validate(raw)
-        except ValidationError as e:
-            msg, param = first_error(e)
-            raise HTTPError(400, msg, param=param, code="invalid_value") from e
-        if body.model != self.name:
-            raise HTTPError(404, f"the model {body.model!r} does not exist; this server "
-                            f"serves {self.name!r}", type="not_found_error", param="model",
-                            code="model_not_found")
+        body = self.validate(ChatRequest if kind == "chat" else CompletionRequest, raw)
+        self.check_model(body.model)
         if isinstance(body, ChatRequest) and body.top_logprobs is not None \
                 and not body.logprobs:
             raise HTTPError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
@@ -910,12 +929,6 @@ def build_app(server: GSMServer, *, load_in_background: bool = True) -> FastAPI:
                             type="authentication_error", code="invalid_admin_token")
         server._ready()
 
-    async def json_body(http: Request) -> Any:
-        try:
-            return await http.json()
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise HTTPError(400, f"the body is not valid JSON: {e}", code="invalid_json") from e
-
     def gsm_state() -> JSONResponse:
         state = server.live.state()
         return JSONResponse(state, headers={"x-gsm-version": str(state["version"])})
@@ -938,30 +951,21 @@ def build_app(server: GSMServer, *, load_in_background: bool = True) -> FastAPI:
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> JSONResponse:
-        if model_id != server.name:
-            raise HTTPError(404, f"the model {model_id!r} does not exist; this server serves "
-                            f"{server.name!r}", type="not_found_error", param="model",
-                            code="model_not_found")
+        server.check_model(model_id)
         return JSONResponse(model_card())
 
     # vLLM's tokenizer endpoints (lm-evaluation-harness's `local-completions` finds them and
     # tokenizes through the server: no tokenizer files on the client's side)
-    async def tool_body(http: Request, model_cls: Any) -> Any:
+    def tokenizer() -> Any:
         server._ready()
-        raw = await json_body(http)
-        if not isinstance(raw, dict):
-            raise HTTPError(400, "the body must be a JSON object", code="invalid_json")
-        try:
-            body = model_cls.model_validate(raw)
-        except ValidationError as e:
-            msg, param = first_error(e)
-            raise HTTPError(400, msg, param=param, code="invalid_value") from e
-        if body.model is not None and body.model != server.name:
-            raise HTTPError(404, f"the model {body.model!r} does not exist; this server "
-                            f"serves {server.name!r}", type="not_found_error", param="model",
-                            code="model_not_found")
         if server.params.tokenizer is None:
             raise HTTPError(400, f"{server.name}: no tokenizer", code="no_tokenizer")
+        return server.params.tokenizer
+
+    async def tool_body(http: Request, model_cls: Any) -> Any:
+        tokenizer()
+        body = server.validate(model_cls, await server.json_object(http))
+        server.check_model(body.model)
         return body
 
     @app.post("/tokenize")
@@ -996,10 +1000,7 @@ def build_app(server: GSMServer, *, load_in_background: bool = True) -> FastAPI:
 
     @app.get("/tokenizer_info")
     async def tokenizer_info() -> JSONResponse:
-        server._ready()
-        tok = server.params.tokenizer
-        if tok is None:
-            raise HTTPError(400, f"{server.name}: no tokenizer", code="no_tokenizer")
+        tok = tokenizer()
         return JSONResponse({"tokenizer_class": "gsm_jax.Tokenizer",
                              "bos_token": tok.bos_token, "eos_token": tok.eos_token,
                              "pad_token": tok.pad_token, "add_bos_token": tok.add_bos,
@@ -1034,7 +1035,7 @@ def build_app(server: GSMServer, *, load_in_background: bool = True) -> FastAPI:
     @app.put("/admin/gsm")
     async def put_gsm(http: Request) -> JSONResponse:
         admin(http)
-        data = await json_body(http)
+        data = await read_json(http)
         try:
             server.live.put(data)
         except GSMJaxError as e:
@@ -1045,7 +1046,7 @@ def build_app(server: GSMServer, *, load_in_background: bool = True) -> FastAPI:
     @app.post("/admin/gsm/rollout")
     async def rollout(http: Request) -> JSONResponse:
         admin(http)
-        data = await json_body(http)
+        data = await read_json(http)
         if not isinstance(data, dict) or set(data) != {"fraction"}:
             raise HTTPError(400, 'the body must be {"fraction": f} with f in [0, 1]',
                             param="fraction")

@@ -1050,14 +1050,9 @@ class Engine:
         power of `ROW_BOUND_FACTOR` (2) >= the highest running slot + 1; None (every slot)
         when that reaches max_batch, when bounding is off, on a mesh (the data axis splits
         the slots), or for a cache `common.first_rows` cannot cut (DeepSeek's)."""
-        if (not self.bound_rows or self._mesh is not None
-                or not common.can_bound_reads(self._cache)):
-            return None
         used = np.flatnonzero(active)
-        top, n = (int(used[-1]) + 1 if used.size else 1), 1
-        while n < top:
-            n *= ROW_BOUND_FACTOR
-        return None if n >= self.max_batch else n
+        top = int(used[-1]) + 1 if used.size else 1
+        return next(b for b in self.rows_bounds() if b is None or b >= top)
 
     def rows_bounds(self) -> list[int | None]:
         """Every row bound a decode step can take (1, 2, 4, ... below max_batch, then None:
@@ -1086,7 +1081,7 @@ class Engine:
             attend = self.attend_bound(held)
         if rows == "active":
             rows = self.rows_bound(active)
-        cut = slice(None) if rows is None else slice(0, rows)
+        cut = slice(rows)  # rows None: every slot
         gsm = self._gsm_inputs((self._rows * active)[cut], self._strength[cut],
                                self._window[cut])
         args = (self.params.weights, jnp.asarray(self._last[cut]), self._cache, gsm,
@@ -1103,7 +1098,7 @@ class Engine:
 
     def _decode_once(self) -> list[RequestRecord]:
         active, args, kw = self._decode_args()
-        cut = slice(None) if kw["rows"] is None else slice(0, kw["rows"])
+        cut = slice(kw["rows"])
         counts = np.array([0 if r is None else r.n_tokens for r in self.slots], np.int32)
         sampling = tuple(jnp.asarray(a[cut]) for a in (
             self._temps, self._top_k, self._top_p, self._seeds, counts))
