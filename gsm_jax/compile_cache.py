@@ -11,10 +11,12 @@ Where: ``$GSM_JAX_COMPILATION_CACHE`` when it names a folder, else
 ``$XDG_CACHE_HOME/gsm-jax/jax`` (``~/.cache/gsm-jax/jax``). ``GSM_JAX_COMPILATION_CACHE=0``
 (or ``off``) turns it off; JAX's own ``JAX_ENABLE_COMPILATION_CACHE=false`` does too. A
 cache directory set already (``jax_compilation_cache_dir`` / ``JAX_COMPILATION_CACHE_DIR``)
-is left as it is. JAX's other settings apply unchanged: only programs that took at least
-``jax_persistent_cache_min_compile_time_secs`` (1 s) to compile are written, and the
-folder is bounded by an LRU limit (`MAX_SIZE_BYTES` unless
-``jax_compilation_cache_max_size`` is set). The cache is trusted code: do not point it at
+is left as it is. Every program is written, however quick its compilation
+(`MIN_COMPILE_TIME_S`; JAX's default, 1 s, would leave a small model's decode and sampling
+programs out, and a second call would compile them again): a
+``jax_persistent_cache_min_compile_time_secs`` the user set (config or
+``JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS``) stands. The folder is bounded by an LRU
+limit (`MAX_SIZE_BYTES` unless ``jax_compilation_cache_max_size`` is set). The cache is trusted code: do not point it at
 a folder others can write.
 
 `announce_compilation` prints one line on stderr when a compilation has run for
@@ -34,6 +36,8 @@ from typing import TextIO
 ENV = "GSM_JAX_COMPILATION_CACHE"
 OFF_VALUES = frozenset({"0", "off", "false", "no", "none", "disable", "disabled"})
 MAX_SIZE_BYTES = 4 * 2**30
+MIN_COMPILE_TIME_S = 0.0
+_JAX_MIN_COMPILE_TIME_DEFAULT = 1.0
 ANNOUNCE_AFTER_S = 2.0
 
 _BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
@@ -114,6 +118,10 @@ def enable_compilation_cache(directory: str | os.PathLike | None = None) -> Path
         jax.config.update("jax_compilation_cache_dir", str(target))
         if jax.config.jax_compilation_cache_max_size == -1:
             jax.config.update("jax_compilation_cache_max_size", MAX_SIZE_BYTES)
+        if ("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ
+                and jax.config.jax_persistent_cache_min_compile_time_secs
+                == _JAX_MIN_COMPILE_TIME_DEFAULT):
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_TIME_S)
         # JAX decides once per process whether the cache is used, at its first compilation:
         # a process that compiled before this call must decide again.
         from jax.experimental.compilation_cache import compilation_cache
