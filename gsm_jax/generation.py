@@ -313,7 +313,8 @@ def _per_row(value: Any, n: int, name: str, dtype) -> np.ndarray:
 
 def with_kv_cache_dtype(params: ModelParams, kind: str | None) -> ModelParams:
     """The same model whose KV cache holds keys and values as `kind`: "int8" or "fp8"
-    (e4m3), each token's head vector with one float32 scale (`models.common.kv_quantize`:
+    (e4m3), each token's head vector with one float32 scale per 32 values
+    (`models.common.kv_quantize`:
     the rounding rule). Every attention then reads keys and values so rounded, the
     teacher-forced `forward` too, so its logits are what the cached paths compute. None or
     "auto": the params unchanged; "float": the activation dtype. Llama-family and Gemma 3

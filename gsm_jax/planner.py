@@ -486,7 +486,7 @@ def add_plan_args(p: Any) -> None:
     p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8", "fp8"),
                    help="the KV cache's format (Llama-family and Gemma 3 models): 'auto' the "
                         "activation dtype; int8 / fp8 one byte per value + a float32 scale "
-                        "per token and head")
+                        "per token, head and 32 values")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--compile", action="store_true",
                    help="also lower and compile the sharded prefill / decode step with "

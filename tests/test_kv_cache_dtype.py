@@ -22,31 +22,37 @@ from tiny_models import tiny_dsv4, tiny_gsm_llama
 import gsm_jax
 from gsm_jax.errors import InvalidInputError, UnsupportedModelError
 from gsm_jax.families import family_module
-from gsm_jax.models.common import kv_dequantize, kv_quantize
+from gsm_jax.models.common import kv_block, kv_dequantize, kv_quantize
 
 KINDS = ["int8", "fp8"]
 
 
-def _numpy_rule(x: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray]:
+def _numpy_rule(x: np.ndarray, kind: str, block: int) -> tuple[np.ndarray, np.ndarray]:
+    """One scale per `block` consecutive values of the last axis."""
     x = x.astype(np.float32)
-    amax = np.abs(x).max(axis=-1)
+    xb = x.reshape(*x.shape[:-1], x.shape[-1] // block, block)
+    amax = np.abs(xb).max(axis=-1)
     qmax = np.float32(127.0 if kind == "int8" else 448.0)
     scale = np.where(amax > 0, amax * np.float32(1.0 / qmax), np.float32(1.0)).astype(np.float32)
-    y = np.clip(x / scale[..., None], -qmax, qmax)
+    y = np.clip(xb / scale[..., None], -qmax, qmax).reshape(x.shape)
     if kind == "int8":
         return np.round(y).astype(np.int8), scale
     return y.astype(ml_dtypes.float8_e4m3fn), scale
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_rounding_is_the_documented_rule_bit_for_bit(kind):
+@pytest.mark.parametrize("head_dim,block", [(16, 16), (96, 32), (24, 8)])
+def test_rounding_is_the_documented_rule_bit_for_bit(kind, head_dim, block):
+    """Scales per 32 values (a whole head when it is smaller; gcd(head_dim, 32) otherwise)."""
+    assert kv_block(head_dim) == block
     rng = np.random.default_rng(0)
-    x = (rng.standard_normal((3, 5, 2, 16)) * rng.uniform(0.01, 30, (3, 5, 2, 1)))
+    x = (rng.standard_normal((3, 5, 2, head_dim)) * rng.uniform(0.01, 30, (3, 5, 2, 1)))
     x = x.astype(np.float32)
     x[0, 0, 0] = 0.0  # an all-zero head vector: scale 1, stored zeros
-    x[1, 2, 1, 3] = 1e4  # one outlier: the rest of its vector loses precision, not range
+    x[1, 2, 1, 3] = 1e4  # one outlier: the rest of its block loses precision, not range
     q, s = jax.jit(kv_quantize, static_argnums=1)(jnp.asarray(x), kind)
-    want_q, want_s = _numpy_rule(x, kind)
+    want_q, want_s = _numpy_rule(x, kind, block)
+    assert s.shape == x.shape[:-1] + (head_dim // block,)
     np.testing.assert_array_equal(np.asarray(s), want_s)
     np.testing.assert_array_equal(np.asarray(q).view(np.uint8), want_q.view(np.uint8))
     back = np.asarray(kv_dequantize(q, s, jnp.float32))
@@ -54,8 +60,8 @@ def test_rounding_is_the_documented_rule_bit_for_bit(kind):
     # error bound per value: half a step (int8: s / 2), or e4m3's half ulp (2^-4 relative)
     # plus the subnormal step at the bottom of its range
     err = np.abs(back - x)
-    bound = (s[..., None] / 2 if kind == "int8"
-             else np.abs(x) * 2.0**-4 + s[..., None] * 2.0**-10)
+    sv = np.repeat(np.asarray(s), block, axis=-1)  # each value's own scale
+    bound = sv / 2 if kind == "int8" else np.abs(x) * 2.0**-4 + sv * 2.0**-10
     assert np.all(err <= bound * (1 + 1e-6)), float((err - bound).max())
 
 
@@ -103,7 +109,8 @@ def test_cached_paths_equal_the_forward_with_the_same_rounding(family, kind):
 
     cache = fam.init_cache(cfg, 2, 24, gsm_max_window=gsm.max_window)
     assert cache.k[0].dtype == (jnp.int8 if kind == "int8" else jnp.float8_e4m3fn)
-    assert cache.k_scale[0].shape == cache.k[0].shape[:3]
+    hd = cache.k[0].shape[3]
+    assert cache.k_scale[0].shape == cache.k[0].shape[:3] + (hd // kv_block(hd),)
     p0 = 6
     logits, cache = prefill(w, cfg, toks[:, :p0], jnp.asarray([p0, p0]), cache, gsm)
     close(logits, full[:, p0 - 1])
@@ -151,7 +158,7 @@ def test_generate_and_the_cache_bytes():
     float_lines = gsm_jax.plan(cfg, batch=2, context=256).lines
     values = 2 * cfg.num_layers * 2 * cfg.num_kv_heads * 256 * cfg.head_dim
     assert lines["cache: K/V"] == values  # int8: one byte per value
-    assert lines["cache: K/V scales"] == values // cfg.head_dim * 4
+    assert lines["cache: K/V scales"] == values // kv_block(cfg.head_dim) * 4  # f32 per block
     assert float_lines["cache: K/V"] == values * 2  # the planner's default: bfloat16
 
 

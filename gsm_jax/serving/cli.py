@@ -27,7 +27,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    "('none': every step reads all --max-len slots, one decode program)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8"],
                    help="the KV cache's format: 'auto' the activation dtype; 'int8' / 'fp8' "
-                   "(e4m3) one byte per value with a float32 scale per token and head "
+                   "(e4m3) one byte per value with a float32 scale per token, head and 32 values "
                    "(Llama-family and Gemma 3 models; vLLM's flag of the same name)")
     p.add_argument("--max-queue", type=int, default=1024,
                    help="waiting requests before new ones get 503")

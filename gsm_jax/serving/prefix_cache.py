@@ -70,7 +70,7 @@ def _own(tree: Any) -> Any:
 
 
 def _kv_leaves(rows: KVCache) -> tuple:
-    return rows.k, rows.v, rows.k_scale, rows.v_scale  # each [B, K, S, ...] (scales: no hd)
+    return rows.k, rows.v, rows.k_scale, rows.v_scale  # each [B, K, S, ...] (scales: hd // 32)
 
 
 def _with_kv(rows: KVCache, kv: tuple) -> KVCache:
