@@ -634,33 +634,21 @@ def _cached_latents(cfg: DeepseekV41Config, w: dict, x: jax.Array, ratio: int, p
 def _write_slots(buf: jax.Array, slot: jax.Array, value: jax.Array, done: jax.Array):
     """buf[b, slot[b, j]] = value[b, j] where done (others dropped)."""
     slot = jnp.where(done, slot, buf.shape[1])
-    rows = jnp.arange(buf.shape[0])[:, None]
-    return buf.at[rows, slot].set(value.astype(buf.dtype), mode="drop")
+    rows = jnp.broadcast_to(jnp.arange(buf.shape[0])[:, None], slot.shape)
+    value = value.astype(buf.dtype)
+    if slot.size == 1:  # kept a scatter: updated in place (common.one_write_kept_a_scatter)
+        rows, slot, value = common.one_write_kept_a_scatter(
+            rows.reshape(1), slot.reshape(1), value.reshape((1,) + value.shape[2:]))
+    return buf.at[rows, slot].set(value, mode="drop")
 
 
-def index_scores(cfg: DeepseekV41Config, w: dict, x, q_res, positions, keys, spec, lin,
-                 written=None):
-    """Indexer scores (§4.4): x [B,T,D], q_res [B,T,q_lora], keys [B,n,ci] -> [B,T,n] f32.
-
-    written: (slots [B,m], keys [B,m,ci], done [B,m]) when `keys` is the cache as it was
-    before this call wrote the chunk's completed groups (`_write_slots`): their scores are
-    computed apart and put in their slots. The same scores as over the written cache; the
-    big dot then reads the cache buffer before its in-place update, so XLA need not copy
-    the whole index-key cache around the update every step (it did: ~9 ms of a mid V4.1
-    decode step at 64k tokens)."""
+def index_scores(cfg: DeepseekV41Config, w: dict, x, q_res, positions, keys, spec, lin):
+    """Indexer scores (§4.4): x [B,T,D], q_res [B,T,q_lora], keys [B,n,ci] -> [B,T,n] f32."""
     hi, ci = cfg.index_n_heads, cfg.index_head_dim
     q = lin("indexer.q_b", q_res, w["q_b"]).reshape(q_res.shape[:2] + (hi, ci))
     q = _qdq(cfg, mxfp4_qdq, _rope(q, spec, positions))
     head_w = lin("indexer.weights_proj", x, w["weights_proj"]) * (ci**-0.5 * hi**-0.5)
-    scores = weighted_index_dots(q, keys.astype(q.dtype), head_w)
-    if written is not None:
-        slot, fresh, done = written
-        # the values the cache holds (its dtype), scored like the rest, written into their
-        # slots as `_write_slots` writes the keys ([B, n, T] for the slot axis)
-        got = weighted_index_dots(q, fresh.astype(keys.dtype).astype(q.dtype), head_w)
-        scores = jnp.swapaxes(_write_slots(jnp.swapaxes(scores, 1, 2), slot,
-                                           jnp.swapaxes(got, 1, 2), done), 1, 2)
-    return scores.astype(jnp.float32)
+    return weighted_index_dots(q, keys.astype(q.dtype), head_w).astype(jnp.float32)
 
 
 def candidate_blocks(cfg: DeepseekV41Config, scores: jax.Array, visible: jax.Array,
@@ -746,24 +734,22 @@ def attention(cfg: DeepseekV41Config, w: dict, layer: int, x: jax.Array, state: 
                           w["indexer"]["k_norm"], eps)
             comp = _qdq(cfg, nvfp4_qdq, _rope(latent, spec, g * r))
             ikeys = _qdq(cfg, mxfp4_qdq, _rope(ik, spec, g * r))
-            # what index_scores reads: the keys, and the groups this call wrote into them
-            scored = (ikeys, None)
             if cache is not None:
+                # written first, then read (this layer's indexer and the Reuse / Reindex
+                # layers after it): the caches are updated in place (`_write_slots`)
                 comp = _write_slots(cache.comp, g, comp, done)
-                scored = (cache.index_keys, (g, ikeys, done))  # before the write
                 ikeys = _write_slots(cache.index_keys, g, ikeys, done)
                 new.update(comp=comp, index_keys=ikeys)
                 if ring is not None:
                     new["comp_ring"] = ring
-            state = {**state, "comp": comp, "index_keys": scored}
+            state = {**state, "comp": comp, "index_keys": ikeys}
         comp = state["comp"]
         n = comp.shape[1]
         n_visible = (positions + 1) // r  # [B, T]
         visible = (jnp.arange(n)[None, None, :] < n_visible[..., None]) & valid[..., None]
         if plan.role in (FULL, REINDEX):
-            keys_now, written = state["index_keys"]
-            scores = index_scores(cfg, w["indexer"], x, q_res, positions, keys_now, spec,
-                                  lin, written=written)
+            scores = index_scores(cfg, w["indexer"], x, q_res, positions,
+                                  state["index_keys"], spec, lin)
             allowed = visible
             if plan.candidate_source:
                 state = {**state,
