@@ -11,8 +11,8 @@ process's wall time, the CLI's "first call ... including compilation" seconds (t
 call again; the difference is the compile time) and its XLA summary line (programs ready,
 seconds, cache hits). A third side, `GSM_JAX_COMPILATION_CACHE=0`, times the same
 command with the cache off (what every run cost before). Reported: the warm compile time
-over the cold one (target <= 0.2), the same for the first call and the whole process. The 1-minute load
-average is recorded around every run (above 1.5: not comparable).
+over the cold one (target <= 0.2), the same for the first call and the whole process.
+The 1-minute load average is recorded around every run (above 1.5: not comparable).
 
 Outputs in --out: results.json, results.md, results.png.
 """

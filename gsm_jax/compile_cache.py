@@ -16,8 +16,8 @@ is left as it is. Every program is written, however quick its compilation
 programs out, and a second call would compile them again): a
 ``jax_persistent_cache_min_compile_time_secs`` the user set (config or
 ``JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS``) stands. The folder is bounded by an LRU
-limit (`MAX_SIZE_BYTES` unless ``jax_compilation_cache_max_size`` is set). The cache is trusted code: do not point it at
-a folder others can write.
+limit (`MAX_SIZE_BYTES` unless ``jax_compilation_cache_max_size`` is set). The cache is
+trusted code: do not point it at a folder others can write.
 
 `announce_compilation` prints one line on stderr when a compilation has run for
 `ANNOUNCE_AFTER_S` seconds (``GSM_JAX_COMPILE_NOTICE_S`` changes it; once per process), so a

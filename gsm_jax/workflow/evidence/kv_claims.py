@@ -3,7 +3,8 @@
 Claim 13 (5.2: 和 KV Cache 优化配合：平滑能改善缓存访问模式，两者叠加收益大于各自之和):
 smoothing and KV-cache optimisation together gain more than the sum of each. The KV-cache
 optimisation measured is the low-precision cache (`gsm_jax.with_kv_cache_dtype`: FP8 e4m3
-and int8, a scale per token, head and 32 values), the one vLLM and SGLang serve with (`--kv-cache-dtype`).
+and int8, a scale per token, head and 32 values), the one vLLM and SGLang serve with
+(`--kv-cache-dtype`).
 Six arms: {float, FP8, int8 cache} x {GSM compiled out, GSM on}.
 
 - Quality: teacher-forced KLD of each arm against (float cache, GSM off) on the claim's
