@@ -32,6 +32,7 @@ import numpy as np
 from jax import lax
 
 from gsm_jax.errors import GSMConfigError, InvalidInputError
+from gsm_jax.in_place import scatter_set
 from gsm_jax.pallas_kernels.quant_reference import quantize_rows
 from gsm_jax.pallas_kernels.smooth_decode import smooth_decode_pallas
 from gsm_jax.pallas_kernels.smooth_prefill import (
@@ -172,18 +173,12 @@ def _scatter_rows(rings: jax.Array, layer: jax.Array, slot: jax.Array, x: jax.Ar
     """rings[layer, b, slot[b]] = x[b], in place inside the model's layer scan.
 
     Indices are in range by construction; saying so keeps XLA from guarding the
-    write with a select that reads (and so copies) the old ring. At batch 1
-    XLA:CPU rewrites a one-row scatter as a dynamic-update-slice, which next to
-    the `lax.switch` read copied the whole [L, 1, W, C] stack every layer; writing
-    the same row twice keeps it a scatter (docs/performance_notes.md, "GSM decode
-    ring write at batch 1: keep it a scatter").
+    write with a select that reads (and so copies) the old ring. At batch 1 the write
+    is kept a scatter (`in_place.scatter_set`): as a dynamic-update-slice it copied the
+    whole [L, 1, W, C] stack every layer.
     """
-    batch = jnp.arange(x.shape[0])
-    values = x.astype(rings.dtype)
-    if x.shape[0] == 1:
-        batch, slot = jnp.concatenate([batch, batch]), jnp.concatenate([slot, slot])
-        values = jnp.concatenate([values, values])
-    return rings.at[layer, batch, slot].set(values, mode="promise_in_bounds")
+    return scatter_set(rings, (layer, jnp.arange(x.shape[0]), slot), x.astype(rings.dtype),
+                       mode="promise_in_bounds")
 
 
 def _decode_xla_stacked(x, rings, layer, position, window, strength, lo, *, precision: str,

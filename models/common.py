@@ -34,6 +34,7 @@ import numpy as np
 from flax import struct
 
 from gsm_jax.errors import InvalidInputError, UnsupportedModelError
+from gsm_jax.in_place import scatter_set
 from gsm_jax.models.partitioning import constrain_rings
 from gsm_jax.models.sites import Sites, as_sites
 
@@ -494,20 +495,6 @@ def kv_from_pieces(pieces: tuple, step: Step, cache: KVCache) -> KVCache:
                    v_scale=tuple(p[3] for p in pieces) if scaled else None)
 
 
-def one_write_kept_a_scatter(rows: jax.Array, slots: jax.Array, values: jax.Array
-                             ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """A scatter of one update (rows [1], slots [1], values [1, ...]) written twice. XLA
-    turns a one-update scatter into a dynamic-update-slice, and on CPU a
-    dynamic-update-slice of a buffer the same program also reads is done on copies of the
-    whole buffer (two to four per cache array per step: at batch 1 every decode step
-    copied the whole KV cache, 8.5x the step of a mid Llama at 16k tokens); a two-update
-    scatter stays a scatter and updates the donated buffer in place. As the GSM rings'
-    write (`gsm_jax.smoothing._scatter_rows`; docs/performance_notes.md, "KV-cache writes
-    at batch 1: keep them scatters")."""
-    return (jnp.concatenate([rows, rows]), jnp.concatenate([slots, slots]),
-            jnp.concatenate([values, values]))
-
-
 def write_kv(layer_cache: jax.Array, new: jax.Array, step: Step) -> jax.Array:
     """Put a call's keys or values [B, T, K, hd] into one layer's cache [B, K, S, hd] (or
     their block scales [B, T, K, G] into [B, K, S, G])."""
@@ -516,18 +503,14 @@ def write_kv(layer_cache: jax.Array, new: jax.Array, step: Step) -> jax.Array:
             layer_cache, jnp.swapaxes(new, 1, 2).astype(layer_cache.dtype),
             (0,) * layer_cache.ndim)
     b = new.shape[0]
+    # scatters kept in place at batch 1 too (`in_place.scatter_set`)
     if step.mode == "decode":
-        rows, slots = jnp.arange(b), step.positions[:, 0]
-        values = new[:, 0].astype(layer_cache.dtype)
-        if b == 1:
-            rows, slots, values = one_write_kept_a_scatter(rows, slots, values)
         # In range by construction (the slot is clamped): no bounds-guarding select.
-        return layer_cache.at[rows, :, slots].set(values, mode="promise_in_bounds")
+        return scatter_set(layer_cache, (jnp.arange(b), slice(None), step.positions[:, 0]),
+                           new[:, 0].astype(layer_cache.dtype), mode="promise_in_bounds")
     write = jnp.where(step.valid, step.positions, step.max_len)  # padding: dropped
-    values = new.astype(layer_cache.dtype)
-    if b * new.shape[1] == 1:  # one token of one row: kept a scatter, as in decode
-        write, values = jnp.concatenate([write, write], 1), jnp.concatenate([values, values], 1)
-    return layer_cache.at[jnp.arange(b)[:, None], :, write].set(values, mode="drop")
+    return scatter_set(layer_cache, (jnp.arange(b)[:, None], slice(None), write),
+                       new.astype(layer_cache.dtype), mode="drop")
 
 
 def kv_attention(q: jax.Array, k: jax.Array, v: jax.Array, kv_cache: tuple | None,

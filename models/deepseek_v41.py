@@ -64,6 +64,7 @@ import numpy as np
 from flax import struct
 
 from gsm_jax.errors import InvalidInputError, ModelLoadError, UnsupportedModelError
+from gsm_jax.in_place import scatter_set
 from gsm_jax.models import common
 from gsm_jax.models.block_quant import BlockQuantWeight
 from gsm_jax.models.deepseek_v4 import (
@@ -634,12 +635,8 @@ def _cached_latents(cfg: DeepseekV41Config, w: dict, x: jax.Array, ratio: int, p
 def _write_slots(buf: jax.Array, slot: jax.Array, value: jax.Array, done: jax.Array):
     """buf[b, slot[b, j]] = value[b, j] where done (others dropped)."""
     slot = jnp.where(done, slot, buf.shape[1])
-    rows = jnp.broadcast_to(jnp.arange(buf.shape[0])[:, None], slot.shape)
-    value = value.astype(buf.dtype)
-    if slot.size == 1:  # kept a scatter: updated in place (common.one_write_kept_a_scatter)
-        rows, slot, value = common.one_write_kept_a_scatter(
-            rows.reshape(1), slot.reshape(1), value.reshape((1,) + value.shape[2:]))
-    return buf.at[rows, slot].set(value, mode="drop")
+    return scatter_set(buf, (jnp.arange(buf.shape[0])[:, None], slot), value.astype(buf.dtype),
+                       mode="drop")  # in place at batch 1 too
 
 
 def index_scores(cfg: DeepseekV41Config, w: dict, x, q_res, positions, keys, spec, lin):

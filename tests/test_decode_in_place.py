@@ -4,7 +4,7 @@ array, at batch 1 too (checked on the program, not by timing).
 At batch 1 XLA turns a one-update scatter into a dynamic-update-slice, and on CPU a
 dynamic-update-slice of a buffer the same program also reads was done on two to four
 copies of the whole buffer: every batch-1 decode step copied the whole KV cache (a mid
-Llama's step at 16k tokens took 8.5x as long; `models.common.one_write_kept_a_scatter`,
+Llama's step at 16k tokens took 8.5x as long; `gsm_jax.in_place.scatter_set`,
 docs/performance_notes.md). Llama (dense KV, float and int8 with block scales), Gemma 3
 (sliding window) and DeepSeek-V4.1 (window ring, shared compressed KV and index keys),
 tiny random configs whose caches are long enough that no other array has their shape."""
@@ -68,3 +68,31 @@ def test_decode_step_copies_no_cache_array(name, batch):
     big, copied = _copied_shapes(fam, cfg, weights, batch, context=1536)
     assert big, "no cache array found"
     assert not big & copied, f"{name} batch {batch}: the step copies cache arrays {big & copied}"
+
+
+def test_scatter_set_equals_at_set_and_stays_a_scatter():
+    """`in_place.scatter_set` writes what ``.at[index].set`` writes (one update and many,
+    separated and adjacent index arrays, "drop" dropping an out-of-range slot), and a
+    single update compiles to a scatter, not a dynamic-update-slice."""
+    from gsm_jax.in_place import scatter_set
+
+    buf = jnp.arange(2 * 3 * 7 * 4, dtype=jnp.float32).reshape(2, 3, 7, 4)
+    cases = [  # (index, values shape, mode)
+        ((jnp.arange(1), slice(None), jnp.asarray([5])), (1, 3, 4), "promise_in_bounds"),
+        ((jnp.arange(2), slice(None), jnp.asarray([5, 2])), (2, 3, 4), "promise_in_bounds"),
+        ((jnp.arange(1)[:, None], slice(None), jnp.asarray([[7]])), (1, 1, 3, 4), "drop"),
+        ((jnp.arange(2)[:, None], slice(None), jnp.asarray([[1, 7], [3, 0]])), (2, 2, 3, 4),
+         "drop"),
+        ((jnp.int32(1), jnp.arange(1), jnp.asarray([6])), (1, 4), "promise_in_bounds"),
+    ]
+    for index, shape, mode in cases:
+        values = -jnp.arange(int(jnp.prod(jnp.asarray(shape))), dtype=jnp.float32).reshape(shape)
+        got = scatter_set(buf, index, values, mode=mode)
+        want = buf.at[index].set(values, mode=mode)
+        assert bool(jnp.array_equal(got, want)), (index, mode)
+    text = jax.jit(lambda b, v, s: scatter_set(b, (jnp.arange(1), slice(None), s), v,
+                                               mode="promise_in_bounds")).lower(
+        buf[:1], jnp.ones((1, 3, 4)), jnp.asarray([2])).compile().as_text()
+    assert "scatter" in text and "dynamic-update-slice(" not in text
+    with pytest.raises(ValueError, match="index array"):
+        scatter_set(buf, (slice(None), jnp.arange(1)), buf[:, :1], mode="drop")

@@ -57,6 +57,7 @@ LAYERS: dict[str, int] = {
     # 0 base
     "gsm_jax.errors": 0,
     "gsm_jax.compile_cache": 0,  # standard library and jax only
+    "gsm_jax.in_place": 0,  # jax only: in-place scatters into donated buffers
     "gsm_jax.pallas_kernels": 0,
     # 1 GSM core
     "gsm_jax.smoothing": 1,
