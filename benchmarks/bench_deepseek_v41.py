@@ -183,6 +183,46 @@ def measure_load(path: str, variant: str) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
+def stored_bytes(path: Path) -> int:
+    """The tensor bytes of a safetensors checkpoint folder, from the shards' headers."""
+    total = 0
+    for shard in sorted(Path(path).glob("*.safetensors")):
+        with open(shard, "rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        total += sum(e["data_offsets"][1] - e["data_offsets"][0]
+                     for k, e in header.items() if k != "__metadata__")
+    return total
+
+
+def release_bytes_ratio() -> dict:
+    """The same ratio at the release's size, counted (nothing loaded): the text model's
+    tensors as `gsm_jax.load` holds them (`held_weight_bytes`) and as stored in the 510 GB
+    release (`released_layout`, DSpark and vision left out as in (a)) against 2 bytes per
+    parameter."""
+    import numpy as np
+
+    from gsm_jax import planner
+    from gsm_jax.models import deepseek_v41 as dv
+    from gsm_jax.models.deepseek_v41_checkpoint import (
+        STORED_BYTES,
+        check_quantization_config,
+        released_layout,
+    )
+
+    hf = json.loads(planner.KNOWN_CONFIGS["deepseek-v4.1-flash"].read_text())
+    held = dv.held_weight_bytes(dv.DeepseekV41Config.from_hf_config(hf),
+                                check_quantization_config(hf), {}, "bfloat16")
+    params = stored = 0
+    for name, (shape, dtype) in released_layout(hf).items():
+        if name.startswith("mtp.") or dv._VISION.match(name):
+            continue
+        stored += int(np.prod(shape)) * STORED_BYTES[dtype]
+        if not name.endswith(".scale"):
+            params += int(np.prod(shape)) * (2 if dtype == "I8" else 1)
+    return {"parameters": params, "held_bytes": held, "stored_bytes": stored,
+            "held_x_bf16": held / (2 * params), "stored_x_bf16": stored / (2 * params)}
+
+
 # ----------------------------------------------------------------------------- (b) prefill
 
 
@@ -242,11 +282,100 @@ def measure_prefill(params, model, batch: int, prompt_len: int, repeats: int,
         s = common.summarize(ts)
         out[name] = {"s": s, "tok_s": batch * prompt_len / s["median"]}
     out["x_nemo"] = out["gsm_jax"]["tok_s"] / out["nemo"]["tok_s"]
+    out["bound"] = prefill_bound(cfg, prompt_len, out["gsm_jax"]["tok_s"],
+                                 out["nemo"]["tok_s"])
     # where gsm_jax's prefill spends its time, by jax.named_scope (after the timing)
     text = prefill.lower(params.weights, jnp.asarray(tokens), lengths).compile().as_text()
     out["gsm_jax_profile_ms_by_scope"] = common.profile_breakdown(fns["gsm_jax"], steps=2,
                                                                   hlo_text=text)
     return out
+
+
+def necessary_prefill_flops(cfg, tokens: int) -> dict[str, float]:
+    """The FLOPs a prefill of `tokens` tokens (one row, from position 0) cannot avoid, by
+    part: 2 x the multiply-adds of every projection a token goes through (the routed
+    experts: its top-k of them; the Full layers' index-key projection once per compressed
+    entry; the LM head for the last token only), attention over the keys a query may use
+    (its visible window and at most `index_topk` selected compressed entries, averaged over
+    the prompt), and the indexer's scores over the visible index keys. Norms, softmax,
+    rotary, mHC's Sinkhorn, routing, top-k and gathers are not counted, so the time these
+    FLOPs take at the GEMM peak is a lower bound on any implementation's prefill."""
+    import numpy as np
+
+    from gsm_jax.models import deepseek_v41 as dv
+
+    t = tokens
+    parts: dict[str, float] = {}
+
+    def add(name: str, macs_per_token: float) -> None:
+        parts[name] = parts.get(name, 0.0) + 2.0 * macs_per_token * t
+
+    def size(s) -> float:
+        return float(np.prod(s.shape))
+
+    shapes = dv.weight_shapes(cfg)
+    for li, lw in enumerate(shapes["layers"]):
+        plan, a, m = cfg.plan(li), lw["attn"], lw["moe"]
+        add("attention projections", sum(size(a[k]) for k in ("q_a", "q_b", "kv", "o_a", "o_b")))
+        if "compressor" in a:
+            add("compressor", sum(size(v) for v in a["compressor"].values() if v.ndim == 2))
+        win = sum(min(cfg.sliding_window, q + 1) for q in range(t)) / t
+        comp = 0.0
+        if plan.ratio:
+            comp = sum(min(cfg.index_topk, (q + 1) // plan.ratio) for q in range(t)) / t
+        add("attention (window + selected)", 2 * cfg.num_heads * cfg.head_dim * (win + comp))
+        if "indexer" in a:
+            ix = a["indexer"]
+            add("indexer", size(ix["q_b"]) + size(ix["weights_proj"])
+                + (size(ix["wk"]) / plan.ratio if "wk" in ix else 0.0)
+                + cfg.index_n_heads * cfg.index_head_dim
+                * sum((q + 1) // plan.ratio for q in range(t)) / t)
+        add("router", size(m["router"]))
+        add("routed experts", cfg.num_experts_per_tok
+            * (size(m["experts_gate_up"]) + size(m["experts_down"])) / cfg.n_routed_experts)
+        add("shared expert", size(m["shared_gate_up"]) + size(m["shared_down"]))
+        add("mHC", size(lw["hc_attn"]["fn"]) + size(lw["hc_ffn"]["fn"]))
+        if "engram" in lw:
+            add("Engram", size(lw["engram"]["wkv"]))
+    add("LM head (last token)", size(shapes["lm_head"]) / t)
+    return parts
+
+
+def gemm_peak(shapes=((256, 512, 1024), (256, 1024, 512), (1024, 512, 1024)),
+              repeats: int = 30) -> dict[str, float]:
+    """fp32 GEMM GFLOP/s in this process (one core under --threads 1) for XLA and torch:
+    the best over `shapes` ([M, K] x [K, N], the prefill's projection sizes)."""
+    import jax
+    import jax.numpy as jnp
+    import torch
+
+    best = {"xla": 0.0, "torch": 0.0}
+    for m, k, n in shapes:
+        x, w = jnp.ones((m, k), jnp.float32), jnp.ones((k, n), jnp.float32)
+        f = jax.jit(jnp.matmul)
+        f(x, w).block_until_ready()
+        xt, wt = torch.ones(m, k), torch.ones(k, n)
+        xt @ wt
+        calls = {"xla": lambda f=f, x=x, w=w: f(x, w).block_until_ready(),
+                 "torch": lambda xt=xt, wt=wt: xt @ wt}
+        for name, ts in common.interleaved(calls, repeats).items():
+            best[name] = max(best[name], 2 * m * k * n / min(ts) / 1e9)
+    return best
+
+
+def prefill_bound(cfg, tokens: int, gsm_tok_s: float, nemo_tok_s: float) -> dict:
+    """What the GEMM peak allows: `necessary_prefill_flops` at the faster side's peak."""
+    parts = necessary_prefill_flops(cfg, tokens)
+    flops = sum(parts.values())
+    peak = gemm_peak()
+    bound_tok_s = max(peak.values()) * 1e9 / (flops / tokens)
+    target = TARGETS["prefill_x_nemo"] * nemo_tok_s
+    return {"necessary_gflop": flops / 1e9,
+            "necessary_gflop_by_part": {k: v / 1e9 for k, v in parts.items()},
+            "gemm_peak_gflop_s": peak, "bound_tok_s": bound_tok_s,
+            "gsm_jax_of_bound": gsm_tok_s / bound_tok_s,
+            "nemo_of_bound": nemo_tok_s / bound_tok_s,
+            "target_tok_s": target, "target_of_bound": target / bound_tok_s}
 
 
 # ----------------------------------------------------------------------------- (c) decode
@@ -374,6 +503,8 @@ def main() -> None:
         bf16_ref = bf16["bytes"] - bf16["engram_table_bytes"] + 2 * bf16["engram_table_values"]
         result["bf16_reference_bytes"] = bf16_ref
         result["bytes_ratio_vs_bf16"] = {v: loads[v]["bytes"] / bf16_ref for v in VARIANTS}
+        result["checkpoint_tensor_bytes"] = stored_bytes(path)
+        result["release"] = release_bytes_ratio()
         result["bytes_ratio_vs_bf16_without_engram"] = {
             v: (loads[v]["bytes"] - loads[v]["engram_table_bytes"])
             / (bf16["bytes"] - bf16["engram_table_bytes"]) for v in VARIANTS}
@@ -418,12 +549,21 @@ def write_report(out: Path, r: dict) -> None:
     rows = [(v, loads[v]["parameters"] / 1e6, loads[v]["bytes"] / 1e6, ratio[v],
              loads[v]["load_s"], loads[v]["peak_beyond_start"] / 1e6) for v in VARIANTS]
     nog = r["bytes_ratio_vs_bf16_without_engram"]
+    rel = r["release"]
     text += (f"\n## (a) Weight bytes in memory (target: fp8/fp4 <= {TARGETS['bytes_x_bf16']}x "
              f"bf16): **{ratio['fp8/fp4']:.3f}x**\n\n"
              f"Engram table rows: {r['engram']['table_rows']}. gsm_jax keeps the Engram tables "
              "FP8 in every variant; the bf16 reference counts them at 2 bytes per value "
              f"({r['bf16_reference_bytes'] / 1e6:.1f} MB). Without the tables: fp8/fp4 = "
              f"{nog['fp8/fp4']:.3f}x bf16.\n\n"
+             f"What is held is what is stored: the checkpoint's tensors are "
+             f"{r['checkpoint_tensor_bytes'] / 1e6:.1f} MB, `gsm_jax.load` holds "
+             f"{loads['fp8/fp4']['bytes'] / 1e6:.1f} MB (the difference: f32 copies of small "
+             "tensors and the Engram token map), so the ratio is the checkpoint's mix: this "
+             f"preset's dense FP8 projections are a larger share than the release's. At the "
+             f"release's size ({rel['parameters'] / 1e9:.1f}B text parameters, counted, not "
+             f"loaded) gsm_jax holds **{rel['held_x_bf16']:.3f}x** bf16 (stored: "
+             f"{rel['stored_x_bf16']:.3f}x).\n\n"
              + common.markdown_table(["weights", "parameters (M)", "bytes (MB)", "x bf16",
                                       "load (s)", "load peak RSS (MB)"], rows, 3))
     text += (f"\n## (b) Prefill, gsm_jax vs NeMo, fp32, same weights (target >= "
@@ -440,6 +580,21 @@ def write_report(out: Path, r: dict) -> None:
     text += (f"\ngsm_jax: jitted `prefill` into a fresh cache (compiled once before timing, "
              f"{p['gsm_jax_compile_s']:.1f} s); NeMo: `model(ids)` under no_grad. Medians "
              "of interleaved repeats.\n")
+    bd = p["bound"]
+    text += (f"\nWhat the core allows: the prefill's unavoidable work is "
+             f"{bd['necessary_gflop']:.2f} GFLOP "
+             f"({bd['necessary_gflop'] * 1e3 / p['prompt_len']:.0f} MFLOP per token: "
+             "projections, the routed experts a token uses, attention over "
+             "its window and selected entries; `necessary_prefill_flops`), and the fp32 GEMM "
+             f"peak measured in this process is {bd['gemm_peak_gflop_s']['xla']:.0f} GFLOP/s "
+             f"(XLA) / {bd['gemm_peak_gflop_s']['torch']:.0f} GFLOP/s (torch), so no "
+             f"implementation prefills faster than **{bd['bound_tok_s']:.0f} tok/s** here, "
+             "even with norms, softmax, routing and gathers free. gsm_jax runs at "
+             f"{bd['gsm_jax_of_bound']:.0%} of that bound, NeMo at {bd['nemo_of_bound']:.0%}; "
+             f"the target ({TARGETS['prefill_x_nemo']}x NeMo = {bd['target_tok_s']:.0f} tok/s) "
+             f"is {bd['target_of_bound']:.0%} of it.\n\n"
+             + common.markdown_table(["part", "GFLOP"],
+                                     list(bd["necessary_gflop_by_part"].items()), 3))
     if p.get("gsm_jax_profile_ms_by_scope"):
         text += ("\ngsm_jax's prefill by `jax.named_scope` (ms per call, jax.profiler "
                  "trace):\n\n" + common.markdown_table(
