@@ -27,11 +27,13 @@ long first call is not silent;
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 ENV = "GSM_JAX_COMPILATION_CACHE"
 OFF_VALUES = frozenset({"0", "off", "false", "no", "none", "disable", "disabled"})
@@ -228,3 +230,147 @@ def compilation_summary() -> str | None:
     cache = (f"{a.hits} of them loaded from the persistent cache ({where})" if where is not None
              else "persistent cache off")
     return (f"[gsm-jax] XLA: {a.compiles} programs ready in {a.seconds:.1f} s; {cache}")
+
+
+# ----------------------------------------------------------------------------- traced programs
+#
+# The persistent cache saves XLA's compilation, not the Python tracing and lowering in
+# front of it: for SmolLM2's generation loop (30 layers, prefill and decode) those are ~0.9
+# of the ~1.7 s a second CLI call still spent making its program ready. `cached_call` keeps
+# the traced program too, as a `jax.export` artifact beside the compilation cache: a later
+# process deserializes it (milliseconds), and the program it lowers to is the one the
+# compilation cache already holds.
+
+EXPORT_SUBDIR = "exported"
+_programs: dict[str, Any] = {}  # key -> jitted call of the Exported, or None: call directly
+_warned: set[str] = set()
+
+
+@functools.lru_cache(maxsize=1)
+def source_fingerprint() -> str:
+    """A hash of the gsm_jax source this process runs (every .py file of gsm_jax and of the
+    gsm_jax.models / gsm_jax.pallas_kernels packages, wherever they are installed) and of
+    the jax / jaxlib versions: a saved program is only reused by the code that traced it."""
+    import hashlib
+    import importlib.util
+
+    import jax
+    import jaxlib
+
+    h = hashlib.sha256(f"jax {jax.__version__} jaxlib {jaxlib.__version__}".encode())
+    for pkg in ("gsm_jax", "gsm_jax.models", "gsm_jax.pallas_kernels"):
+        spec = importlib.util.find_spec(pkg)
+        for root in (spec.submodule_search_locations or []) if spec else []:
+            root = Path(root)
+            for f in sorted(root.rglob("*.py")):
+                rel = f.relative_to(root).as_posix()
+                if pkg == "gsm_jax" and rel.split("/")[0] in ("models", "pallas_kernels"):
+                    continue  # hashed under their own package names
+                h.update(f"{pkg}/{rel}\0".encode())
+                h.update(f.read_bytes())
+    return h.hexdigest()
+
+
+def _warn_once(what: str, message: str) -> None:
+    if what not in _warned:
+        _warned.add(what)
+        print(f"[gsm-jax] {message}", file=sys.stderr, flush=True)
+
+
+def _program_key(name: str, static: dict, treedef: Any, leaves: list, extra: str = ""
+                 ) -> str | None:
+    """The saved program's name for these static arguments and argument types, or None when
+    they cannot be named reliably (an abbreviated repr: large arrays in a static value)."""
+    import hashlib
+
+    import jax
+
+    text = repr(sorted(static.items())) + str(treedef) + extra
+    if "..." in text:
+        return None
+    avals = [(tuple(x.shape), str(x.dtype), bool(getattr(x, "weak_type", False)))
+             for x in leaves]
+    h = hashlib.sha256("\0".join([name, source_fingerprint(), jax.default_backend(), text,
+                                  repr(avals)]).encode())
+    return f"{name}-{h.hexdigest()[:40]}"
+
+
+def cached_call(name: str, fn: Callable, args: tuple, static: dict) -> Any:
+    """``fn(*args, **static)`` (fn: a jitted function, `static` its static arguments) through
+    a saved traced program when the persistent compilation cache is on
+    (`enable_compilation_cache`): the first process with these argument types traces and
+    exports it to ``<cache>/exported/``, later ones load it instead of tracing. The same
+    program either way (tested: equal outputs). Called directly, as before, when the cache
+    is off, for arguments placed on more than one device, or when the program cannot be
+    exported (said once on stderr)."""
+    import jax
+
+    where = compilation_cache_dir()
+    leaves, treedef = jax.tree.flatten(args)
+    if where is None or any(isinstance(x, jax.Array) and len(x.sharding.device_set) > 1
+                            for x in leaves):
+        return fn(*args, **static)
+    keyed = [jax.random.key_data(x) if _is_key(x) else x for x in leaves]
+    impls = [str(jax.random.key_impl(x)) if _is_key(x) else None for x in leaves]
+    key = _program_key(name, static, treedef, keyed, repr(impls))
+    if key is None:
+        return fn(*args, **static)
+    call = _programs.get(key, False)
+    if call is False:
+        call = _programs[key] = _load_or_export(where, key, fn, static, treedef, leaves)
+    if call is None:
+        return fn(*args, **static)
+    return call(*keyed)
+
+
+def _is_key(x: Any) -> bool:
+    import jax
+
+    return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _load_or_export(where: Path, key: str, fn: Callable, static: dict, treedef: Any,
+                    leaves: list) -> Any:
+    import jax
+
+    path = where / EXPORT_SUBDIR / f"{key}.jaxexport"
+    exported = None
+    if path.is_file():
+        try:
+            exported = jax.export.deserialize(bytearray(path.read_bytes()))
+        except Exception as e:  # a truncated or foreign file: traced again, rewritten
+            _warn_once(f"bad {path}", f"ignoring the unreadable saved program {path} ({e})")
+    if exported is None:
+        impls = [jax.random.key_impl(x) if _is_key(x) else None for x in leaves]
+
+        def flat(*values):
+            values = [v if impl is None else jax.random.wrap_key_data(v, impl=impl)
+                      for v, impl in zip(values, impls, strict=True)]
+            return fn(*jax.tree.unflatten(treedef, values), **static)
+
+        flat.__name__ = flat.__qualname__ = f"trace_{key.split('-')[0]}"
+        avals = [jax.ShapeDtypeStruct(jax.random.key_data(x).shape, jax.random.key_data(x).dtype)
+                 if _is_key(x) else
+                 jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=getattr(x, "weak_type", False))
+                 for x in leaves]
+        try:
+            exported = jax.export.export(jax.jit(flat))(*avals)
+            blob = exported.serialize()
+        except Exception as e:  # e.g. host callbacks, or flatbuffers missing
+            _warn_once(f"export {key.split('-')[0]}",
+                       f"{key.split('-')[0]}: traced on every run, not saved "
+                       f"({type(e).__name__}: {e})")
+            return None
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_bytes(blob)
+            os.replace(tmp, path)
+        except OSError as e:
+            _warn_once(f"write {path}", f"could not save {path} ({e})")
+
+    def call(*values):
+        return exported.call(*values)
+
+    call.__name__ = call.__qualname__ = key.split("-")[0]  # the name in JAX's logs
+    return jax.jit(call)

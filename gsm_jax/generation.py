@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from gsm_jax.compile_cache import cached_call
 from gsm_jax.errors import InvalidInputError
 from gsm_jax.families import family_module, hook
 from gsm_jax.models.gsm_sites import GSMInputs
@@ -398,14 +399,15 @@ def generate_tokens(
                             np.full((batch,), top_k or 0, np.int32),
                             np.full((batch,), 1.0 if top_p is None else top_p, np.float32))
     with on_mesh(mesh):
-        out, n_out, logits = _generate_loop(
-            params.weights, *rows_in[:3], jax.random.key(seed), *rows_in[3:],
-            jnp.asarray(eos), gsm_inputs,
-            config=cfg, max_steps=max_steps, cache_len=prompt_len + max_steps,
-            filtered=(top_k is not None or top_p is not None) and temperature > 0,
-            return_logits=return_logits,
-            prefill_chunk=None if prefill_chunk is None else int(prefill_chunk),
-        )
+        # a second process with these shapes loads the traced program (`cached_call`)
+        out, n_out, logits = cached_call(
+            "generate_loop", _generate_loop,
+            (params.weights, *rows_in[:3], jax.random.key(seed), *rows_in[3:],
+             jnp.asarray(eos), gsm_inputs),
+            dict(config=cfg, max_steps=max_steps, cache_len=prompt_len + max_steps,
+                 filtered=(top_k is not None or top_p is not None) and temperature > 0,
+                 return_logits=return_logits,
+                 prefill_chunk=None if prefill_chunk is None else int(prefill_chunk)))
     out, n_out = _to_host(out), _to_host(n_out)
     results = [out[i, : n_out[i]] for i in range(n)]
     if return_logits:

@@ -126,7 +126,13 @@ def test_second_identical_command_loads_from_the_compilation_cache(clone, tmp_pa
     assert "Persistent compilation cache hit" not in first.stderr
     notice = [ln for ln in first.stderr.splitlines() if "compiling XLA programs" in ln]
     assert len(notice) == 1 and str(cache) in notice[0], first.stderr[-2000:]
+    # the traced generation loop is saved too (compile_cache.cached_call) ...
+    assert (cache / "exported").is_dir(), first.stderr[-3000:]
+    assert [p.name.split("-")[0] for p in (cache / "exported").iterdir()] == ["generate_loop"]
+    assert "Finished tracing trace_generate_loop" in first.stderr
     second = _python(argv, cwd=work, env=env)
+    # ... and loaded: the second process does not trace the model
+    assert "Finished tracing trace_generate_loop" not in second.stderr, second.stderr[-2000:]
     hits = re.findall(r"Persistent compilation cache hit for '([^']+)'", second.stderr)
     assert hits, second.stderr[-3000:]
     assert {p.name for p in cache.iterdir()} == files  # nothing new was written
