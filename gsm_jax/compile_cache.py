@@ -19,6 +19,10 @@ programs out, and a second call would compile them again): a
 limit (`MAX_SIZE_BYTES` unless ``jax_compilation_cache_max_size`` is set). The cache is
 trusted code: do not point it at a folder others can write.
 
+`cached_call` saves a traced program (``jax.export``) in ``<cache>/exported/`` beside the
+compiled ones, keyed by the source of gsm_jax, the jax version, the static arguments and
+the argument types: `generate` goes through it, so a second process skips tracing too.
+
 `announce_compilation` prints one line on stderr when a compilation has run for
 `ANNOUNCE_AFTER_S` seconds (``GSM_JAX_COMPILE_NOTICE_S`` changes it; once per process), so a
 long first call is not silent;
