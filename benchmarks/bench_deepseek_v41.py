@@ -77,8 +77,9 @@ _ROLES = dict(compress_ratios=[0, 0, 2, 2, 2, 1, 1, 1], kv_source_layer_ids=[2, 
 # The harness's 128-id tokenizer (its Engram token map is what NeMo checks): vocab 128.
 # Engram on layers 1 and 5 (the harness's default), 8 heads x 3 n-gram orders per layer.
 PRESETS = {
-    # the release's proportions at ~215M backbone parameters: 30 experts (top-4) hold ~88%
-    # of them; every projection dimension a multiple of 32 (whole FP8 blocks); two Engram
+    # ~215M backbone parameters: 30 experts (top-4) hold ~88% of them (the release: ~96%,
+    # so this preset's dense FP8 share, and its bytes ratio, is higher than the release's);
+    # every projection dimension a multiple of 32 (whole FP8 blocks); two Engram
     # tables of ~1.2M rows x 32 (24 primes >= 50000 per layer)
     "mid": dict(
         hidden_size=512, moe_intermediate_size=512, num_attention_heads=8,
