@@ -88,7 +88,14 @@ def decode_rate(params, batch: int, prompt_len: int, new_tokens: int, repeats: i
         t = time.perf_counter()
         jax.block_until_ready(call(new_tokens))
         diffs.append(time.perf_counter() - t - short)
-    return batch * (new_tokens - 1) / max(float(np.median(diffs)), 1e-9)
+    decode_s = float(np.median(diffs))
+    # the long call not slower than the short one: no rate can be read off (None), rather
+    # than an absurd one from a clamped time
+    return batch * (new_tokens - 1) / decode_s if decode_s > 0 else None
+
+
+def _tok_s(rate: float | None) -> str:
+    return "not resolved" if rate is None else f"{rate:.1f} tok/s"
 
 
 def main() -> int:
@@ -130,20 +137,31 @@ def main() -> int:
             rate = decode_rate(p, b, args.prompt_len, args.new_tokens, args.repeats)
             read = p.nbytes() + kv_bytes
             row[name] = {"decode_tok_s": rate, "bytes_read_per_step": read,
-                         "fraction_of_h200_peak": read * rate / b / H200_BYTES_PER_S}
+                         "fraction_of_h200_peak": None if rate is None
+                         else read * rate / b / H200_BYTES_PER_S}
         on = decode_rate(bf16, b, args.prompt_len, args.new_tokens, args.repeats, gsm=gsm)
+        off = row["bf16"]["decode_tok_s"]
         row["bf16 + GSM"] = {"decode_tok_s": on,
-                             "overhead": row["bf16"]["decode_tok_s"] / on - 1.0}
+                             "overhead": None if on is None or off is None else off / on - 1.0}
         result["batches"][b] = row
+        frac, over = row["bf16"]["fraction_of_h200_peak"], row["bf16 + GSM"]["overhead"]
         print(f"[gpu_check] batch {b:3d}: " + ", ".join(
-            f"{k} {v['decode_tok_s']:.1f} tok/s" for k, v in row.items())
+            f"{k} {_tok_s(v['decode_tok_s'])}" for k, v in row.items())
             + f"; bf16 reads {row['bf16']['bytes_read_per_step'] / 1e9:.2f} GB/step = "
-              f"{row['bf16']['fraction_of_h200_peak']:.0%} of the H200's 4.8 TB/s; GSM "
-              f"overhead {row['bf16 + GSM']['overhead']:+.1%}", flush=True)
+              + ("(rate not resolved)" if frac is None else f"{frac:.0%}")
+              + " of the H200's 4.8 TB/s; GSM overhead "
+              + ("not resolved" if over is None else f"{over:+.1%}"), flush=True)
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "results.json").write_text(json.dumps(result, indent=1))
     ok = all(v["pass"] for k, v in result["kernels"].items() if isinstance(v, dict))
+    unresolved = [f"batch {b} {k}" for b, row in result["batches"].items()
+                  for k, v in row.items() if v["decode_tok_s"] is None]
+    if unresolved and not args.dry_run:  # a device run must produce every rate
+        print(f"[gpu_check] decode rate not resolved for: {', '.join(unresolved)} (the "
+              "long call was not slower than the 1-token call; raise --new-tokens / "
+              "--repeats)", flush=True)
+        ok = False
     return 0 if ok else 1
 
 

@@ -214,9 +214,19 @@ def main() -> int:
                     t = time.perf_counter()
                     jax.block_until_ready(call(n))
                     store.append(time.perf_counter() - t)
-            step_s = max(float(np.median(np.subtract(long, short))) / (args.new_tokens - 1),
-                         1e-9)
+            step_s = float(np.median(np.subtract(long, short))) / (args.new_tokens - 1)
             read = bytes_per_step(weights, cfg, b, args.prompt_len + args.new_tokens)
+            if step_s <= 0:  # the long call not slower: no rate (not a clamped, absurd one)
+                row = {"decode_tok_s": None, "step_ms": None,
+                       "bytes_read_per_step": read["weights_read"],
+                       "achieved_bytes_per_s": None, "fraction_of_h200_peak": None}
+                result["batches"].setdefault(b, row)
+                if label != "gsm off":
+                    result["batches"][b][label] = dict(row)
+                print(f"[gpu_check] batch {b:3d} {label}: decode rate not resolved (the "
+                      f"{args.new_tokens}-token call was not slower than the 1-token call)",
+                      flush=True)
+                continue
             bw = read["weights_read"] / step_s
             row = {"decode_tok_s": b / step_s, "step_ms": step_s * 1e3,
                    "bytes_read_per_step": read["weights_read"], "achieved_bytes_per_s": bw,
@@ -234,7 +244,8 @@ def main() -> int:
         (Path(args.out) / "results.json").write_text(json.dumps(result, indent=1))
     rates = [r["decode_tok_s"] for r in result["batches"].values()] + [
         r["gsm on"]["decode_tok_s"] for r in result["batches"].values() if "gsm on" in r]
-    return 0 if all(math.isfinite(x) for x in rates) else 1
+    # a device run must produce every rate; the CPU dry run (CI) checks the script runs
+    return 0 if args.dry_run or all(x is not None and math.isfinite(x) for x in rates) else 1
 
 
 if __name__ == "__main__":

@@ -52,9 +52,10 @@ def test_gpu_check_script_dry_run(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads((tmp_path / "results.json").read_text())
     assert r["layers"] == 3 and set(r["batches"]) == {"1", "2"}
-    for b in r["batches"].values():
-        assert b["decode_tok_s"] > 0 and 0 < b["bytes_read_per_step"] <= r["weight_bytes"]
-    assert "of the H200's 4.8 TB/s" in proc.stdout
+    for b in r["batches"].values():  # a rate the tiny CPU run could not resolve is None
+        assert b["decode_tok_s"] is None or b["decode_tok_s"] > 0
+        assert 0 < b["bytes_read_per_step"] <= r["weight_bytes"]
+    assert "of the H200's 4.8 TB/s" in proc.stdout or "not resolved" in proc.stdout
 
 
 @pytest.mark.heavy
@@ -68,9 +69,10 @@ def test_gpu_check_script_dry_run_v41(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads((tmp_path / "results.json").read_text())
     assert r["model"] == "v4.1" and r["layers"] == 6 and set(r["batches"]) == {"1"}
-    for b in r["batches"].values():
-        assert b["decode_tok_s"] > 0 and 0 < b["bytes_read_per_step"] <= r["weight_bytes"]
-        assert b["gsm on"]["decode_tok_s"] > 0
+    for b in r["batches"].values():  # None: not resolved by the tiny CPU run
+        assert b["decode_tok_s"] is None or b["decode_tok_s"] > 0
+        assert 0 < b["bytes_read_per_step"] <= r["weight_bytes"]
+        assert b["gsm on"]["decode_tok_s"] is None or b["gsm on"]["decode_tok_s"] > 0
 
 
 def test_llama_gpu_check_script_dry_run(tmp_path):
@@ -84,4 +86,5 @@ def test_llama_gpu_check_script_dry_run(tmp_path):
     assert set(r["batches"]) == {"1", "2"}
     for row in r["batches"].values():
         assert {"bf16", "w8a16", "w8a8", "bf16 + GSM"} <= set(row)
-        assert all(v["decode_tok_s"] > 0 for v in row.values())
+        # None: not resolved by the tiny CPU run (the long call was not slower)
+        assert all(v["decode_tok_s"] is None or v["decode_tok_s"] > 0 for v in row.values())
