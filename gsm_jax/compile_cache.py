@@ -314,14 +314,16 @@ def cached_call(name: str, fn: Callable, args: tuple, static: dict) -> Any:
     if where is None or any(isinstance(x, jax.Array) and len(x.sharding.device_set) > 1
                             for x in leaves):
         return fn(*args, **static)
-    keyed = [jax.random.key_data(x) if _is_key(x) else x for x in leaves]
-    impls = [str(jax.random.key_impl(x)) if _is_key(x) else None for x in leaves]
-    key = _program_key(name, static, treedef, keyed, repr(impls))
+    # PRNG keys travel as their key data (jax.export takes plain arrays), rewrapped inside
+    impls = [jax.random.key_impl(x) if _is_key(x) else None for x in leaves]
+    keyed = [x if impl is None else jax.random.key_data(x)
+             for x, impl in zip(leaves, impls, strict=True)]
+    key = _program_key(name, static, treedef, keyed, repr([str(i) for i in impls]))
     if key is None:
         return fn(*args, **static)
     call = _programs.get(key, False)
     if call is False:
-        call = _programs[key] = _load_or_export(where, key, fn, static, treedef, leaves)
+        call = _programs[key] = _load_or_export(where, key, fn, static, treedef, keyed, impls)
     if call is None:
         return fn(*args, **static)
     return call(*keyed)
@@ -334,7 +336,10 @@ def _is_key(x: Any) -> bool:
 
 
 def _load_or_export(where: Path, key: str, fn: Callable, static: dict, treedef: Any,
-                    leaves: list) -> Any:
+                    keyed: list, impls: list) -> Any:
+    """The jitted call of the saved program `key` (loaded, else traced from `fn` and saved),
+    taking `keyed` (the flat arguments, PRNG keys as key data; `impls`: their key impls);
+    None when it cannot be exported."""
     import jax
 
     path = where / EXPORT_SUBDIR / f"{key}.jaxexport"
@@ -345,18 +350,14 @@ def _load_or_export(where: Path, key: str, fn: Callable, static: dict, treedef: 
         except Exception as e:  # a truncated or foreign file: traced again, rewritten
             _warn_once(f"bad {path}", f"ignoring the unreadable saved program {path} ({e})")
     if exported is None:
-        impls = [jax.random.key_impl(x) if _is_key(x) else None for x in leaves]
-
         def flat(*values):
             values = [v if impl is None else jax.random.wrap_key_data(v, impl=impl)
                       for v, impl in zip(values, impls, strict=True)]
             return fn(*jax.tree.unflatten(treedef, values), **static)
 
         flat.__name__ = flat.__qualname__ = f"trace_{key.split('-')[0]}"
-        avals = [jax.ShapeDtypeStruct(jax.random.key_data(x).shape, jax.random.key_data(x).dtype)
-                 if _is_key(x) else
-                 jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=getattr(x, "weak_type", False))
-                 for x in leaves]
+        avals = [jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=getattr(x, "weak_type", False))
+                 for x in keyed]
         try:
             exported = jax.export.export(jax.jit(flat))(*avals)
             blob = exported.serialize()

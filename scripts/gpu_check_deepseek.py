@@ -216,25 +216,23 @@ def main() -> int:
                     store.append(time.perf_counter() - t)
             step_s = float(np.median(np.subtract(long, short))) / (args.new_tokens - 1)
             read = bytes_per_step(weights, cfg, b, args.prompt_len + args.new_tokens)
-            if step_s <= 0:  # the long call not slower: no rate (not a clamped, absurd one)
-                row = {"decode_tok_s": None, "step_ms": None,
-                       "bytes_read_per_step": read["weights_read"],
-                       "achieved_bytes_per_s": None, "fraction_of_h200_peak": None}
-                result["batches"].setdefault(b, row)
-                if label != "gsm off":
-                    result["batches"][b][label] = dict(row)
-                print(f"[gpu_check] batch {b:3d} {label}: decode rate not resolved (the "
-                      f"{args.new_tokens}-token call was not slower than the 1-token call)",
-                      flush=True)
-                continue
-            bw = read["weights_read"] / step_s
-            row = {"decode_tok_s": b / step_s, "step_ms": step_s * 1e3,
+            # the long call not slower than the short one: no rate (None), not an absurd
+            # one from a clamped time
+            ok = step_s > 0
+            bw = read["weights_read"] / step_s if ok else None
+            row = {"decode_tok_s": b / step_s if ok else None,
+                   "step_ms": step_s * 1e3 if ok else None,
                    "bytes_read_per_step": read["weights_read"], "achieved_bytes_per_s": bw,
-                   "fraction_of_h200_peak": bw / H200_BYTES_PER_S}
+                   "fraction_of_h200_peak": bw / H200_BYTES_PER_S if ok else None}
             if label == "gsm off" or b not in result["batches"]:
                 result["batches"][b] = row
             if label != "gsm off":
                 result["batches"][b][label] = dict(row)
+            if not ok:
+                print(f"[gpu_check] batch {b:3d} {label}: decode rate not resolved (the "
+                      f"{args.new_tokens}-token call was not slower than the 1-token call)",
+                      flush=True)
+                continue
             print(f"[gpu_check] batch {b:3d} {label}: {b / step_s:9.1f} tok/s, step "
                   f"{step_s * 1e3:7.2f} ms, reads {read['weights_read'] / 1e9:6.2f} GB/step "
                   f"({read['expert_fraction_read']:.0%} of experts) -> {bw / 1e12:5.2f} TB/s "

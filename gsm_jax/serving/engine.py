@@ -1087,7 +1087,8 @@ class Engine:
         cut = slice(rows)  # rows None: every slot
         gsm = self._gsm_inputs((self._rows * active)[cut], self._strength[cut],
                                self._window[cut])
-        args = (self.params.weights, self._last[cut].copy(), self._cache, gsm,
+        # numpy views: the step's tokens are read back before the host arrays change
+        args = (self.params.weights, self._last[cut], self._cache, gsm,
                 np.asarray(active[cut], bool))
         return active, args, {"config": self.config, "attend": attend, "rows": rows}
 
@@ -1103,12 +1104,12 @@ class Engine:
         active, args, kw = self._decode_args()
         cut = slice(kw["rows"])
         counts = np.array([0 if r is None else r.n_tokens for r in self.slots], np.int32)
-        sampling = tuple(a[cut].copy() for a in (  # numpy: no eager op per array
+        sampling = tuple(a[cut] for a in (  # numpy: no eager op per array
             self._temps, self._top_k, self._top_p, self._seeds, counts))
         sample = bool((self._temps[active] > 0).any())
         penalties = None
         if self._penalized[active].any():
-            penalties = tuple(a[cut].copy() for a in (
+            penalties = tuple(a[cut] for a in (
                 self._freq, self._pres, self._rep, self._out_counts, self._seen, self._bias))
         t = clock()
         with on_mesh(self._mesh):
