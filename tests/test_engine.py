@@ -162,21 +162,74 @@ def test_chunked_prefill_equals_generate_alone(tiny, gsm):
     assert "decode" in kinds[first: first + 4]
 
 
-def test_abort_frees_slot_and_queue(tiny):
-    eng = Engine(tiny, max_batch=1, max_len=MAX_LEN, eos_ids=[])
+def test_async_scheduling_gives_the_synchronous_outputs(tiny, requests):
+    """Async scheduling (a step dispatched before the previous one's tokens are read back)
+    changes when tokens reach the host, never which: a mixed workload (EOS, length,
+    a stop that aborts from the token callback, greedy and seeded sampling, penalties,
+    per-request GSM configs, staggered arrivals, rows joining mid-stream) gives the same
+    records with it on and off, and no step is dispatched for a row that reached its
+    max_new_tokens."""
+    free = Engine(tiny, max_batch=2, max_len=MAX_LEN, eos_ids=[]).run([requests[0]])[0]
+    eos = free.tokens[4]
+    g2 = GSM.replace(smooth_strength=0.1, window_size=6, target_layers=[0])
+    reqs = [Request(r.prompt, r.max_new_tokens + 4, request_id=r.request_id, gsm=g,
+                    temperature=t, seed=7 if t else None, top_k=k,
+                    frequency_penalty=f, logit_bias={9: 2.0} if f else None)
+            for r, g, t, k, f in zip(requests, [GSM, None, g2, GSM, None, g2],
+                                     [0.0, 1.0, 0.0, 0.8, 0.0, 0.0], [0, 8, 0, 0, 0, 0],
+                                     [0.0, 0.0, 0.0, 0.0, 0.5, 0.0], strict=True)]
+    stop_at = {"r2": 5}  # r2 is ended by its token callback (a stop string's path)
+
+    def go(async_scheduling):
+        eng = Engine(tiny, max_batch=3, max_len=MAX_LEN, gsm=GSM, eos_ids=[eos],
+                     async_scheduling=async_scheduling)
+
+        def on_token(rec, token):
+            if rec.n_tokens == stop_at.get(rec.request_id):
+                eng.abort(rec, "stop")
+        eng.on_token = on_token
+        recs = eng.run(reqs, arrival_times=[0.0, 0.0, 0.0, 0.02, 0.03, 0.2])
+        assert not eng.has_work and eng._ahead is None
+        assert all(s is None for s in eng.slots)
+        return eng, recs
+
+    _, sync = go(False)
+    eng, recs = go(True)
+    for a, b in zip(sync, recs, strict=True):
+        assert (a.tokens, a.finish_reason, a.gsm) == (b.tokens, b.finish_reason, b.gsm), \
+            a.request_id
+    reasons = {r.finish_reason for r in recs}
+    assert reasons == {"eos", "length", "stop"}, reasons
+    # a lone request to its length: as many decode steps as tokens after the first
+    eng.step_times = []
+    one = eng.run([Request(requests[3].prompt, 7, gsm=None, ignore_eos=True)])[0]
+    assert one.n_tokens == 7 and [k for k, _, _ in eng.step_times].count("decode") == 6
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_abort_frees_slot_and_queue(tiny, async_scheduling):
+    """An aborted request gets no token after its abort: with async scheduling its
+    decode token is still in flight after the first step (one token so far: the
+    prefill's), and is dropped when read back."""
+    eng = Engine(tiny, max_batch=1, max_len=MAX_LEN, eos_ids=[],
+                 async_scheduling=async_scheduling)
     a = eng.submit(Request([5, 6, 7], 30, request_id="a"))
     b = eng.submit(Request([8, 9], 4, request_id="b"))
     c = eng.submit(Request([8, 9], 4, request_id="c"))
     eng.step()
-    assert a.slot == 0 and a.n_tokens == 2 and eng.num_waiting == 2
+    held = 1 if async_scheduling else 2
+    assert a.slot == 0 and a.n_tokens == held and eng.num_waiting == 2
     assert eng.abort(a, "abort") and a.finish_reason == "abort"
     assert eng.abort(c, "abort") and c.admitted != c.admitted  # never admitted (NaN)
     assert not eng.abort(a)  # already finished
     assert eng.num_active == 0 and eng.num_waiting == 1
     while eng.has_work:
         eng.step()
-    assert a.n_tokens == 2 and b.finish_reason == "length" and b.n_tokens == 4
+    assert a.n_tokens == held and b.finish_reason == "length" and b.n_tokens == 4
     assert c.n_tokens == 0
+    assert eng._ahead is None  # no step outlives its rows
+    ref = gsm_jax.generate_tokens(tiny, [[8, 9]], max_new_tokens=4, eos_ids=[])[0]
+    np.testing.assert_array_equal(np.asarray(b.tokens), ref)
 
 
 def test_seeded_sampling_does_not_depend_on_schedule(tiny):

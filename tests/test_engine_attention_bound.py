@@ -109,7 +109,8 @@ def test_decode_program_reads_only_what_rows_hold(llama_params):
     prompt = np.random.default_rng(0).integers(4, 64, 63).tolist()
     programs = {}
     for min_attend in (128, None):
-        eng = Engine(params, max_batch=1, max_len=BIG, eos_ids=[], min_attend=min_attend)
+        eng = Engine(params, max_batch=1, max_len=BIG, eos_ids=[], min_attend=min_attend,
+                     async_scheduling=False)  # the decode token is read back in `step`
         rec = eng.submit(Request(prompt, 8))
         eng.step()  # prefill (63 tokens) and one decode step: the row holds 64 tokens
         assert rec.prompt_len + rec.n_tokens - 1 == 64

@@ -101,6 +101,9 @@ class ServerOptions:
     # automatic prefix caching (vLLM's --enable-prefix-caching, on by default as in vLLM
     # V1): the states at prefill-chunk boundaries within this many bytes; 0: off
     prefix_cache_bytes: int = 10**9
+    # a decode step dispatched before the previous one is read back (vLLM's async
+    # scheduling): the host's streaming overlaps the model; the same outputs
+    async_scheduling: bool = True
 
 
 class HTTPError(Exception):
@@ -267,7 +270,8 @@ class GSMServer:
                 gsm=initial, seed=o.seed, prefill_chunk=o.prefill_chunk,
                 gsm_ring=o.gsm_ring or (None if initial is not None else 16),
                 min_attend=o.min_attend, kv_cache_dtype=o.kv_cache_dtype,
-                prefix_cache_bytes=o.prefix_cache_bytes if o.prefill_chunk else 0)
+                prefix_cache_bytes=o.prefix_cache_bytes if o.prefill_chunk else 0,
+                async_scheduling=o.async_scheduling)
             self.params = engine.params  # the KV-cache format is part of the model config
             self.live = LiveGSM(initial, check=self._check_gsm, on_change=self._gsm_changed)
             self._gsm_changed(self.live.current)
@@ -1104,6 +1108,7 @@ def build_app(server: GSMServer, *, load_in_background: bool = True) -> FastAPI:
             "waiting": server.loop.num_waiting, "kv_usage": eng.kv_usage,
             "max_batch": eng.max_batch, "max_len": eng.max_len,
             "prefill_chunk": eng.prefill_chunk, "gsm_compiled": eng.gsm_compiled,
+            "async_scheduling": eng.async_scheduling,
             "prefix_cache": eng.prefix_cache_stats(),
         })
 

@@ -39,6 +39,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    "starts with the --prefill-chunk blocks of an earlier one resumes from "
                    "the state its prefill reached there (KV, GSM rings); outputs equal "
                    "caching off bit for bit")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
+                   default=True,
+                   help="dispatch each decode step before the previous one's tokens are read "
+                   "back, so streaming and stop checks overlap the model's work (vLLM's "
+                   "--async-scheduling; default on); outputs are the same either way")
     p.add_argument("--prefix-cache-gb", type=float, default=1.0,
                    help="memory the prefix cache may hold, in GB (least recently used "
                    "states are evicted first)")
@@ -99,7 +104,7 @@ def run_serve(args: argparse.Namespace) -> int:
         served_model_name=args.served_model_name, seed=args.seed, mesh=mesh,
         gsm_ring=args.gsm_ring, min_attend=min_attend,
         kv_cache_dtype=None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype,
-        prefix_cache_bytes=prefix_bytes)
+        prefix_cache_bytes=prefix_bytes, async_scheduling=args.async_scheduling)
     serve(options, host=args.host, port=args.port, log_level=args.log_level)
     return 0
 

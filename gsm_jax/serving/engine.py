@@ -330,6 +330,17 @@ def _decode(weights, tokens, cache, gsm, active, *, config, attend: int | None =
     return logits, common.put_first_rows(cache, _unbound(part))
 
 
+@jax.jit
+def _feed(prev, host, use_prev):
+    """The tokens a decode step feeds its rows when the step before it is still running
+    (async scheduling): `prev` [r'] (that step's picks, on device, r' its row bound),
+    where `use_prev` [r]; the host's `host` [r] (a just-admitted row's first token)
+    elsewhere. r' and r may differ: `prev` is cut or padded to r rows."""
+    n, r = prev.shape[0], host.shape[0]
+    prev = prev[:r] if n >= r else jnp.pad(prev, (0, r - n))
+    return jnp.where(use_prev, prev, host)
+
+
 # Row bounds grow by this factor (1, 2, 4, ...). Measured (docs/performance_notes.md,
 # "Serving engine: row bounds are powers of two"): a SmolLM2 step of 2 rows costs 1.52x
 # one row, 4 rows 1.77x, 8 rows 2.14x, 16 rows 2.86x, so a coarser factor (4: 15 programs
@@ -338,7 +349,7 @@ def _decode(weights, tokens, cache, gsm, active, *, config, attend: int | None =
 ROW_BOUND_FACTOR = 2
 
 COMPILED = {"pick": _pick, "prefill": _prefill, "extend": _extend, "insert": _insert,
-            "prefill_insert": _prefill_insert, "decode": _decode}
+            "prefill_insert": _prefill_insert, "decode": _decode, "feed": _feed}
 
 
 def check_min_attend(value: Any, name: str = "min_attend") -> int | None:
@@ -403,6 +414,16 @@ class _Prefilling:
     keys: dict[int, bytes] = field(default_factory=dict)  # prefix-cache key per boundary
 
 
+@dataclass
+class _InFlight:
+    """A decode step dispatched and not yet read back (async scheduling)."""
+
+    tokens: Any  # its picks, a device array [its row bound]
+    active: np.ndarray  # [max_batch] bool: the slots it steps
+    owners: list  # the record in each slot when it was dispatched
+    start: float  # when it was dispatched
+
+
 class Engine:
     """Continuous batching over `max_batch` slots of a `max_len`-token KV cache.
 
@@ -425,8 +446,11 @@ class Engine:
     step runs the first 1, 2, 4, ... slots, the fewest that hold every running row (new
     requests take the lowest free slot), so one stream costs a one-row step, not a
     `max_batch` one, as vLLM's batch-size buckets do (the dense families' caches on one
-    device; DeepSeek caches and a mesh step every slot). Use `submit` + `step` to drive it
-    yourself, or `run`.
+    device; DeepSeek caches and a mesh step every slot). `async_scheduling` (default on):
+    a decode step is dispatched before the previous one's tokens are read back, so the
+    host's bookkeeping (emitting tokens, stop checks, the server's streaming) overlaps
+    the device's work, as vLLM's async scheduling; outputs are the same as with it off
+    (tested). Use `submit` + `step` to drive it yourself, or `run`.
     """
 
     def __init__(self, params: ModelParams, *, max_batch: int = 8, max_len: int = 1024,
@@ -434,7 +458,8 @@ class Engine:
                  eos_ids: Sequence[int] | None = None, seed: int = 0,
                  prefill_chunk: int | None = 512, gsm_ring: int | None = None,
                  min_attend: int | None = 128, kv_cache_dtype: str | None = None,
-                 prefix_cache_bytes: int = 0, bound_rows: bool = True) -> None:
+                 prefix_cache_bytes: int = 0, bound_rows: bool = True,
+                 async_scheduling: bool = True) -> None:
         if not isinstance(params, ModelParams):
             raise InvalidInputError(
                 f"params must be what gsm_jax.load returns (ModelParams), got "
@@ -480,6 +505,11 @@ class Engine:
         self._ring_request = None if gsm_ring is None else int(gsm_ring)
         self.min_attend = check_min_attend(min_attend)
         self.bound_rows = bool(bound_rows)
+        self.async_scheduling = bool(async_scheduling)
+        self._ahead: _InFlight | None = None  # the decode step in flight (async scheduling)
+        self._read_at = 0.0  # when the last decode step's tokens reached the host
+        # the token feed's `prev` when no step is in flight (every row's token is the host's)
+        self._no_prev = jnp.zeros((self.max_batch,), jnp.int32)
         if eos_ids is None:
             tok = params.tokenizer
             eos_ids = tok.eos_ids if tok is not None else self.config.eos_token_ids
@@ -633,6 +663,7 @@ class Engine:
             self._new_cache()
 
     def _new_cache(self) -> None:
+        self._ahead = None  # an idle engine's step in flight has no running row to feed
         window = self._gsm_static[0] if self.gsm_compiled else None
         if self.prefix_cache is not None:  # its states have the old cache's structure
             self.prefix_cache.clear()
@@ -1070,42 +1101,88 @@ class Engine:
         return out + [None]
 
     def _decode_args(self, active: np.ndarray | None = None, attend: Any = "held",
-                     rows: Any = "active") -> tuple[np.ndarray, tuple, dict[str, Any]]:
+                     rows: Any = "active", pending: np.ndarray | None = None,
+                     copy: bool = False) -> tuple[np.ndarray, tuple, dict[str, Any]]:
         """(active slots, arguments, static keywords) of the next decode step's `_decode`;
         the per-slot arguments are cut to its row bound. `active` / `attend` / `rows`
-        override what the slots say (the warm-up compiles every bound on idle slots)."""
+        override what the slots say (the warm-up compiles every bound on idle slots).
+        `pending` [max_batch]: 1 where a step in flight (async scheduling) holds one more
+        token of the slot's request. `copy`: the arguments are copies of the host arrays
+        (a step that runs while the host changes them), not views."""
         if active is None:
             active = np.array([s is not None for s in self.slots])
         if attend == "held":
             # an active row holds its prompt and every output token but the last (this
             # step writes that one at slot `held`)
-            held = max((r.prompt_len + r.n_tokens - 1 for r in self.slots if r is not None),
+            held = max((r.prompt_len + r.n_tokens - 1 + (0 if pending is None else
+                                                          int(pending[i]))
+                        for i, r in enumerate(self.slots) if r is not None and active[i]),
                        default=0)
             attend = self.attend_bound(held)
         if rows == "active":
             rows = self.rows_bound(active)
         cut = slice(rows)  # rows None: every slot
-        gsm = self._gsm_inputs((self._rows * active)[cut], self._strength[cut],
-                               self._window[cut])
-        # numpy views: the step's tokens are read back before the host arrays change
-        args = (self.params.weights, self._last[cut], self._cache, gsm,
+        own = np.array if copy else (lambda a: a)
+        gsm = self._gsm_inputs((self._rows * active)[cut], own(self._strength[cut]),
+                               own(self._window[cut]))
+        # without `copy`, numpy views: the step's tokens are read back before the host
+        # arrays change
+        args = (self.params.weights, own(self._last[cut]), self._cache, gsm,
                 np.asarray(active[cut], bool))
         return active, args, {"config": self.config, "attend": attend, "rows": rows}
 
     def lower_decode(self) -> Any:
         """The decode step the engine would run next, lowered but not run (a
         `jax.stages.Lowered`): for inspecting its program, e.g.
-        `.compile().as_text()` (the tests check what its attention reads)."""
-        _, args, kw = self._decode_args()
+        `.compile().as_text()` (the tests check what its attention reads); a step in
+        flight (async scheduling) counts the token it holds."""
+        pending = self._pending(self._ahead)
+        _, args, kw = self._decode_args(self._next_active(pending), pending=pending)
         with on_mesh(self._mesh):
             return _decode.lower(*args, **kw)
 
+    def _pending(self, step: _InFlight | None) -> np.ndarray:
+        """[max_batch] int32: 1 where `step` (in flight) holds a token of the request
+        still in that slot (not one that finished or was aborted since)."""
+        out = np.zeros((self.max_batch,), np.int32)
+        if step is not None:
+            for slot in np.flatnonzero(step.active):
+                rec = step.owners[slot]
+                out[slot] = self.slots[slot] is rec and rec is not None and not rec.done
+        return out
+
+    def _next_active(self, pending: np.ndarray) -> np.ndarray:
+        """[max_batch] bool: the rows the next decode step runs: running, and not finished
+        by their token in flight (`pending`)."""
+        return np.array([r is not None and r.n_tokens + int(pending[i]) < r.max_new_tokens
+                         for i, r in enumerate(self.slots)])
+
     def _decode_once(self) -> list[RequestRecord]:
-        active, args, kw = self._decode_args()
+        """Dispatch one decode step; read back the one before it (async scheduling: the
+        new step was dispatched first, so the host's bookkeeping overlaps it) or this one
+        (synchronous: async scheduling off, or a penalized row, whose penalties count
+        the tokens read back). Returns the requests that finished."""
+        prev, self._ahead = self._ahead, None
+        pending = self._pending(prev)
+        # the rows of the new step: running, and not finished by their token in flight
+        # (a row at its max_new_tokens is; one at EOS or a stop string is found out when
+        # that token is read back, and its extra token is dropped)
+        active = self._next_active(pending)
+        done: list[RequestRecord] = []
+        sync = not self.async_scheduling or bool(self._penalized[active].any())
+        if prev is not None and (sync or not active.any()):
+            done = self._read(prev)
+            prev, pending = None, pending * 0
+            active = np.array([s is not None for s in self.slots])
+            sync = not self.async_scheduling or bool(self._penalized[active].any())
+        if not active.any():
+            return done
+        active, args, kw = self._decode_args(active, pending=pending, copy=not sync)
         cut = slice(kw["rows"])
         counts = np.array([0 if r is None else r.n_tokens for r in self.slots], np.int32)
-        sampling = tuple(a[cut] for a in (  # numpy: no eager op per array
-            self._temps, self._top_k, self._top_p, self._seeds, counts))
+        counts = counts + pending  # the index of the token each row draws
+        sampling = tuple(a[cut] for a in (self._temps, self._top_k, self._top_p, self._seeds))
+        sampling = (*(np.array(a) if not sync else a for a in sampling), counts[cut])
         sample = bool((self._temps[active] > 0).any())
         penalties = None
         if self._penalized[active].any():
@@ -1113,16 +1190,34 @@ class Engine:
                 self._freq, self._pres, self._rep, self._out_counts, self._seen, self._bias))
         t = clock()
         with on_mesh(self._mesh):
+            # rows still running take their token from the step in flight, on device;
+            # the others (just admitted) the host's
+            use = (pending[cut] > 0) & active[cut]
+            args = (args[0], _feed(self._no_prev if prev is None else prev.tokens,
+                                   np.array(args[1]), use), *args[2:])
             logits, self._cache = _decode(*args, **kw)
             tok = _pick(logits, sampling, penalties, sample=sample,
                         filtered=sample and bool(self._filtered[active].any()))
-        tokens = np.asarray(tok)
-        self.step_times.append(("decode", int(active.sum()), clock() - t))
+        step = _InFlight(tok, active, list(self.slots), t)
+        if sync:
+            return done + self._read(step)
+        self._ahead = step
+        return done + ([] if prev is None else self._read(prev))
+
+    def _read(self, step: _InFlight) -> list[RequestRecord]:
+        """Bring a decode step's tokens to the host and emit them (a slot whose request
+        finished or was aborted since the step was dispatched drops its token); logs the
+        step's time from its dispatch, or from the previous read if later."""
+        tokens = np.asarray(step.tokens)
         t = clock()
+        self.step_times.append(("decode", int(step.active.sum()),
+                                t - max(step.start, self._read_at)))
+        self._read_at = t
         done = []
-        for slot in np.flatnonzero(active):
-            rec = self.slots[slot]
-            if rec is not None and self._emit(int(slot), rec, int(tokens[slot]), t):
+        for slot in np.flatnonzero(step.active):
+            rec = step.owners[slot]
+            if (rec is not None and self.slots[slot] is rec and not rec.done
+                    and self._emit(int(slot), rec, int(tokens[slot]), t)):
                 done.append(rec)
         return done
 
@@ -1146,8 +1241,13 @@ class Engine:
             self.waiting.popleft()
             if self._admit(free[0], item, cfg):
                 done.append(item.record)
-        if self.num_active:
+        if self.num_active or self._ahead is not None:
             done.extend(self._decode_once())
+        if self._ahead is not None and not self._pending(self._ahead).any():
+            # every row of the step in flight finished when its predecessor was read
+            # (EOS, a stop string, an abort): read it now, so no step outlives its rows
+            done.extend(self._read(self._ahead))
+            self._ahead = None
         return done
 
     # ------------------------------------------------------------------ warm-up
@@ -1161,9 +1261,10 @@ class Engine:
         mid-stream when it grows past a power of two.
 
         Returns seconds per prompt bucket (a dummy request's prefill + one decode
-        step, compilation included), per read bound with `all_attend` ("attend_s") and
-        in total. The engine is left idle; its cache holds junk rows, which the next
-        admissions overwrite.
+        step, compilation included), per read bound with `all_attend` ("attend_s"), for
+        the token feed between row bounds ("feed_s", with `all_attend`) and in total. The
+        engine is left idle; its cache holds junk rows, which the next admissions
+        overwrite.
         """
         if self.has_work:
             raise InvalidInputError("warmup needs an idle engine")
@@ -1187,6 +1288,7 @@ class Engine:
                 self.step()
         if all_attend:
             out["attend_s"] = self._warm_attend()
+            out["feed_s"] = self._warm_feed()
         out["total_s"] = clock() - start
         return out
 
@@ -1201,6 +1303,8 @@ class Engine:
             for rows in self.rows_bounds():
                 _, args, kw = self._decode_args(inactive, attend=n, rows=rows)
                 with on_mesh(self._mesh):
+                    use = np.zeros(args[1].shape, bool)  # tokens as `_decode_once` feeds them
+                    args = (args[0], _feed(self._no_prev, args[1], use), *args[2:])
                     logits, self._cache = _decode(*args, **kw)
                     jax.block_until_ready(_pick(logits, tuple(
                         np.zeros(logits.shape[:1], d) for d in (
@@ -1208,6 +1312,19 @@ class Engine:
                         None, sample=False, filtered=False))  # as `_decode_once` calls it
             out[str(n or self.max_len)] = clock() - t
         return out
+
+    def _warm_feed(self) -> float:
+        """Compile the token feed (`_feed`) from every row bound's picks (a step in
+        flight, async scheduling) to every row bound; returns the seconds it took."""
+        t = clock()
+        for before in self.rows_bounds():
+            prev = jnp.zeros((before or self.max_batch,), jnp.int32)
+            for rows in self.rows_bounds():
+                r = rows or self.max_batch
+                with on_mesh(self._mesh):
+                    jax.block_until_ready(_feed(prev, np.zeros((r,), np.int32),
+                                                np.zeros((r,), bool)))
+        return clock() - t
 
     # ------------------------------------------------------------------ driver
 
