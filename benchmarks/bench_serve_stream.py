@@ -17,9 +17,12 @@ Per-stream decode rate:
   run next to each other in every round (the prefill cancels), as
   `common.measure_decode` does.
 
-Rounds alternate the order (server first, then generate; then the reverse), `--repeats`
-of them, after one untimed round that compiles everything and a wait (at most
-`--settle-s`) for the load average to fall below 1. Reported: the median rate of
+With `--sync-peer` (default on) a second server runs the same flags plus
+`--no-async-scheduling` (the engine reads each decode step back before dispatching the
+next), measured in the same rounds: what async scheduling (the default) gains.
+
+Rounds rotate the order of the sides, `--repeats` of them, after one untimed round
+that compiles everything and a wait (at most `--settle-s`) for the load average to fall below 1. Reported: the median rate of
 each, their ratio (target >= 0.9), TTFT of the stream, and the 1-minute load average
 before and after (above 1.5: marked not comparable). Both sides run on the whole machine,
 as a user runs them; nothing is pinned.
@@ -93,6 +96,8 @@ def main() -> None:
     ap.add_argument("--settle-s", type=float, default=180.0,
                     help="before timing, wait at most this long for the 1-minute load "
                          "average to fall below 1 (start-up compiles raise it)")
+    ap.add_argument("--sync-peer", action=argparse.BooleanOptionalAction, default=True,
+                    help="also measure a server started with --no-async-scheduling")
     ap.add_argument("--quick", action="store_true",
                     help="smoke run: 16 new tokens, 2 repeats (not a measurement)")
     args = ap.parse_args()
@@ -118,24 +123,37 @@ def main() -> None:
 
     server = ServerProcess(["--model", args.model, "--log-level", "warning"],
                            log_path=out_dir / "server.log")
+    sync = (ServerProcess(["--model", args.model, "--log-level", "warning",
+                           "--no-async-scheduling"], log_path=out_dir / "server_sync.log")
+            if args.sync_peer else None)
     print(f"[serve-stream] starting gsm-jax serve --model {args.model} (default flags)",
           flush=True)
     server.start()
     try:
+        if sync is not None:
+            print("[serve-stream] starting the peer: the same with --no-async-scheduling",
+                  flush=True)
+            sync.start()
         # a warm-up round (compiles generate's programs), then quiet before timing: the
         # server's start-up compiles raise the load average for a minute after
         stream_once(server.url, args.model, prompt, n)
+        if sync is not None:
+            stream_once(sync.url, args.model, prompt, n)
         jax.block_until_ready((gen(1), gen(n)))
         common.settle(args.settle_s)
-        served, generated, ttft = [], [], []
+        served, generated, ttft, served_sync = [], [], [], []
+        sides = ["server", "generate"] + (["sync"] if sync is not None else [])
         load_before = common.load_average()
         for r in range(1, args.repeats + 1):
-            order = ("server", "generate") if r % 2 == 0 else ("generate", "server")
+            order = sides[r % len(sides):] + sides[:r % len(sides)]
             for side in order:
                 if side == "server":
                     s = stream_once(server.url, args.model, prompt, n)
                     served.append(s["decode_tok_s"])
                     ttft.append(s["ttft_s"])
+                elif side == "sync":
+                    served_sync.append(
+                        stream_once(sync.url, args.model, prompt, n)["decode_tok_s"])
                 else:
                     t = time.perf_counter()
                     jax.block_until_ready(gen(1))
@@ -145,10 +163,14 @@ def main() -> None:
                     tn = time.perf_counter() - t
                     generated.append((n - 1) / (tn - t1) if tn > t1 else float("nan"))
             print(f"[serve-stream] round {r}/{args.repeats}: server {served[-1]:.1f} "
-                  f"tok/s, generate {generated[-1]:.1f} tok/s", flush=True)
+                  f"tok/s, generate {generated[-1]:.1f} tok/s"
+                  + (f", server without async scheduling {served_sync[-1]:.1f} tok/s"
+                     if served_sync else ""), flush=True)
         load_after = common.load_average()
     finally:
         server.stop()
+        if sync is not None:
+            sync.stop()
     med_s, med_g = statistics.median(served), statistics.median(generated)
     comparable = max((load_before or [0])[0], (load_after or [0])[0]) <= 1.5
     result = {
@@ -162,6 +184,12 @@ def main() -> None:
         "load_average_before": load_before, "load_average_after": load_after,
         "comparable": comparable,
     }
+    if served_sync:
+        med_y = statistics.median(served_sync)
+        result["sync_server_command"] = f"{result['server_command']} --no-async-scheduling"
+        result["sync_server_decode_tok_s"] = common.summarize(served_sync)
+        result["sync_ratio"] = med_y / med_g
+        result["async_gain"] = med_s / med_y
     common.write_json(out_dir / "results.json", result)
     verdict = "met" if result["ratio"] >= TARGET else "not met"
     md = ["# One stream through `gsm-jax serve` (default flags) vs `gsm_jax.generate`\n",
@@ -172,9 +200,14 @@ def main() -> None:
           common.markdown_table(
               ["side", "decode tok/s (median)", "min", "max"],
               [["server, one SSE stream", med_s, min(served), max(served)],
-               ["generate_tokens", med_g, min(generated), max(generated)]]),
+               ["generate_tokens", med_g, min(generated), max(generated)]]
+              + ([["server --no-async-scheduling", result["sync_server_decode_tok_s"]["median"],
+                   min(served_sync), max(served_sync)]] if served_sync else [])),
           f"\nServer / generate: **{result['ratio']:.3f}x** (target >= {TARGET}: {verdict}). "
           f"Stream TTFT median {statistics.median(ttft) * 1e3:.0f} ms.\n"]
+    if served_sync:
+        md.append(f"Without async scheduling the server ran at {result['sync_ratio']:.3f}x "
+                  f"generate; async scheduling gains {result['async_gain']:.3f}x.\n")
     (out_dir / "results.md").write_text("\n".join(md))
     try:
         import matplotlib
@@ -183,8 +216,12 @@ def main() -> None:
         import matplotlib.pyplot as plt
 
         fig, ax = plt.subplots(figsize=(5.5, 3.2))
-        ax.bar(["server (1 stream)", "generate"], [med_s, med_g], color=["#4c72b0", "#55a868"])
-        for i, vals in enumerate((served, generated)):
+        bars = [("server (1 stream)", served, "#4c72b0"), ("generate", generated, "#55a868")]
+        if served_sync:
+            bars.append(("server, no async", served_sync, "#8c8c8c"))
+        ax.bar([b[0] for b in bars], [statistics.median(b[1]) for b in bars],
+               color=[b[2] for b in bars])
+        for i, vals in enumerate(b[1] for b in bars):
             ax.scatter([i] * len(vals), vals, color="k", s=8, zorder=3)
         ax.set_ylabel("decode tokens/s")
         ax.set_title(f"{args.model}: server/generate {result['ratio']:.2f}x "
