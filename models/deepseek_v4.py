@@ -78,6 +78,7 @@ import numpy as np
 from flax import struct
 
 from gsm_jax.errors import ModelLoadError, UnsupportedModelError
+from gsm_jax.in_place import scatter_set
 from gsm_jax.models import common
 from gsm_jax.models.block_quant import BlockQuantWeight, projection_param
 from gsm_jax.models.common import Step
@@ -477,11 +478,16 @@ def _ring_from_sequence(seq: jax.Array, lengths: jax.Array, size: int) -> jax.Ar
 
 
 def _write_rows(buf: jax.Array, slot: jax.Array, value: jax.Array, when: jax.Array) -> jax.Array:
-    """buf[b, slot[b]] = value[b] for rows where `when`; other rows keep their slot."""
+    """buf[b, slot[b]] = value[b] for rows where `when`; other rows keep their slot.
+
+    A scatter at batch 1 too (`scatter_set`): as a one-row `.at[].set` XLA:CPU made it a
+    select-and-update over the whole buffer, copying each CSA layer's compressed KV and
+    index keys (twice) every decode step: 12 copies of 4 MiB at a 64k-token context on
+    the mid V4 (benchmarks/bench_long_context.py)."""
     rows = jnp.arange(buf.shape[0])
     old = buf[rows, slot]
     new = jnp.where(when.reshape((-1,) + (1,) * (value.ndim - 1)), value.astype(buf.dtype), old)
-    return buf.at[rows, slot].set(new)
+    return scatter_set(buf, (rows, slot), new, mode="promise_in_bounds")
 
 
 # ----------------------------------------------------------------------------- numerics
