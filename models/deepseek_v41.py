@@ -648,11 +648,14 @@ def index_scores(cfg: DeepseekV41Config, w: dict, x, q_res, positions, keys, spe
     return weighted_index_dots(q, keys.astype(q.dtype), head_w).astype(jnp.float32)
 
 
-def candidate_blocks(cfg: DeepseekV41Config, scores: jax.Array, visible: jax.Array,
-                     n_visible: jax.Array) -> jax.Array:
-    """The candidate source's slot mask [B,T,n]: blocks of `candidate_block_size` slots
-    scored by their max, the block of the newest visible slot forced in, the best
-    `candidate_topk_blocks` kept (those with a finite score)."""
+def candidate_slots(cfg: DeepseekV41Config, scores: jax.Array, visible: jax.Array,
+                    n_visible: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The candidate source's slots (§4.4): blocks of `candidate_block_size` slots scored
+    by their max, the block of the newest visible slot forced in, the best
+    `candidate_topk_blocks` kept (those with a finite score). Returns (slots [B,T,C],
+    ok [B,T,C]), C = kept blocks x block size, the blocks in ascending order (a Reindex
+    top-k over them then breaks ties toward the lower slot, as over the whole mask);
+    ok: a kept, visible slot."""
     bs = cfg.candidate_block_size
     n = scores.shape[-1]
     s = jnp.where(visible, scores, -jnp.inf)
@@ -662,8 +665,19 @@ def candidate_blocks(cfg: DeepseekV41Config, scores: jax.Array, visible: jax.Arr
     last = jnp.floor_divide(n_visible - 1, bs)
     block = jnp.where(jnp.arange(nb) == last[..., None], jnp.inf, block)
     vals, idx = jax.lax.top_k(block, min(cfg.candidate_topk_blocks, nb))
-    keep = jnp.any((idx[..., None] == jnp.arange(nb)) & (vals > -jnp.inf)[..., None], axis=-2)
-    return jnp.repeat(keep, bs, axis=-1)[..., :n] & visible
+    blocks = jnp.sort(jnp.where(vals > -jnp.inf, idx, nb), axis=-1)  # dropped ones last
+    slots = (blocks[..., None] * bs + jnp.arange(bs)).reshape(blocks.shape[:-1] + (-1,))
+    ok = (jnp.repeat(blocks < nb, bs, axis=-1) & (slots < n)
+          & jnp.take_along_axis(visible, jnp.minimum(slots, n - 1), axis=-1))
+    return slots, ok
+
+
+def candidate_mask(slots: jax.Array, ok: jax.Array, n: int) -> jax.Array:
+    """[B,T,n] bool: `candidate_slots`' slots where ok (the masked form)."""
+    b, t, _ = slots.shape
+    none = jnp.zeros((b, t, n), bool)
+    return none.at[jnp.arange(b)[:, None, None], jnp.arange(t)[None, :, None],
+                   jnp.where(ok, slots, n)].set(True, mode="drop")
 
 
 def select_topk(scores: jax.Array, allowed: jax.Array, k: int) -> jax.Array:
@@ -744,15 +758,24 @@ def attention(cfg: DeepseekV41Config, w: dict, layer: int, x: jax.Array, state: 
         n = comp.shape[1]
         n_visible = (positions + 1) // r  # [B, T]
         visible = (jnp.arange(n)[None, None, :] < n_visible[..., None]) & valid[..., None]
-        if plan.role in (FULL, REINDEX):
+        if plan.uses_candidates and not plan.candidate_source and cache is not None \
+                and t == 1:
+            # decode: a Reindex layer scores only the candidate slots (gathered), not every
+            # compressed entry; its top-k is the masked form's (ties: the lower slot)
+            slots, ok = state["candidates"]
+            keys_c = gather_entries(state["index_keys"], slots)[:, 0]  # [B, C, ci]
+            scores = index_scores(cfg, w["indexer"], x, q_res, positions, keys_c, spec, lin)
+            pick, picked = topk_indices(scores, ok, cfg.index_topk)
+            state = {**state, "selected": (jnp.take_along_axis(slots, pick, axis=-1), picked)}
+        elif plan.role in (FULL, REINDEX):
             scores = index_scores(cfg, w["indexer"], x, q_res, positions,
                                   state["index_keys"], spec, lin)
             allowed = visible
             if plan.candidate_source:
                 state = {**state,
-                         "candidates": candidate_blocks(cfg, scores, visible, n_visible)}
+                         "candidates": candidate_slots(cfg, scores, visible, n_visible)}
             elif plan.uses_candidates:
-                allowed = visible & state["candidates"]
+                allowed = visible & candidate_mask(*state["candidates"], n)
             # (indices, picked) [B,T,k]; the reference's ties and visibility: `topk_indices`
             state = {**state, "selected": topk_indices(scores, allowed, cfg.index_topk)}
         idx, picked = state["selected"]

@@ -593,3 +593,40 @@ def test_self_speculative_drafter_config(tiny):
     dw = draft_weights(w, 2)
     assert len(dw["layers"]) == 2 and dw["embed"] is w["embed"]
     dv._check(dw, dv.weight_shapes(cut), "draft")  # the tree the cut config expects
+
+
+def test_reindex_top_k_over_gathered_candidates_equals_the_masked_form():
+    """A decoding Reindex layer scores only the candidate slots it gathers
+    (`candidate_slots`), not every compressed entry: its top-k equals the top-k over all
+    entries with the non-candidates masked (ties included: the candidate blocks come in
+    ascending order, so both break ties toward the lower slot), and `candidate_mask`
+    equals the candidate rule written in numpy (block max, the newest visible slot's block
+    forced in, the best blocks with a finite score kept)."""
+    cfg = dataclasses.replace(dv.DeepseekV41Config.from_hf_config(small_hf_config()),
+                              candidate_block_size=4, candidate_topk_blocks=3, index_topk=5)
+    rng = np.random.default_rng(3)
+    b, n, k, bs = 3, 42, 5, 4
+    n_visible = np.array([[42], [17], [3]])
+    visible = np.arange(n)[None, None, :] < n_visible[:, :, None]
+    src = np.round(rng.standard_normal((b, 1, n)), 1).astype(np.float32)  # exact ties
+    own = np.round(rng.standard_normal((b, 1, n)), 1).astype(np.float32)
+    slots, ok = dv.candidate_slots(cfg, jnp.asarray(src), jnp.asarray(visible),
+                                   jnp.asarray(n_visible))
+    mask = np.asarray(dv.candidate_mask(slots, ok, n))
+    want = np.zeros_like(mask)
+    for r in range(b):
+        s = np.where(visible[r, 0], src[r, 0], -np.inf)
+        s = np.pad(s, (0, -n % bs), constant_values=-np.inf).reshape(-1, bs).max(-1)
+        s[(n_visible[r, 0] - 1) // bs] = np.inf
+        top = np.argsort(-s, kind="stable")[:3]
+        for blk in top[np.isfinite(s[top]) | (s[top] > 0)]:
+            want[r, 0, blk * bs:(blk + 1) * bs] = True
+    want &= visible
+    np.testing.assert_array_equal(mask, want)
+    idx, picked = dv.topk_indices(jnp.asarray(own), jnp.asarray(visible & mask), k)
+    pick, got_picked = dv.topk_indices(jnp.take_along_axis(jnp.asarray(own), slots, -1), ok, k)
+    got = np.asarray(jnp.take_along_axis(slots, pick, -1))
+    for r in range(b):
+        np.testing.assert_array_equal(np.asarray(idx)[r][np.asarray(picked)[r]],
+                                      got[r][np.asarray(got_picked)[r]])
+    assert np.asarray(picked).sum(-1).tolist() == [[5], [5], [3]]
