@@ -54,6 +54,7 @@ from common import (  # noqa: E402  (no jax at import)
     load_average,
     machine_info,
     markdown_table,
+    settle,
     write_json,
     write_markdown,
 )
@@ -134,7 +135,7 @@ def cache_bytes(cache) -> int:
 
 
 def measure_model(name: str, size: str, contexts, batch: int, steps: int, repeats: int,
-                  seed: int, progress) -> dict:
+                  seed: int, progress, settle_s: float = 0.0) -> dict:
     import functools
 
     import jax
@@ -169,6 +170,7 @@ def measure_model(name: str, size: str, contexts, batch: int, steps: int, repeat
             return tok
         return fn
 
+    settle(settle_s)  # compiling the contexts raised the load average
     before = load_average()
     seconds = interleaved({n: run_steps(n) for n in contexts}, repeats)
     times = {n: [t / steps * 1e3 for t in seconds[n]] for n in contexts}
@@ -377,6 +379,9 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--settle-s", type=float, default=120.0,
+                    help="before each model's timing, wait at most this long for the "
+                    "1-minute load average to fall below 1 (compiling raises it)")
     ap.add_argument("--quick", action="store_true", help="a smoke run of the script")
     ap.add_argument("--prefill-lengths", default="1024,4096,16384",
                     help="prompt lengths of the prefill-memory part ('' to skip it)")
@@ -426,7 +431,8 @@ def main(argv=None) -> int:
            "models": {}}
     for name in models:
         res["models"][name] = measure_model(name, args.size, contexts, args.batch,
-                                            args.steps, args.repeats, args.seed, progress)
+                                            args.steps, args.repeats, args.seed, progress,
+                                            0.0 if args.quick else args.settle_s)
         write_json(out / "results.json", res)  # what is done so far survives a stop
     if pre_lengths and pre_models:
         res["prefill"] = measure_prefill(pre_models, args.size, pre_lengths,

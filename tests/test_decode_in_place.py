@@ -6,8 +6,11 @@ dynamic-update-slice of a buffer the same program also reads was done on two to 
 copies of the whole buffer: every batch-1 decode step copied the whole KV cache (a mid
 Llama's step at 16k tokens took 8.5x as long; `gsm_jax.in_place.scatter_set`,
 docs/performance_notes.md). Llama (dense KV, float and int8 with block scales), Gemma 3
-(sliding window) and DeepSeek-V4.1 (window ring, shared compressed KV and index keys),
-tiny random configs whose caches are long enough that no other array has their shape."""
+(sliding window), DeepSeek-V4 (window ring, each CSA / HCA layer's compressed KV, index
+keys and their compressor rings: its `_write_rows` was a one-row `.at[].set` whose select
+copied them every step) and DeepSeek-V4.1 (window ring, shared compressed KV and index
+keys), tiny random configs whose caches are long enough that no other array has their
+shape."""
 
 from __future__ import annotations
 
@@ -36,10 +39,11 @@ def _family(name: str):
     if name in ("llama", "llama-int8"):
         return _llama("int8" if name.endswith("int8") else None)
     from test_family_contract import tiny_dsv41, tiny_gemma3
+    from tiny_models import tiny_dsv4
 
     from gsm_jax.families import family_module
 
-    p = tiny_gemma3() if name == "gemma3" else tiny_dsv41()
+    p = {"gemma3": tiny_gemma3, "deepseek-v4": tiny_dsv4, "deepseek-v4.1": tiny_dsv41}[name]()
     cfg = dataclasses.replace(p.config, max_position_embeddings=4096)
     return family_module(cfg.family), cfg, p.weights
 
@@ -61,7 +65,8 @@ def _copied_shapes(fam, cfg, weights, batch: int, context: int) -> tuple[set, se
     return big, copied
 
 
-@pytest.mark.parametrize("name", ["llama", "llama-int8", "gemma3", "deepseek-v4.1"])
+@pytest.mark.parametrize("name", ["llama", "llama-int8", "gemma3", "deepseek-v4",
+                                  "deepseek-v4.1"])
 @pytest.mark.parametrize("batch", [1, 2])
 def test_decode_step_copies_no_cache_array(name, batch):
     fam, cfg, weights = _family(name)

@@ -573,23 +573,3 @@ def test_gathered_entries_attend_as_the_masked_cache():
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6)
     assert dv.gather_pays(1, 512, 32768) and not dv.gather_pays(7, 64, 256)
 
-
-def test_decode_step_writes_its_caches_in_place_at_batch_1():
-    """The compiled batch-1 decode step (cache donated) copies none of its caches: every
-    write (window, compressed KV, index keys and their rings) stays a scatter into the
-    donated buffer. As a one-row `.at[].set`, XLA:CPU made the compressed-cache writes a
-    select-and-update over the whole buffer and copied each CSA layer's compressed KV and
-    index keys every step (`_write_rows`): at a 64k-token context, 12 copies of 4 MiB a
-    step on the mid V4 (benchmarks/bench_long_context.py)."""
-    import re
-
-    _, cfg, weights = _models("csa_heavy_hc4_sigmoid")
-    cache = dv.init_cache(cfg, 1, 512)
-    shapes = {",".join(map(str, leaf.shape)) for leaf in jax.tree.leaves(cache)
-              if leaf.ndim >= 2 and leaf.size >= 512}
-    assert len(shapes) >= 3, shapes  # window, compressed KV, index keys (distinct sizes)
-    step = jax.jit(dv.decode_step, static_argnums=1, donate_argnums=3)
-    hlo = step.lower(weights, cfg, jnp.zeros((1,), jnp.int32), cache, None).compile().as_text()
-    copies = [line.strip()[:120] for line in hlo.splitlines()
-              if (m := re.search(r"= f32\[([\d,]+)\]\S* copy\(", line)) and m.group(1) in shapes]
-    assert not copies, copies
