@@ -24,8 +24,8 @@ next), measured in the same rounds: what async scheduling (the default) gains.
 Rounds rotate the order of the sides, `--repeats` of them, after one untimed round
 that compiles everything and a wait (at most `--settle-s`) for the load average to fall
 below 1. Reported: the median rate of each, their ratio (target >= 0.9), TTFT of the
-stream, and the 1-minute load average before and after (above 1.5: marked not comparable). Both sides run on the whole machine,
-as a user runs them; nothing is pinned.
+stream, and the 1-minute load average before and after (above 1.5: marked not
+comparable). Both sides run on the whole machine, as a user runs them; nothing is pinned.
 
 Outputs in --out: results.json, results.md, results.png.
 """
