@@ -655,7 +655,8 @@ def candidate_slots(cfg: DeepseekV41Config, scores: jax.Array, visible: jax.Arra
     `candidate_topk_blocks` kept (those with a finite score). Returns (slots [B,T,C],
     ok [B,T,C]), C = kept blocks x block size, the blocks in ascending order (a Reindex
     top-k over them then breaks ties toward the lower slot, as over the whole mask);
-    ok: a kept, visible slot."""
+    ok: a kept, visible slot. The masked form is `entries_mask(slots, ok, n)` (the slots of
+    dropped blocks lie past n: the scatter drops them)."""
     bs = cfg.candidate_block_size
     n = scores.shape[-1]
     s = jnp.where(visible, scores, -jnp.inf)
@@ -670,14 +671,6 @@ def candidate_slots(cfg: DeepseekV41Config, scores: jax.Array, visible: jax.Arra
     ok = (jnp.repeat(blocks < nb, bs, axis=-1) & (slots < n)
           & jnp.take_along_axis(visible, jnp.minimum(slots, n - 1), axis=-1))
     return slots, ok
-
-
-def candidate_mask(slots: jax.Array, ok: jax.Array, n: int) -> jax.Array:
-    """[B,T,n] bool: `candidate_slots`' slots where ok (the masked form)."""
-    b, t, _ = slots.shape
-    none = jnp.zeros((b, t, n), bool)
-    return none.at[jnp.arange(b)[:, None, None], jnp.arange(t)[None, :, None],
-                   jnp.where(ok, slots, n)].set(True, mode="drop")
 
 
 def select_topk(scores: jax.Array, allowed: jax.Array, k: int) -> jax.Array:
@@ -758,8 +751,7 @@ def attention(cfg: DeepseekV41Config, w: dict, layer: int, x: jax.Array, state: 
         n = comp.shape[1]
         n_visible = (positions + 1) // r  # [B, T]
         visible = (jnp.arange(n)[None, None, :] < n_visible[..., None]) & valid[..., None]
-        if plan.uses_candidates and not plan.candidate_source and cache is not None \
-                and t == 1:
+        if plan.uses_candidates and not plan.candidate_source and cache is not None and t == 1:
             # decode: a Reindex layer scores only the candidate slots (gathered), not every
             # compressed entry; its top-k is the masked form's (ties: the lower slot)
             slots, ok = state["candidates"]
@@ -775,7 +767,7 @@ def attention(cfg: DeepseekV41Config, w: dict, layer: int, x: jax.Array, state: 
                 state = {**state,
                          "candidates": candidate_slots(cfg, scores, visible, n_visible)}
             elif plan.uses_candidates:
-                allowed = visible & candidate_mask(*state["candidates"], n)
+                allowed = visible & entries_mask(*state["candidates"], n)
             # (indices, picked) [B,T,k]; the reference's ties and visibility: `topk_indices`
             state = {**state, "selected": topk_indices(scores, allowed, cfg.index_topk)}
         idx, picked = state["selected"]

@@ -599,9 +599,10 @@ def test_reindex_top_k_over_gathered_candidates_equals_the_masked_form():
     """A decoding Reindex layer scores only the candidate slots it gathers
     (`candidate_slots`), not every compressed entry: its top-k equals the top-k over all
     entries with the non-candidates masked (ties included: the candidate blocks come in
-    ascending order, so both break ties toward the lower slot), and `candidate_mask`
-    equals the candidate rule written in numpy (block max, the newest visible slot's block
-    forced in, the best blocks with a finite score kept)."""
+    ascending order, so both break ties toward the lower slot), and their mask
+    (`entries_mask`, the slots of dropped blocks past n) equals the candidate rule
+    written in numpy (block max, the newest visible slot's block forced in, the best
+    blocks with a finite score kept)."""
     cfg = dataclasses.replace(dv.DeepseekV41Config.from_hf_config(small_hf_config()),
                               candidate_block_size=4, candidate_topk_blocks=3, index_topk=5)
     rng = np.random.default_rng(3)
@@ -612,7 +613,7 @@ def test_reindex_top_k_over_gathered_candidates_equals_the_masked_form():
     own = np.round(rng.standard_normal((b, 1, n)), 1).astype(np.float32)
     slots, ok = dv.candidate_slots(cfg, jnp.asarray(src), jnp.asarray(visible),
                                    jnp.asarray(n_visible))
-    mask = np.asarray(dv.candidate_mask(slots, ok, n))
+    mask = np.asarray(dv.entries_mask(slots, ok, n))
     want = np.zeros_like(mask)
     for r in range(b):
         s = np.where(visible[r, 0], src[r, 0], -np.inf)

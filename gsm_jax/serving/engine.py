@@ -1122,7 +1122,7 @@ class Engine:
         if rows == "active":
             rows = self.rows_bound(active)
         cut = slice(rows)  # rows None: every slot
-        own = np.array if copy else (lambda a: a)
+        own = functools.partial(np.array, copy=copy)  # copy=False: the view itself
         gsm = self._gsm_inputs((self._rows * active)[cut], own(self._strength[cut]),
                                own(self._window[cut]))
         # without `copy`, numpy views: the step's tokens are read back before the host
@@ -1157,6 +1157,11 @@ class Engine:
         return np.array([r is not None and r.n_tokens + int(pending[i]) < r.max_new_tokens
                          for i, r in enumerate(self.slots)])
 
+    def _sync(self, active: np.ndarray) -> bool:
+        """Whether a step over `active` is read back before the next one is dispatched:
+        async scheduling off, or a penalized row (its penalties count the tokens read)."""
+        return not self.async_scheduling or bool(self._penalized[active].any())
+
     def _decode_once(self) -> list[RequestRecord]:
         """Dispatch one decode step; read back the one before it (async scheduling: the
         new step was dispatched first, so the host's bookkeeping overlaps it) or this one
@@ -1169,20 +1174,19 @@ class Engine:
         # that token is read back, and its extra token is dropped)
         active = self._next_active(pending)
         done: list[RequestRecord] = []
-        sync = not self.async_scheduling or bool(self._penalized[active].any())
-        if prev is not None and (sync or not active.any()):
+        if prev is not None and (self._sync(active) or not active.any()):
             done = self._read(prev)
-            prev, pending = None, pending * 0
-            active = np.array([s is not None for s in self.slots])
-            sync = not self.async_scheduling or bool(self._penalized[active].any())
+            prev, pending = None, self._pending(None)
+            active = self._next_active(pending)
+        sync = self._sync(active)
         if not active.any():
             return done
         active, args, kw = self._decode_args(active, pending=pending, copy=not sync)
         cut = slice(kw["rows"])
         counts = np.array([0 if r is None else r.n_tokens for r in self.slots], np.int32)
         counts = counts + pending  # the index of the token each row draws
-        sampling = tuple(a[cut] for a in (self._temps, self._top_k, self._top_p, self._seeds))
-        sampling = (*(np.array(a) if not sync else a for a in sampling), counts[cut])
+        sampling = (*(np.array(a[cut], copy=not sync) for a in (
+            self._temps, self._top_k, self._top_p, self._seeds)), counts[cut])
         sample = bool((self._temps[active] > 0).any())
         penalties = None
         if self._penalized[active].any():
@@ -1193,8 +1197,8 @@ class Engine:
             # rows still running take their token from the step in flight, on device;
             # the others (just admitted) the host's
             use = (pending[cut] > 0) & active[cut]
-            args = (args[0], _feed(self._no_prev if prev is None else prev.tokens,
-                                   np.array(args[1]), use), *args[2:])
+            args = (args[0], _feed(self._no_prev if prev is None else prev.tokens, args[1],
+                                   use), *args[2:])
             logits, self._cache = _decode(*args, **kw)
             tok = _pick(logits, sampling, penalties, sample=sample,
                         filtered=sample and bool(self._filtered[active].any()))
