@@ -23,6 +23,10 @@ from typing import Any
 
 from gsm_jax.errors import UnsupportedModelError
 
+# Every KV-cache format a user may name (`kv_cache_dtype=`, `--kv-cache-dtype`); which
+# family takes which: `models.common.config_with_kv_cache_dtype`
+KV_CACHE_KINDS = ("auto", "float", "int8", "fp8", "released")
+
 FAMILY_MODULES = (
     "gsm_jax.models.llama",
     "gsm_jax.models.gemma3",

@@ -313,14 +313,18 @@ def _per_row(value: Any, n: int, name: str, dtype) -> np.ndarray:
 
 
 def with_kv_cache_dtype(params: ModelParams, kind: str | None) -> ModelParams:
-    """The same model whose KV cache holds keys and values as `kind`: "int8" or "fp8"
-    (e4m3), each token's head vector with one float32 scale per 32 values
-    (`models.common.kv_quantize`:
-    the rounding rule). Every attention then reads keys and values so rounded, the
-    teacher-forced `forward` too, so its logits are what the cached paths compute. None or
-    "auto": the params unchanged; "float": the activation dtype. Llama-family and Gemma 3
-    models; DeepSeek-V4 / V4.1 keep their caches in their own formats (V4.1: as released,
-    `cache_qdq`), and are refused by name (`common.config_with_kv_cache_dtype`)."""
+    """The same model with its KV cache in format `kind`.
+
+    - "int8" or "fp8" (e4m3): each token's head vector with one float32 scale per 32
+      values (`models.common.kv_quantize`: the rounding rule); Llama-family and Gemma 3
+      models. Every attention then reads keys and values so rounded, the teacher-forced
+      `forward` too, so its logits are what the cached paths compute.
+    - "released": DeepSeek-V4.1's caches rounded as released (FP8 window KV, FP4
+      compressed KV and index keys; its default, `cache_qdq`).
+    - "float": the activation dtype (V4.1: no rounding).
+    - None or "auto": the params unchanged.
+    A pairing a family does not take is refused by name
+    (`common.config_with_kv_cache_dtype`)."""
     from gsm_jax.models.common import config_with_kv_cache_dtype
 
     cfg = config_with_kv_cache_dtype(params.config, kind)

@@ -46,7 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gsm_jax.errors import InvalidInputError
-from gsm_jax.families import family_for_model_type, family_module
+from gsm_jax.families import KV_CACHE_KINDS, family_for_model_type, family_module
 from gsm_jax.generation import PREFILL_CHUNK
 from gsm_jax.sharding import RULES, logical_axes, parse_mesh_spec
 
@@ -189,7 +189,8 @@ def plan(model: Any, mesh_shape: tuple[int, int] = (1, 1), device_memory: Any = 
     weights from it, by part; `vision` counts a vision tower too (skipped by default:
     gsm_jax runs text only). engram_memory="host": V4.1's Engram tables in pinned host
     memory (`load(..., engram_memory=)`), listed apart and not counted against the device.
-    kv_cache_dtype "int8" / "fp8": the KV cache in that format (`with_kv_cache_dtype`).
+    kv_cache_dtype: the KV cache's format (`with_kv_cache_dtype`: "float", "int8" / "fp8",
+    DeepSeek-V4.1's "released").
     prefill_chunk: the chunk of a chunked prefill (None: one prefill call)."""
     from gsm_jax.models.common import config_with_kv_cache_dtype
     from gsm_jax.sharding import check_engram_memory, host_axes
@@ -483,10 +484,10 @@ def add_plan_args(p: Any) -> None:
     p.add_argument("--engram-memory", default="device", choices=("device", "host"),
                    help="where DeepSeek-V4.1's Engram tables live: device memory (default) "
                         "or pinned host memory (not counted against the device)")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8", "fp8"),
-                   help="the KV cache's format (Llama-family and Gemma 3 models): 'auto' the "
-                        "activation dtype; int8 / fp8 one byte per value + a float32 scale "
-                        "per token, head and 32 values")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_KINDS,
+                   help="the KV cache's format: 'auto' the model's own; 'float'; int8 / fp8 "
+                        "(Llama-family and Gemma 3 models) one byte per value + a float32 "
+                        "scale per token, head and 32 values; 'released' (DeepSeek-V4.1)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--compile", action="store_true",
                    help="also lower and compile the sharded prefill / decode step with "

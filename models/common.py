@@ -353,28 +353,53 @@ def check_kv_cache_dtype(kind: Any) -> str | None:
     if kind is None or kind in ("auto", "float"):
         return None
     if not isinstance(kind, str) or kind not in KV_CACHE_DTYPES:
-        raise InvalidInputError(f"kv_cache_dtype must be one of 'auto', "
-                                f"{', '.join(repr(k) for k in KV_CACHE_DTYPES)}; got {kind!r}")
+        raise InvalidInputError(f"kv_cache_dtype must be one of 'auto', 'float', "
+                                f"{', '.join(repr(k) for k in KV_CACHE_DTYPES)} ('released': "
+                                f"DeepSeek-V4.1's own formats); got {kind!r}")
     return kind
 
 
 def config_with_kv_cache_dtype(cfg: Any, kind: Any) -> Any:
-    """`cfg` with `kv_cache_dtype=kind` (checked), for the families whose config has the
-    field (the dense KV cache: Llama family, Gemma 3); the others keep their caches in
-    their own formats (DeepSeek-V4.1: the released FP8 / FP4 roundings, `cache_qdq`) and
-    are refused by name. None / "auto": cfg unchanged."""
+    """`cfg` with its KV cache in format `kind` (checked). None / "auto": cfg unchanged.
+
+    - Families whose config has `kv_cache_dtype` (the dense KV cache: Llama family,
+      Gemma 3): "float", "int8", "fp8".
+    - Families whose config has `cache_qdq` (DeepSeek-V4.1: its caches rounded to the
+      released FP8 / FP4 formats, the default): "released" (those roundings) or "float"
+      (none: `cache_qdq=False`); "int8" / "fp8" are refused by name.
+    - DeepSeek-V4 (float caches only): "float".
+    Any other pairing is refused by name, before any work."""
     if kind is None or kind == "auto":
         return cfg
+    if hasattr(cfg, "cache_qdq"):
+        if kind not in RELEASED_KV_KINDS:
+            raise UnsupportedModelError(
+                f"kv_cache_dtype={kind!r}: the {cfg.family} family keeps its caches in its "
+                "released formats (FP8 window KV, FP4 compressed KV and index keys): choose "
+                f"{' or '.join(repr(k) for k in RELEASED_KV_KINDS)}")
+        qdq = kind == "released"
+        return cfg if cfg.cache_qdq == qdq else dataclasses.replace(cfg, cache_qdq=qdq)
+    if kind == "released":
+        raise UnsupportedModelError(
+            f"kv_cache_dtype='released': the {cfg.family} family has no released cache "
+            "format of its own (DeepSeek-V4.1 has); choose 'float', 'int8' or 'fp8'"
+            if hasattr(cfg, "kv_cache_dtype") else
+            f"kv_cache_dtype='released': the {cfg.family} family keeps float caches")
     kind = check_kv_cache_dtype(kind)
     if not hasattr(cfg, "kv_cache_dtype"):
         if kind is None:  # "float": what these families' caches hold anyway
             return cfg
         raise UnsupportedModelError(
             f"kv_cache_dtype={kind!r}: the {cfg.family} family keeps its KV cache in its own "
-            "formats (DeepSeek-V4.1: the released FP8 / FP4 roundings, config cache_qdq); "
+            "formats (DeepSeek-V4: float; DeepSeek-V4.1: 'released' or 'float'); "
             "Llama-family and Gemma 3 models take int8 / fp8")
     return cfg if cfg.kv_cache_dtype == kind else dataclasses.replace(cfg,
                                                                       kv_cache_dtype=kind)
+
+
+# the kv_cache_dtype kinds of a family with its own released cache formats (`cache_qdq`);
+# every kind a user may name is `gsm_jax.families.KV_CACHE_KINDS`
+RELEASED_KV_KINDS = ("released", "float")
 
 
 KV_BLOCK = 32  # values per scale along head_dim (as V4.1's own FP8 window cache, OCP MX)

@@ -650,6 +650,28 @@ def write_checkpoint(path: str | os.PathLike, hf_config: dict[str, Any],
     return path
 
 
+def random_tensors(hf_config: dict[str, Any], seed: int = 0, *,
+                   std: float = 0.02) -> dict[str, np.ndarray]:
+    """Random float32 released-name tensors of `hf_config` (text only: no vision tower),
+    drawn from the layout alone (`_logical_tensors`), for `write_checkpoint`: a checkpoint
+    of any size with no reference model at hand. Norm weights, `hc_*_scale` and the
+    Engram q / k weights ~ 1 + 0.1 N(0, 1); sinks, `hc_*_base` and the router biases ~
+    0.5 N(0, 1); everything else ~ `std` N(0, 1) (what `deepseek_v41.init_weights` draws).
+    Such weights are good for cost only: time, bytes, compiled programs."""
+    gen = np.random.default_rng(seed)
+    out: dict[str, np.ndarray] = {}
+    for name, shape in _logical_tensors(hf_config, vision=False).items():
+        leaf = name.removesuffix(".weight").rsplit(".", 1)[-1]
+        if leaf.endswith("norm") or leaf.endswith("_scale") or leaf in ("q_weight", "k_weight"):
+            a = 1 + 0.1 * gen.standard_normal(shape, np.float32)
+        elif leaf in ("attn_sink", "bias", "bias_vl") or leaf.endswith("_base"):
+            a = 0.5 * gen.standard_normal(shape, np.float32)
+        else:
+            a = std * gen.standard_normal(shape, np.float32)
+        out[name] = a
+    return out
+
+
 # ----------------------------------------------------------------------------- the manifest
 #
 # What a released-layout checkpoint holds, computed from its config alone: every tensor's

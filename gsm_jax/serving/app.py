@@ -97,7 +97,7 @@ class ServerOptions:
     mesh: tuple[int, int] | None = None  # (data, model): weights sharded, JAX SPMD
     gsm_ring: int | None = None  # GSM ring rows; default: what `gsm` needs, else 16
     min_attend: int | None = 128  # smallest decode read bound (power of two); None: all
-    kv_cache_dtype: str | None = None  # "int8" / "fp8": the KV cache's format; None: float
+    kv_cache_dtype: str | None = None  # the KV cache's format (with_kv_cache_dtype); None: own
     # automatic prefix caching (vLLM's --enable-prefix-caching, on by default as in vLLM
     # V1): the states at prefill-chunk boundaries within this many bytes; 0: off
     prefix_cache_bytes: int = 10**9

@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 import logging
 
+from gsm_jax.families import KV_CACHE_KINDS
+
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m",
@@ -25,10 +27,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="smallest read bound of a decode step, a power of two: each step "
                    "attends over the power of two above its longest row, at least this "
                    "('none': every step reads all --max-len slots, one decode program)")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8"],
-                   help="the KV cache's format: 'auto' the activation dtype; 'int8' / 'fp8' "
-                   "(e4m3) one byte per value with a float32 scale per token, head and 32 values "
-                   "(Llama-family and Gemma 3 models; vLLM's flag of the same name)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_KINDS),
+                   help="the KV cache's format (vLLM's flag of the same name): 'auto' the "
+                   "model's own; 'float' the activation dtype; 'int8' / 'fp8' (e4m3, "
+                   "Llama-family and Gemma 3 models) one byte per value with a float32 scale "
+                   "per token, head and 32 values; 'released' (DeepSeek-V4.1, its default) "
+                   "the release's FP8 / FP4 cache roundings")
     p.add_argument("--max-queue", type=int, default=1024,
                    help="waiting requests before new ones get 503")
     p.add_argument("--prefill-chunk", type=int, default=512,

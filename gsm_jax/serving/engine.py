@@ -437,14 +437,15 @@ class Engine:
     max_len, e.g. 8 for window 8; a live config needing more is refused). `min_attend`:
     the smallest read bound of a decode step (a power of two; each step attends over
     the power of two >= its longest row + 1, at least this, at most max_len; None: every
-    step reads all max_len slots, one decode program). `kv_cache_dtype`: "int8" / "fp8"
-    hold the KV cache in that format (`gsm_jax.with_kv_cache_dtype`; None / "auto": the
-    model's own). `prefix_cache_bytes` > 0: automatic prefix caching within that many
-    bytes (`serving/prefix_cache.py`: the states at prefill-chunk boundaries, GSM rings
-    included, reused by later prompts that start with the same chunks; outputs are bit for
-    bit those with caching off; needs `prefill_chunk`). `bound_rows` (default on): a decode
-    step runs the first 1, 2, 4, ... slots, the fewest that hold every running row (new
-    requests take the lowest free slot), so one stream costs a one-row step, not a
+    step reads all max_len slots, one decode program). `kv_cache_dtype`: the KV cache's
+    format (`gsm_jax.with_kv_cache_dtype`: "float", "int8" / "fp8", V4.1's "released";
+    None / "auto": the model's own). `prefix_cache_bytes` > 0: automatic prefix caching
+    within that many bytes (`serving/prefix_cache.py`: the states at prefill-chunk
+    boundaries, GSM rings included, reused by later prompts that start with the same
+    chunks; outputs are bit for bit those with caching off; needs `prefill_chunk`).
+    `bound_rows` (default on): a decode step runs the first 1, 2, 4, ... slots, the
+    fewest that hold every running row (new requests take the lowest free slot), so
+    one stream costs a one-row step, not a
     `max_batch` one, as vLLM's batch-size buckets do (the dense families' caches on one
     device; DeepSeek caches and a mesh step every slot). `async_scheduling` (default on):
     a decode step is dispatched before the previous one's tokens are read back, so the

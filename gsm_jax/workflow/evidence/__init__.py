@@ -12,6 +12,9 @@ Modules (imported on use; nothing is imported here):
 - `lowp_claims` (claims 3 and 9), `serving_claim` (6, 7 and 14), `speculative_claim` (10),
   `kv_claims` (13):
   written elsewhere; a claim whose module is absent is reported as not measured.
+- `random_models`: `random:<preset>` models (a mid-size DeepSeek-V4.1 with random
+  weights, written once as a released-layout checkpoint) for the cost claims; their
+  results are marked "random weights: cost only" and their quality claims refused.
 - `render`: `render_evidence`, the markdown ``<out>/gsm_evidence.md`` and one PNG per
   claim in ``<out>/figures/evidence/`` from those JSONs (measures nothing).
 """

@@ -5,7 +5,10 @@ smoothing and KV-cache optimisation together gain more than the sum of each. The
 optimisation measured is the low-precision cache (`gsm_jax.with_kv_cache_dtype`: FP8 e4m3
 and int8, a scale per token, head and 32 values), the one vLLM and SGLang serve with
 (`--kv-cache-dtype`).
-Six arms: {float, FP8, int8 cache} x {GSM compiled out, GSM on}.
+Six arms: {float, FP8, int8 cache} x {GSM compiled out, GSM on}. A family with its own
+released cache formats (DeepSeek-V4.1: FP8 window KV, FP4 compressed KV and index keys,
+`cache_qdq`) has four: {float, released} x {off, on}. On random weights
+(`sizes["cost_only"]`, `random_models`) only the speed side is measured and decides.
 
 - Quality: teacher-forced KLD of each arm against (float cache, GSM off) on the claim's
   WikiText-2 windows, per sequence (the rounded cache applied as the cached decode reads
@@ -49,9 +52,11 @@ from gsm_jax.workflow.evidence.lowp_claims import (
     paired_difference,
 )
 
-__all__ = ["FORMATS", "claim13_verdict", "interaction", "run_claim_13"]
+__all__ = ["FORMATS", "RELEASED_FORMATS", "claim13_verdict", "interaction", "run_claim_13"]
 
 FORMATS = ("fp8", "int8")
+# a family with its own cache formats (`cache_qdq`: DeepSeek-V4.1) against its float caches
+RELEASED_FORMATS = ("released",)
 GSM_ARMS = ("off", "on")
 # `--smoke`: a few short calls (the runner's smoke sizes shrink the quality set already)
 SMOKE_13 = {"speed_batch": 2, "speed_prompt": 16, "speed_new_tokens": 4, "speed_repeats": 2}
@@ -66,13 +71,24 @@ def interaction(combined: np.ndarray, gsm_only: np.ndarray, kv_only: np.ndarray,
     return paired_difference(d, np.zeros_like(d))
 
 
-def claim13_verdict(per_format: dict[str, dict[str, Any]]) -> tuple[str, dict[str, Any]]:
+def claim13_verdict(per_format: dict[str, dict[str, Any]], *, cost_only: bool = False
+                    ) -> tuple[str, dict[str, Any]]:
     """per_format: {format: {"quality": interaction of KLD or None, "speed": interaction of
     log tokens/s or None}}. A format counts for the claim when the speed interaction is
     above 0 beyond SE_MULTIPLE standard errors while the quality one is not above 0 beyond
     them (the combination is faster than both speed-ups together and loses no extra
     quality), or when the quality interaction is below 0 beyond them while the speed one
-    is not below 0 beyond them. Returns (verdict, {format: why it counts or not})."""
+    is not below 0 beyond them. `cost_only` (random weights: no quality to speak of):
+    the speed interaction alone decides. Returns (verdict, {format: why it counts or
+    not})."""
+    if cost_only:
+        tested = {k: v for k, v in per_format.items() if v.get("speed") is not None}
+        if not tested:
+            return "not testable here", {"reason": "no low-precision KV cache format measured"}
+        reasons = {k: {"super_additive_speed": beyond_se(v["speed"]),
+                       "super_additive_quality": None} for k, v in tested.items()}
+        ok = any(r["super_additive_speed"] for r in reasons.values())
+        return ("supported" if ok else "refuted"), reasons
     tested = {k: v for k, v in per_format.items()
               if v.get("quality") is not None and v.get("speed") is not None}
     if not tested:
@@ -96,8 +112,6 @@ def _finite(x: Any) -> float | None:
 def _kv_params(params: ModelParams, kind: str) -> tuple[ModelParams | None, str | None]:
     from gsm_jax.generation import with_kv_cache_dtype
 
-    if kind == "float":
-        return params, None
     try:
         return with_kv_cache_dtype(params, kind), None
     except (UnsupportedModelError, InvalidInputError, ValueError) as e:
@@ -107,8 +121,10 @@ def _kv_params(params: ModelParams, kind: str) -> tuple[ModelParams | None, str 
 def run_claim_13(params: ModelParams, *, sizes: dict, progress: bool,
                  model_dir: Path | None) -> dict[str, Any]:
     """Claim 13. sizes: "quality_sequences", "seq_len", "batch_size" (the shared quality
-    set), "kv_formats" (`FORMATS`), "gsm", "speed_batch" (8), "speed_prompt" (128),
-    "speed_new_tokens" (32), "speed_repeats" (5); `--smoke` shrinks the speed calls."""
+    set), "kv_formats" (`FORMATS`; a family with its own released cache formats, V4.1:
+    `RELEASED_FORMATS`, against its caches unrounded), "gsm", "speed_batch" (8),
+    "speed_prompt" (128), "speed_new_tokens" (32), "speed_repeats" (5), "cost_only"
+    (random weights: the speed side only); `--smoke` shrinks the speed calls."""
     from gsm_jax.workflow.overhead import generate_call_rounds
 
     sizes = dict(sizes or {})
@@ -117,7 +133,9 @@ def run_claim_13(params: ModelParams, *, sizes: dict, progress: bool,
     load0 = os.getloadavg()[0]
     log = functools.partial(log_line, progress, 13)
     cfg = gsm_config(sizes)
-    formats = tuple(sizes.get("kv_formats", FORMATS))
+    cost_only = bool(sizes.get("cost_only"))
+    formats = tuple(sizes.get("kv_formats") or (
+        RELEASED_FORMATS if hasattr(params.config, "cache_qdq") else FORMATS))
     kv: dict[str, ModelParams] = {}
     unavailable: dict[str, str] = {}
     for kind in ("float", *formats):
@@ -130,20 +148,25 @@ def run_claim_13(params: ModelParams, *, sizes: dict, progress: bool,
     gsm_of = {"off": None, "on": cfg}
     arm_names = [(k, g) for k in kv for g in GSM_ARMS]
 
-    # --- quality: every arm against (float, off)
-    tokens, source = eval_tokens(params, sizes, n=int(sizes.get("quality_sequences", 8)),
-                                 seq_len=int(sizes.get("seq_len", 256)), from_end=True)
-    arms = [Arm(name=f"{k}/{g}", params=kv[k], gsm=gsm_of[g]) for k, g in arm_names
-            if (k, g) != ("float", "off")]
-    log(f"quality: {len(arms)} arms on {source}")
-    res = evaluate_arms(params, arms, tokens, batch_size=int(sizes.get("batch_size", 8)),
-                        log=log)
-    kld = {"float/off": np.zeros(len(tokens))} | {a.name: res[a.name]["kld"] for a in arms
-                                                   if a.unavailable is None}
-    for a in arms:
-        if a.unavailable is not None:
-            unavailable[a.name] = a.unavailable
-    nonfinite = {a.name: res[a.name]["nonfinite_logits"] for a in arms if a.unavailable is None}
+    # --- quality: every arm against (float, off); none on random weights
+    kld: dict[str, np.ndarray] = {}
+    nonfinite: dict[str, int] = {}
+    source = None
+    if not cost_only:
+        tokens, source = eval_tokens(params, sizes, n=int(sizes.get("quality_sequences", 8)),
+                                     seq_len=int(sizes.get("seq_len", 256)), from_end=True)
+        arms = [Arm(name=f"{k}/{g}", params=kv[k], gsm=gsm_of[g]) for k, g in arm_names
+                if (k, g) != ("float", "off")]
+        log(f"quality: {len(arms)} arms on {source}")
+        res = evaluate_arms(kv["float"], arms, tokens,
+                            batch_size=int(sizes.get("batch_size", 8)), log=log)
+        kld = {"float/off": np.zeros(len(tokens))} | {a.name: res[a.name]["kld"]
+                                                       for a in arms if a.unavailable is None}
+        for a in arms:
+            if a.unavailable is not None:
+                unavailable[a.name] = a.unavailable
+        nonfinite = {a.name: res[a.name]["nonfinite_logits"] for a in arms
+                     if a.unavailable is None}
 
     # --- speed: whole generate calls, every arm in each round
     batch = int(sizes.get("speed_batch", 8))
@@ -169,7 +192,7 @@ def run_claim_13(params: ModelParams, *, sizes: dict, progress: bool,
             s = interaction(np.log(tok_s[f"{k}/on"]), np.log(tok_s["float/on"]),
                             np.log(tok_s[f"{k}/off"]), np.log(tok_s["float/off"]))
         per_format[k] = {"quality": q, "speed": s}
-    verdict, checks = claim13_verdict(per_format)
+    verdict, checks = claim13_verdict(per_format, cost_only=cost_only)
 
     arms_out = {}
     for k, g in arm_names:
@@ -195,7 +218,7 @@ def run_claim_13(params: ModelParams, *, sizes: dict, progress: bool,
     else:
         parts = []
         for k, v in per_format.items():
-            if v["quality"] is None or v["speed"] is None:
+            if v["speed"] is None or (v["quality"] is None and not cost_only):
                 continue
             s, q = v["speed"], v["quality"]
             ratio = {a: arms_out[a]["speed_vs_float_off_median"]
@@ -203,14 +226,18 @@ def run_claim_13(params: ModelParams, *, sizes: dict, progress: bool,
             parts.append(
                 f"{k}: speed interaction {math.expm1(s['mean']) * 100:+.1f}% "
                 f"(z {s['z']:+.1f}; {k} alone {ratio[f'{k}/off']:.3f}x, GSM alone "
-                f"{ratio['float/on']:.3f}x, both {ratio[f'{k}/on']:.3f}x), KLD interaction "
-                f"{q['mean']:+.2e} (z {q['z']:+.1f})")
-        why = ("Against the float cache with GSM off: " + "; ".join(parts) + ". "
+                f"{ratio['float/on']:.3f}x, both {ratio[f'{k}/on']:.3f}x)"
+                + (f", KLD interaction {q['mean']:+.2e} (z {q['z']:+.1f})" if q else ""))
+        why = (("Random weights, cost only: the speed side. " if cost_only else "")
+               + "Against the float cache with GSM off: " + "; ".join(parts) + ". "
                + ("Super-additive for " + ", ".join(
                    k for k, r in checks.items() if r["super_additive_speed"]
                    or r["super_additive_quality"]) if verdict == "supported" else
                   "No format gains more together than the two gains combined beyond "
-                  f"{SE_MULTIPLE:g} standard errors") + ".")
+                  f"{SE_MULTIPLE:g} standard errors") + "."
+               + (" The released formats are applied here as roundings of float caches "
+                  "(`cache_qdq`): that arm pays for the rounding and reads no fewer bytes."
+                  if "released" in per_format else ""))
     figures = []
     fig_dir = figures_dir(model_dir)
     if fig_dir is not None and verdict != "not testable here":
@@ -258,6 +285,9 @@ def _figure(arms: dict[str, dict[str, Any]], per_format: dict[str, dict[str, Any
         sp = [arms[f"{k}/{g}"]["speed_vs_float_off_median"] or 0.0 for k in kinds]
         axes[1].bar(x + (i - 0.5) * width, sp, width, label=f"GSM {g}")
     axes[0].set_ylabel("mean KLD vs float cache, GSM off")
+    if all(a["mean_kld"] is None for a in arms.values()):
+        axes[0].text(0.5, 0.5, "random weights: cost only\n(quality not measured)",
+                     ha="center", va="center", transform=axes[0].transAxes)
     axes[1].set_ylabel("decode tok/s vs float cache, GSM off")
     axes[1].axhline(1.0, color="k", lw=0.6)
     for ax in axes:

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from gsm_jax.workflow.evidence.random_models import COST_ONLY, QUALITY_CLAIMS
 from gsm_jax.workflow.evidence.runner import (
     CLAIMS,
     EVIDENCE_MD,
@@ -115,6 +116,21 @@ def _load_note(r: Mapping[str, Any]) -> str:
         return ""
     worst = max((v for v in (la.get("before"), la.get("after")) if v is not None), default=0)
     return f" (⚠ load {worst:.1f}: not comparable)"
+
+
+def _is_random(r: Mapping[str, Any]) -> bool:
+    return r.get("weights_kind") == "random"
+
+
+def _refused_as_random(r: Mapping[str, Any]) -> bool:
+    """A quality claim the runner did not run on random weights (`random_models`)."""
+    return _is_random(r) and r.get("claim") in QUALITY_CLAIMS
+
+
+def model_label(model: str, results: Mapping[int, Mapping[str, Any]]) -> str:
+    """A column's name: the model, marked when its weights are random."""
+    return (f"{model} ({COST_ONLY})" if any(_is_random(r) for r in results.values())
+            else model)
 
 
 def _headline(r: Mapping[str, Any]) -> str:
@@ -291,7 +307,8 @@ FIGURES: dict[int, Callable[[Mapping[str, dict], Path], Path]] = {
 def _figures(out: Path, models: Sequence[str], results: Results) -> dict[int, list[str]]:
     figs: dict[int, list[str]] = {}
     for n in CLAIMS:
-        have = {m: results[m][n] for m in models if n in results[m]}
+        have = {m: results[m][n] for m in models if n in results[m]
+                and not _refused_as_random(results[m][n])}
         if not have:
             continue
         own = [_relative(f, out) for r in have.values() for f in (r.get("figures") or [])
@@ -346,8 +363,10 @@ def _model_kind(results: Mapping[int, dict[str, Any]]) -> dict[str, Any]:
     hidden = next((r.get("hidden_size") for r in rs if r.get("hidden_size")), None)
     smoke = any(r.get("smoke") for r in rs)
     released = fam == TARGET_FAMILY and (layers, hidden) == _released_target_size()
+    rand = any(_is_random(r) for r in rs)
     return {"family": fam, "layers": layers, "hidden": hidden, "smoke": smoke,
-            "target": fam == TARGET_FAMILY, "released_target": released and not smoke}
+            "random": rand, "target": fam == TARGET_FAMILY,
+            "released_target": released and not smoke and not rand}
 
 
 def answer_section(models: Sequence[str], results: Results) -> list[str]:
@@ -355,7 +374,11 @@ def answer_section(models: Sequence[str], results: Results) -> list[str]:
     from the verdicts present (which claims, on which models and weights), what only the
     released weights on GPUs can settle, and the command that settles it there."""
     kinds = {m: _model_kind(results[m]) for m in models}
-    real = [m for m in models if not kinds[m]["smoke"]]
+    # trained weights, beyond smoke sizes: the models the verdicts rest on
+    real = [m for m in models if not kinds[m]["smoke"] and not kinds[m]["random"]]
+    # the target's architecture with random weights: its cost claims, reported apart
+    cost_runs = [m for m in models if kinds[m]["random"] and not kinds[m]["smoke"]
+                 and kinds[m]["target"]]
     target_runs = [m for m in models if kinds[m]["target"]]
     released = [m for m in target_runs if kinds[m]["released_target"]]
     lines = [f"## The answer: does GSM make {TARGET} faster?", ""]
@@ -369,7 +392,11 @@ def answer_section(models: Sequence[str], results: Results) -> list[str]:
 
     basis = released or real
     v1, v3 = verdict(1, basis), verdict(3, basis)
-    if not basis:
+    if not basis and cost_runs:
+        bottom = ("Not answered yet: only random weights were measured, which speak to cost "
+                  "alone (below); the quality side needs trained weights. Run the command "
+                  "below.")
+    elif not basis:
         bottom = ("Not answered yet: no claim has been measured beyond smoke sizes. Run the "
                   "command below.")
     elif v1.startswith("refuted") and v3.startswith("refuted"):
@@ -387,6 +414,14 @@ def answer_section(models: Sequence[str], results: Results) -> list[str]:
         bottom += (f" {TARGET} itself was not measured with its released weights (510 GB: "
                    "eight GPUs of 80 GB or more), so for it this is an inference from the "
                    "models below, not a measurement.")
+        v1_arch = verdict(1, cost_runs) if cost_runs else None
+        if v1_arch and v1_arch.startswith("refuted"):
+            bottom += (" Its own architecture, measured with random weights (cost only), "
+                       "agrees on cost: smoothing makes its decode step slower too.")
+        elif v1_arch and v1_arch.startswith("supported"):
+            bottom += (" Its own architecture, measured with random weights (cost only), "
+                       "differs on cost: there smoothing made the decode step faster; see "
+                       "claim 1.")
     lines += [f"**{bottom}**", ""]
     if basis:
         desc = []
@@ -403,12 +438,25 @@ def answer_section(models: Sequence[str], results: Results) -> list[str]:
         for n, what in SPEED_CLAIMS.items():
             lines.append(f"- **Claim {n}, {what}**: {verdict(n, basis)}"
                          + (f" ({_md(detail(n, basis))})" if detail(n, basis) else "") + ".")
+    if cost_runs:
+        desc = ", ".join(f"`{m}` ({kinds[m]['family']}, {kinds[m]['layers']} layers x "
+                         f"{kinds[m]['hidden']})" for m in cost_runs)
+        parts = []
+        for n in sorted({n for m in cost_runs for n in results[m]} - QUALITY_CLAIMS):
+            if detail(n, cost_runs):
+                parts.append(f"claim {n} {verdict(n, cost_runs)} ({detail(n, cost_runs)})")
+        lines.append(f"- **{TARGET}'s architecture, {COST_ONLY}**: {desc}; "
+                     + (_md("; ".join(parts)) if parts else "no cost claim measured yet")
+                     + ". Its quality claims are not measured: random weights answer them "
+                       "with noise.")
     if target_runs and not released:
         smoke = [m for m in target_runs if kinds[m]["smoke"]]
         lines.append(f"- **{TARGET}'s code path**: the same command ran end to end on "
                      f"{', '.join(f'`{m}`' for m in target_runs)} (a small V4.1 "
                      + ("at smoke sizes: it checks the pipeline, its numbers mean nothing"
-                        if smoke else "configuration: not the released weights") + ").")
+                        if smoke else "configuration with random weights: not the released "
+                        "ones" if all(kinds[m]["random"] for m in target_runs) else
+                        "configuration: not the released weights") + ").")
     lines.append(f"- **What only the released weights on GPUs can settle**: {ONLY_ON_GPU}.")
     lines.append(f"- **The command that settles it there** (the same pipeline, the checkpoint "
                  f"as released, sharded over 8 devices): `{TARGET_COMMAND}`; CI runs it on "
@@ -451,7 +499,9 @@ def render_evidence(out: str | os.PathLike = "reports") -> Path:
     lines.extend(answer_section(models, results))
     w("## The claims")
     w("")
-    head = ["#", "claim (document)", *models, "across models", "command"]
+    head = ["#", "claim (document)", *(model_label(m, results[m]) for m in models),
+            "across models", "command"]
+    random_cols = {m for m in models if any(_is_random(r) for r in results[m].values())}
     w("| " + " | ".join(head) + " |")
     w("|" + "---|" * len(head))
     all_cmd_models = models or ["smollm2-135m"]
@@ -469,8 +519,13 @@ def render_evidence(out: str | os.PathLike = "reports") -> Path:
             else:
                 cells.append(_md(f"{_headline(r)}: **{r['verdict']}**{_load_note(r)}"))
                 verdicts[m] = r["verdict"]
-        cells.append(f"**{_md(combined_verdict(verdicts))}**" if models else "–")
-        cells.append(f"`{evidence_command(all_cmd_models, out, [n], mesh=mesh)}`")
+        # a quality claim is neither judged nor rerun on random weights
+        judged = {m: v for m, v in verdicts.items()
+                  if not (m in random_cols and n in QUALITY_CLAIMS)}
+        cells.append(f"**{_md(combined_verdict(judged))}**" if judged else "–")
+        cmd_models = [m for m in all_cmd_models
+                      if not (m in random_cols and n in QUALITY_CLAIMS)] or all_cmd_models
+        cells.append(f"`{evidence_command(cmd_models, out, [n], mesh=mesh)}`")
         w("| " + " | ".join(cells) + " |")
     w("")
     w("## Claim by claim")

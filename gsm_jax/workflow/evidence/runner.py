@@ -21,6 +21,12 @@ this code), the wall time, the machine and the sizes, and writes
 ``<out>/data/evidence/<model>/claim_<N>.json``. With ``resume`` an existing JSON
 is kept. A claim that raises is written as ``claim_<N>.error.json`` (retried on
 the next run) and the others still run.
+
+A model may also be ``random:<preset>`` (`random_models`): a random-weight checkpoint of
+the target's architecture, written once and loaded like any folder. On a folder whose
+provenance says random weights, ``sizes["cost_only"]`` is True, every result records
+``weights_kind`` "random", and the quality claims (`random_models.QUALITY_CLAIMS`) are
+written as not testable ("random weights: cost only") without running.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from gsm_jax.errors import InvalidInputError
+from gsm_jax.workflow.evidence import random_models
 from gsm_jax.workflow.results import evidence_dir, model_slug
 
 VERDICTS = ("supported", "refuted", "not testable here")
@@ -233,10 +240,14 @@ def check_models(models: Sequence[str] | str) -> list[str]:
     if not models:
         raise InvalidInputError("no models given")
     for m in models:
+        if random_models.is_random(m):
+            random_models.check(m)
+            continue
         if m not in REGISTERED_MODELS and not Path(m).exists():
             raise InvalidInputError(
-                f"unknown model {m!r}: not a registered name ({', '.join(REGISTERED_MODELS)}) "
-                "nor an existing file or directory")
+                f"unknown model {m!r}: not a registered name ({', '.join(REGISTERED_MODELS)}), "
+                "an existing file or directory, nor a random-weight model ("
+                + ", ".join(random_models.PREFIX + p for p in random_models.PRESETS) + ")")
     return models
 
 
@@ -365,6 +376,7 @@ def run_evidence(
     this_command = command or evidence_command(models, out, numbers, smoke=smoke, mesh=mesh)
     say = (lambda m: print(f"[gsm-jax evidence] {m}", file=sys.stderr, flush=True)) \
         if progress else (lambda m: None)
+    own_load = load is None  # random:<preset> names are written to disk and loaded
     if load is None:
         from gsm_jax.loading import load as load_model
 
@@ -401,10 +413,27 @@ def run_evidence(
         model_dir = find_model_dir(out, model)
         say(f"{model}: loading (report data from {model_dir / 'data'}"
             f"{'' if (model_dir / 'data').is_dir() else ', absent: claims measure themselves'})")
-        params = load(model)
+        source = (str(random_models.materialize(model, progress=progress))
+                  if random_models.is_random(model) and own_load else model)
+        prov = random_models.provenance(source) if Path(source).is_dir() else None
+        cost_only = prov is not None and prov.get("weights") == "random"
+        params = load(source)
         size_dict = {**dataclasses.asdict(sizes), "smoke": smoke, "evidence_dir": str(edir),
-                     "mesh": None if mesh is None else list(mesh)}
+                     "mesh": None if mesh is None else list(mesh), "cost_only": cost_only}
         for n in runnable:
+            if cost_only and n in random_models.QUALITY_CLAIMS:
+                _write_json(edir / f"claim_{n}.json", {
+                    "claim": n, "model": model, "verdict": "not testable here",
+                    "why": f"{random_models.COST_ONLY}: a quality claim says nothing on "
+                           "random weights.", "measurement": None, "numbers": {},
+                    "weights_kind": "random", "provenance": prov, "measured_at": now,
+                    "family": getattr(params.config, "family", None),
+                    "num_layers": getattr(params.config, "num_layers", None),
+                    "hidden_size": getattr(params.config, "hidden_size", None),
+                    "smoke": smoke, "run_command": this_command,
+                    "command": evidence_command([model], out, [n], smoke=smoke, mesh=mesh)})
+                say(f"{model} claim {n}: not testable ({random_models.COST_ONLY})")
+                continue
             say(f"{model} claim {n}: {CLAIMS[n].statement}")
             before, t0 = load_average(), time.perf_counter()
             err_path = edir / f"claim_{n}.error.json"
@@ -427,6 +456,8 @@ def run_evidence(
             cfg = getattr(params, "config", None)
             res.update(family=getattr(cfg, "family", None),
                        weights=str(getattr(params, "source", None) or model),
+                       weights_kind="random" if cost_only else "trained",
+                       provenance=prov,
                        num_layers=getattr(cfg, "num_layers", None),
                        hidden_size=getattr(cfg, "hidden_size", None))
             res.update(claim=n, model=model, measured_at=now, seconds=round(seconds, 1),
