@@ -513,7 +513,10 @@ def render_evidence(out: str | os.PathLike = "reports") -> Path:
         verdicts: dict[str, str | None] = {}
         for m in models:
             r = results[m].get(n)
-            if r is None:
+            if r is None and m in random_cols and n in QUALITY_CLAIMS:
+                cells.append(f"– ({COST_ONLY})")
+                verdicts[m] = None
+            elif r is None:
                 cells.append(_md(_cell_missing(n, errors[m].get(n))))
                 verdicts[m] = None
             else:
@@ -537,6 +540,9 @@ def render_evidence(out: str | os.PathLike = "reports") -> Path:
         w("")
         for m in models:
             r = results[m].get(n)
+            if r is None and m in random_cols and n in QUALITY_CLAIMS:
+                w(f"- **{m}**: not measured ({COST_ONLY}).")
+                continue
             if r is None:
                 w(f"- **{m}**: {_cell_missing(n, errors[m].get(n))}.")
                 continue
