@@ -246,6 +246,23 @@ def test_seeded_sampling_does_not_depend_on_schedule(tiny):
     assert other_seed.tokens != alone
 
 
+def test_warmup_compiles_the_chunked_prefill(tiny):
+    """A server warmed with short lengths only still serves its first prompt longer than
+    a chunk without compiling (the whole-chunk prefill, extend and insert run at warm-up,
+    outside the prefix cache); its tokens are those of `generate_tokens`."""
+    eng = Engine(tiny, max_batch=2, max_len=96, eos_ids=[], prefill_chunk=16,
+                 prefix_cache_bytes=1 << 20)
+    out = eng.warmup([16])
+    assert out["chunked_s"] > 0
+    assert eng.prefix_cache.stats()["stored"] == 0 and eng.prefix_cache.stats()["entries"] == 0
+    before = engine_mod.compile_counts()
+    prompt = list(range(3, 43))  # 40 tokens: chunks of 16, 16 and 8
+    rec = eng.run([Request(prompt, 5)])[0]
+    assert engine_mod.compile_counts() == before
+    ref = gsm_jax.generate_tokens(tiny, [prompt], max_new_tokens=5, eos_ids=[])[0]
+    np.testing.assert_array_equal(np.asarray(rec.tokens), ref)
+
+
 def test_per_request_configs_share_a_batch(tiny, requests):
     """Requests smoothed by different configs (and unsmoothed ones) decode in one batch;
     each gets what it gets alone under its own config, without recompiling."""

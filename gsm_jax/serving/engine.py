@@ -1265,6 +1265,10 @@ class Engine:
         read bound (`attend_bounds`: 128, 256, ... max_len), so no row compiles one
         mid-stream when it grows past a power of two.
 
+        When no given length exceeds `prefill_chunk` but `max_len` does, a prompt of a
+        chunk plus 16 tokens also runs (uncached), so the chunked-prefill programs (the
+        whole-chunk prefill, an extend, the insert) are compiled too ("chunked_s").
+
         Returns seconds per prompt bucket (a dummy request's prefill + one decode
         step, compilation included), per read bound with `all_attend` ("attend_s"), for
         the token feed between row bounds ("feed_s", with `all_attend`) and in total. The
@@ -1291,6 +1295,20 @@ class Engine:
             self.submit(Request([0], 2, request_id="warmup"))
             while self.has_work:
                 self.step()
+        chunk = self.prefill_chunk
+        if (chunk is not None and self.max_len > chunk + MIN_PROMPT_BUCKET
+                and all(n <= chunk for n in by_bucket.values())):
+            # the chunked path (a whole-chunk prefill, an extend, the insert): without it
+            # the first prompt longer than a chunk compiled those mid-serving (seconds)
+            t, kept, self.prefix_cache = clock(), self.prefix_cache, None  # not cached
+            try:
+                self.submit(Request([0] * (chunk + MIN_PROMPT_BUCKET), 2,
+                                    request_id="warmup"))
+                while self.has_work:
+                    self.step()
+            finally:
+                self.prefix_cache = kept
+            out["chunked_s"] = clock() - t
         if all_attend:
             out["attend_s"] = self._warm_attend()
             out["feed_s"] = self._warm_feed()
