@@ -426,10 +426,7 @@ def run_evidence(
                     "claim": n, "model": model, "verdict": "not testable here",
                     "why": f"{random_models.COST_ONLY}: a quality claim says nothing on "
                            "random weights.", "measurement": None, "numbers": {},
-                    "weights_kind": "random", "provenance": prov, "measured_at": now,
-                    "family": getattr(params.config, "family", None),
-                    "num_layers": getattr(params.config, "num_layers", None),
-                    "hidden_size": getattr(params.config, "hidden_size", None),
+                    **_weights_record(params, model, prov), "measured_at": now,
                     "smoke": smoke, "run_command": this_command,
                     "command": evidence_command([model], out, [n], smoke=smoke, mesh=mesh)})
                 say(f"{model} claim {n}: not testable ({random_models.COST_ONLY})")
@@ -453,13 +450,7 @@ def run_evidence(
                                                        mesh=mesh))
             # what was measured: the family and where its weights came from (the answer at
             # the top of the report tells a tiny or random-weight model from a released one)
-            cfg = getattr(params, "config", None)
-            res.update(family=getattr(cfg, "family", None),
-                       weights=str(getattr(params, "source", None) or model),
-                       weights_kind="random" if cost_only else "trained",
-                       provenance=prov,
-                       num_layers=getattr(cfg, "num_layers", None),
-                       hidden_size=getattr(cfg, "hidden_size", None))
+            res.update(_weights_record(params, model, prov))
             res.update(claim=n, model=model, measured_at=now, seconds=round(seconds, 1),
                        load_avg=load_record(before, load_average()), machine=machine,
                        smoke=smoke, sizes=size_dict, run_command=this_command)
@@ -470,6 +461,18 @@ def run_evidence(
     path = render_evidence(out)
     say(f"wrote {path}")
     return path
+
+
+def _weights_record(params: Any, model: str, prov: dict | None) -> dict[str, Any]:
+    """What a result was measured on: family, size, where the weights came from and
+    whether they are random (`random_models.provenance`)."""
+    cfg = getattr(params, "config", None)
+    random = prov is not None and prov.get("weights") == "random"
+    return {"family": getattr(cfg, "family", None),
+            "weights": str(getattr(params, "source", None) or model),
+            "weights_kind": "random" if random else "trained", "provenance": prov,
+            "num_layers": getattr(cfg, "num_layers", None),
+            "hidden_size": getattr(cfg, "hidden_size", None)}
 
 
 def _release(params: Any) -> None:
