@@ -295,7 +295,10 @@ def _cache_kind(names: list[str], kinds: dict[str, str]) -> str:
     """The line of a cache leaf: its family's label for it (`CACHE_KINDS`), else its name."""
     if "rings" in names:
         return "cache: GSM ring buffers"
-    leaf = next(n for n in reversed(names) if not n.isdigit())  # per-layer tuples: k/0, ...
+    # the nearest named field: per-layer tuples (k/0, ...) and packed entries' leaves
+    # (window/codes, window/scales) count as their field
+    leaf = next((n for n in reversed(names) if n in kinds),
+                next(n for n in reversed(names) if not n.isdigit()))
     return f"cache: {kinds.get(leaf, leaf)}"
 
 

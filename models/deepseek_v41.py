@@ -15,8 +15,9 @@ sqrtsoftplus score); what differs is written here:
   SWA-only (ratio 0); Full (a KV source: compressor, indexer keys, its own top-k); Reindex
   (an index source that is not a KV source: re-scores the latest Full layer's index keys,
   candidate-masked, publishes its own top-k); Reuse (nothing owned: the latest compressed
-  KV and the latest published top-k). Compressed KV is FP4 (E4M3 scale per 16) QDQ'd, the
-  index q/k MXFP4 (power-of-two scale per 32) QDQ'd.
+  KV and the latest published top-k). Compressed KV is FP4 (E4M3 scale per 16), the
+  index q/k MXFP4 (power-of-two scale per 32); the caches are held packed in these formats
+  (`PackedEntries`, the release's bytes: 890 B per cached token) and unpacked where read.
 - MoE (§5): sqrtsoftplus routing with `bias` (text tokens; `bias_vl` is loaded for image
   tokens, which this text-only model never sees), SwiGLU with clamp, one shared expert.
 
@@ -66,7 +67,7 @@ from flax import struct
 from gsm_jax.errors import InvalidInputError, ModelLoadError, UnsupportedModelError
 from gsm_jax.in_place import scatter_set
 from gsm_jax.models import common
-from gsm_jax.models.block_quant import BlockQuantWeight
+from gsm_jax.models.block_quant import E2M1_VALUES, BlockQuantWeight
 from gsm_jax.models.deepseek_v4 import (
     RopeSpec,
     apply_rope,
@@ -173,8 +174,9 @@ class DeepseekV41Config:
     tie_word_embeddings: bool = False
     eos_token_ids: tuple[int, ...] = (1,)
     expert_dispatch: str = "auto"
-    # The released cache precisions, simulated by quantize-dequantize (§4.5): FP8 window KV,
-    # FP4 compressed KV and index keys / queries. False keeps them float (an ablation, and
+    # The released cache precisions (§4.5): FP8 window KV, FP4 compressed KV and index
+    # keys / queries, the caches held packed in them (`PackedEntries`; the index queries and
+    # the forward's own keys rounded and back). False keeps them float (an ablation, and
     # how tests check the cache machinery alone: a QDQ is discontinuous, so an ulp of
     # difference in a value at a rounding midpoint moves it a whole FP8 / FP4 step).
     cache_qdq: bool = True
@@ -425,11 +427,12 @@ CONFIG_CLASS = DeepseekV41Config
 class LayerCache:
     """One layer's decode state (rows = batch; slots are functions of positions).
 
-    window:     [B, Wc, hd] FP8-QDQ'd RoPE'd K=V of the last Wc = min(sliding_window,
+    window:     [B, Wc, hd] FP8 (packed) RoPE'd K=V of the last Wc = min(sliding_window,
                 max_len) tokens, position p in slot p % Wc (every layer).
-    comp:       [B, Nc, hd] the Full layer's FP4-QDQ'd compressed KV, group w in slot w,
+    comp:       [B, Nc, hd] the Full layer's NVFP4 (packed) compressed KV, group w in slot w,
                 Nc = max_len // ratio (Reuse / Reindex layers read their Full layer's).
-    index_keys: [B, Nc, ci] the Full layer's MXFP4-QDQ'd index keys.
+    index_keys: [B, Nc, ci] the Full layer's MXFP4 (packed) index keys.
+    The three are `PackedEntries` (`cache_qdq`) or float arrays (`cache_qdq=False`).
     comp_ring:  [B, ratio, 2 hd] f32 raw kv|gate projections of the group being
                 compressed, position p in slot p % ratio (ratio > 1 only).
     The published top-k and candidates are per query: recomputed, nothing cached.
@@ -454,7 +457,12 @@ class DeepseekV41Cache:
     engram_history: jax.Array | None = None
 
 
+# each cached entry kind: its released format (held packed when `cache_qdq`)
+ENTRY_FORMATS = {"window": "fp8", "comp": "nvfp4", "index_keys": "mxfp4"}
+
+
 def _layer_cache_shapes(cfg: DeepseekV41Config, layer: int, batch: int, max_len: int) -> dict:
+    """{field: (logical shape, dtype: None = the cache's entries)}."""
     plan = cfg.plan(layer)
     shapes = {"window": ((batch, min(cfg.sliding_window, max_len), cfg.head_dim), None)}
     if plan.role == FULL:
@@ -468,8 +476,15 @@ def _layer_cache_shapes(cfg: DeepseekV41Config, layer: int, batch: int, max_len:
 
 def init_cache(cfg: DeepseekV41Config, batch_size: int, max_len: int, *,
                dtype: Any = jnp.float32, gsm_max_window: int | None = None) -> DeepseekV41Cache:
+    """Zeroed caches: window / compressed KV / index keys packed in the released formats
+    (`cache_qdq`, the default) or float in `dtype`; the compressor rings float32."""
+    def field(name, shape, dt):
+        if dt is not None:
+            return jnp.zeros(shape, dt)
+        return empty_entries(cfg, ENTRY_FORMATS[name], shape, dtype)
+
     layers = tuple(
-        LayerCache(**{k: jnp.zeros(s, dt or dtype) for k, (s, dt)
+        LayerCache(**{k: field(k, s, dt) for k, (s, dt)
                       in _layer_cache_shapes(cfg, i, batch_size, max_len).items()})
         for i in range(cfg.num_layers))
     rings = None
@@ -489,12 +504,19 @@ def cache_insert(cache: DeepseekV41Cache, rows: DeepseekV41Cache,
     return common.insert_rows(cache, rows, slots)
 
 
-# ----------------------------------------------------------------------------- cache QDQ
-# The cache roundings the reference applies (quantise then dequantise, §4.2-4.4), on the
-# last axis in blocks; f32 inside, the input dtype out.
+# ----------------------------------------------------------------------------- cache formats
+# The released cache precisions (§4.2-4.4), on the last axis in blocks:
+#   window K=V      "fp8":   FP8 e4m3, one power-of-two (E8M0) scale per 32 channels
+#   compressed KV   "nvfp4": FP4 e2m1, one E4M3 scale (amax / 6) per 16 channels
+#   index keys / q  "mxfp4": FP4 e2m1, one power-of-two (E8M0) scale per 32 channels
+# `*_qdq(x)` rounds x to the format and back (f32 inside, x's dtype out): what the
+# reference applies. The caches are held packed (`PackedEntries`: e4m3 bytes, or two
+# e2m1 codes per byte low nibble first, plus the scale bytes): `pack_entries` /
+# `read_entries` round-trip to exactly `*_qdq(x)`, so a packed cache costs the release's
+# bytes (`released_cache_bytes`) and computes what the QDQ'd float cache did.
 
-_FP4_LEVELS = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 _FP4_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+CACHE_FORMATS = {"fp8": 32, "nvfp4": 16, "mxfp4": 32}  # format -> channels per scale
 
 
 def pow2_ceil(v: jax.Array) -> jax.Array:
@@ -517,45 +539,136 @@ def _unblock(g: jax.Array, c: int, dtype: Any) -> jax.Array:
     return g.reshape(g.shape[:-2] + (-1,))[..., :c].astype(dtype)
 
 
-def fp8_qdq(x: jax.Array, block: int = 32) -> jax.Array:
-    """FP8 e4m3 with one power-of-two (E8M0) scale per `block` channels: the window KV."""
-    g, c = _blocks(x, block)
-    amax = jnp.max(jnp.abs(g), axis=-1, keepdims=True)
-    scale = pow2_ceil(jnp.maximum(amax, 1e-4) * np.float32(1 / 448))
-    q = jnp.clip(g / scale, -448, 448).astype(jnp.float8_e4m3fn).astype(jnp.float32)
-    return _unblock(q * scale, c, x.dtype)
-
-
-def _e2m1_round(v: jax.Array) -> jax.Array:
-    """Round to the nearest e2m1 level (|v| <= 6), ties to the even level."""
+def _e2m1_codes(v: jax.Array) -> jax.Array:
+    """The e2m1 code (0..7 the levels 0, .5, 1, 1.5, 2, 3, 4, 6; +8 negative) nearest to
+    v (|v| <= 6), ties to the even level; a negative v rounding to 0 keeps its sign (-0)."""
     mag = jnp.abs(v)
     mids = jnp.asarray(_FP4_MIDPOINTS, jnp.float32)
     lower = jnp.sum(mag[..., None] > mids, axis=-1)  # bucket: mids[i-1] < mag <= mids[i]
     tie = mag == mids[jnp.minimum(lower, 6)]
     sel = lower + (tie & (lower % 2 == 1)).astype(lower.dtype)
-    out = jnp.asarray(_FP4_LEVELS, jnp.float32)[sel]
-    return jnp.where(v < 0, -out, out)
+    return (sel + 8 * (v < 0).astype(sel.dtype)).astype(jnp.uint8)
 
 
-def nvfp4_qdq(x: jax.Array, block: int = 16) -> jax.Array:
-    """FP4 e2m1 with one E4M3 scale (amax / 6) per `block` channels: the compressed KV."""
-    g, c = _blocks(x, block)
+def _e2m1_values(codes: jax.Array) -> jax.Array:
+    return jnp.asarray(E2M1_VALUES, jnp.float32)[codes.astype(jnp.int32)]
+
+
+def _quantize(fmt: str, x: jax.Array) -> tuple[jax.Array, jax.Array, int]:
+    """x [..., C] -> (codes [..., nb, block]: e4m3 values ("fp8") or e2m1 codes (uint8),
+    scales [..., nb, 1] f32, C)."""
+    g, c = _blocks(x, CACHE_FORMATS[fmt])
     amax = jnp.max(jnp.abs(g), axis=-1, keepdims=True)
-    scale = (jnp.maximum(amax, 6 * 2.0**-9) / 6).astype(jnp.float8_e4m3fn).astype(jnp.float32)
-    return _unblock(_e2m1_round(jnp.clip(g / scale, -6, 6)) * scale, c, x.dtype)
+    if fmt == "fp8":
+        scale = pow2_ceil(jnp.maximum(amax, 1e-4) * np.float32(1 / 448))
+        return jnp.clip(g / scale, -448, 448).astype(jnp.float8_e4m3fn), scale, c
+    if fmt == "nvfp4":
+        scale = (jnp.maximum(amax, 6 * 2.0**-9) / 6).astype(jnp.float8_e4m3fn).astype(jnp.float32)
+    else:
+        scale = pow2_ceil(jnp.maximum(amax, 6 * 2.0**-126) * np.float32(1 / 6))
+    return _e2m1_codes(jnp.clip(g / scale, -6, 6)), scale, c
 
 
-def mxfp4_qdq(x: jax.Array, block: int = 32) -> jax.Array:
-    """FP4 e2m1 with one power-of-two scale per `block` channels: the index q and k."""
-    g, c = _blocks(x, block)
-    amax = jnp.max(jnp.abs(g), axis=-1, keepdims=True)
-    scale = pow2_ceil(jnp.maximum(amax, 6 * 2.0**-126) * np.float32(1 / 6))
-    return _unblock(_e2m1_round(jnp.clip(g / scale, -6, 6)) * scale, c, x.dtype)
+def _dequantize(fmt: str, codes: jax.Array, scale: jax.Array, c: int, dtype: Any) -> jax.Array:
+    v = codes.astype(jnp.float32) if fmt == "fp8" else _e2m1_values(codes)
+    return _unblock(v * scale, c, dtype)
 
 
-def _qdq(cfg: DeepseekV41Config, qdq, x: jax.Array) -> jax.Array:
-    """`qdq(x)`, or x itself when the config keeps its caches float (`cache_qdq=False`)."""
-    return qdq(x) if cfg.cache_qdq else x
+def fp8_qdq(x: jax.Array) -> jax.Array:
+    """The window KV's rounding: FP8 e4m3 with one E8M0 scale per 32 channels."""
+    return _dequantize("fp8", *_quantize("fp8", x), x.dtype)
+
+
+def nvfp4_qdq(x: jax.Array) -> jax.Array:
+    """The compressed KV's rounding: FP4 e2m1 with one E4M3 scale (amax / 6) per 16."""
+    return _dequantize("nvfp4", *_quantize("nvfp4", x), x.dtype)
+
+
+def mxfp4_qdq(x: jax.Array) -> jax.Array:
+    """The index q / k rounding: FP4 e2m1 with one power-of-two scale per 32 channels."""
+    return _dequantize("mxfp4", *_quantize("mxfp4", x), x.dtype)
+
+
+_QDQ = {"fp8": fp8_qdq, "nvfp4": nvfp4_qdq, "mxfp4": mxfp4_qdq}
+
+
+@struct.dataclass
+class PackedEntries:
+    """Cache entries [..., width] held in a released format (`CACHE_FORMATS`).
+
+    codes:  "fp8": [..., W] float8_e4m3fn; FP4: [..., W / 2] uint8, two e2m1 codes per
+            byte, the even channel in the low nibble (the release's I8 layout)
+    scales: [..., W / block]: E8M0 bytes (uint8, 2 ** (byte - 127)) for "fp8" / "mxfp4",
+            float8_e4m3fn for "nvfp4"
+    W is `width` rounded up to whole blocks. Leading axes (batch, slot) are the leaves'
+    own, so ring reads, slot writes, gathers and row inserts map over both leaves."""
+
+    codes: jax.Array
+    scales: jax.Array
+    fmt: str = struct.field(pytree_node=False, default="fp8")
+    width: int = struct.field(pytree_node=False, default=0)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The logical shape [..., width] of the float entries."""
+        return tuple(self.codes.shape[:-1]) + (self.width,)
+
+
+def _e8m0_byte(scale: jax.Array) -> jax.Array:
+    """A power-of-two f32 scale (normal) -> its E8M0 byte: the exponent bits."""
+    bits = jax.lax.bitcast_convert_type(scale, jnp.uint32)
+    return (bits >> 23).astype(jnp.uint8)
+
+
+def _e8m0_value(byte: jax.Array) -> jax.Array:
+    return jax.lax.bitcast_convert_type(byte.astype(jnp.uint32) << 23, jnp.float32)
+
+
+def pack_entries(fmt: str, x: jax.Array) -> PackedEntries:
+    """x [..., C] -> its packed form in `fmt`; `read_entries` gives back `*_qdq(x)`."""
+    codes, scale, c = _quantize(fmt, x)
+    lead = codes.shape[:-2]
+    codes = codes.reshape(lead + (-1,))
+    if fmt != "fp8":
+        pairs = codes.reshape(lead + (-1, 2))
+        codes = pairs[..., 0] | (pairs[..., 1] << 4)
+    scales = scale[..., 0]
+    scales = scales.astype(jnp.float8_e4m3fn) if fmt == "nvfp4" else _e8m0_byte(scales)
+    return PackedEntries(codes=codes, scales=scales, fmt=fmt, width=c)
+
+
+def read_entries(e: jax.Array | PackedEntries, dtype: Any) -> jax.Array:
+    """Cache entries as `dtype` values: a float cache cast, a packed one unpacked (the
+    released formats' values are exact in bfloat16 and float32)."""
+    if not isinstance(e, PackedEntries):
+        return e.astype(dtype)
+    codes = e.codes
+    if e.fmt != "fp8":
+        codes = jnp.stack([codes & 0xF, codes >> 4], axis=-1).reshape(codes.shape[:-1] + (-1,))
+    block = CACHE_FORMATS[e.fmt]
+    codes = codes.reshape(codes.shape[:-1] + (-1, block))
+    scale = (e.scales.astype(jnp.float32) if e.fmt == "nvfp4" else _e8m0_value(e.scales))
+    return _dequantize(e.fmt, codes, scale[..., None], e.width, dtype)
+
+
+def empty_entries(cfg: DeepseekV41Config, fmt: str, shape: tuple[int, ...],
+                  dtype: Any) -> jax.Array | PackedEntries:
+    """Zeroed cache entries of logical `shape`: packed in `fmt` (`cache_qdq`), else float."""
+    if not cfg.cache_qdq:
+        return jnp.zeros(shape, dtype)
+    want = jax.eval_shape(lambda: pack_entries(fmt, jnp.zeros(shape, jnp.float32)))
+    return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), want)
+
+
+def cache_entries(cfg: DeepseekV41Config, fmt: str, x: jax.Array) -> jax.Array | PackedEntries:
+    """New entries x as the cache holds them: packed in `fmt` (`cache_qdq`), else x."""
+    return pack_entries(fmt, x) if cfg.cache_qdq else x
+
+
+def _qdq(cfg: DeepseekV41Config, fmt: str, x: jax.Array) -> jax.Array:
+    """x rounded to `fmt` and back, or x itself when the config keeps its caches float
+    (`cache_qdq=False`)."""
+    return _QDQ[fmt](x) if cfg.cache_qdq else x
 
 
 # ----------------------------------------------------------------------------- numerics
@@ -632,18 +745,27 @@ def _cached_latents(cfg: DeepseekV41Config, w: dict, x: jax.Array, ratio: int, p
     return lat, g, done, ring_after(seq, start - ratio, end, ratio)
 
 
-def _write_slots(buf: jax.Array, slot: jax.Array, value: jax.Array, done: jax.Array):
-    """buf[b, slot[b, j]] = value[b, j] where done (others dropped)."""
+def _write_slots(buf, slot: jax.Array, value, done: jax.Array):
+    """buf[b, slot[b, j]] = value[b, j] where done (others dropped); float or packed
+    entries (each leaf written alike)."""
     slot = jnp.where(done, slot, buf.shape[1])
-    return scatter_set(buf, (jnp.arange(buf.shape[0])[:, None], slot), value.astype(buf.dtype),
-                       mode="drop")  # in place at batch 1 too
+    rows = jnp.arange(slot.shape[0])[:, None]
+    return jax.tree.map(  # in place at batch 1 too
+        lambda bf, v: scatter_set(bf, (rows, slot), v.astype(bf.dtype), mode="drop"),
+        buf, value)
+
+
+def _gather(entries, idx: jax.Array, dtype: Any) -> jax.Array:
+    """`gather_entries` of float or packed entries, as `dtype` values (only the gathered
+    entries are unpacked)."""
+    return read_entries(jax.tree.map(lambda a: gather_entries(a, idx), entries), dtype)
 
 
 def index_scores(cfg: DeepseekV41Config, w: dict, x, q_res, positions, keys, spec, lin):
     """Indexer scores (§4.4): x [B,T,D], q_res [B,T,q_lora], keys [B,n,ci] -> [B,T,n] f32."""
     hi, ci = cfg.index_n_heads, cfg.index_head_dim
     q = lin("indexer.q_b", q_res, w["q_b"]).reshape(q_res.shape[:2] + (hi, ci))
-    q = _qdq(cfg, mxfp4_qdq, _rope(q, spec, positions))
+    q = _qdq(cfg, "mxfp4", _rope(q, spec, positions))
     head_w = lin("indexer.weights_proj", x, w["weights_proj"]) * (ci**-0.5 * hi**-0.5)
     return weighted_index_dots(q, keys.astype(q.dtype), head_w).astype(jnp.float32)
 
@@ -707,7 +829,9 @@ def attention(cfg: DeepseekV41Config, w: dict, layer: int, x: jax.Array, state: 
     q = lin("q_b", q_res, w["q_b"]).reshape(b, t, cfg.num_heads, cfg.head_dim)
     q = _rope(q, spec, positions)
     kv = rms_norm(lin("kv", x, w["kv"]), w["kv_norm"], eps)
-    kv = _qdq(cfg, fp8_qdq, _rope(kv, spec, positions))
+    kv = _rope(kv, spec, positions)
+    kv_entries = None if cache is None else cache_entries(cfg, "fp8", kv)
+    kv = _qdq(cfg, "fp8", kv) if kv_entries is None else read_entries(kv_entries, kv.dtype)
     valid = step.valid
     new = selected = None
     if cache is None:  # forward: the call's own tokens
@@ -718,13 +842,16 @@ def attention(cfg: DeepseekV41Config, w: dict, layer: int, x: jax.Array, state: 
     else:  # the window ring's positions start - Wc .. start - 1, then the chunk
         start, end = step.start, step.start + step.n_new
         size = cache.window.shape[1]
-        hist, hist_pos = ring_history(cache.window, start)
-        keys = jnp.concatenate([hist, kv.astype(hist.dtype)], axis=1)
+        hist = jax.tree.map(lambda a: ring_history(a, start)[0], cache.window)
+        hist_pos = start[:, None] - size + jnp.arange(size)[None, :]  # `ring_history`'s
+        seq = jax.tree.map(lambda h, e: jnp.concatenate([h, e.astype(h.dtype)], axis=1),
+                           hist, kv_entries)
+        keys = jnp.concatenate([read_entries(hist, kv.dtype), kv], axis=1)
         key_pos = jnp.concatenate([jnp.where(hist_pos >= 0, hist_pos, -1),
                                    jnp.where(valid, positions, -1)], axis=1)
         qp, kp = positions[:, :, None], key_pos[:, None, :]
         mask = valid[:, :, None] & (kp >= 0) & (kp <= qp) & (kp > qp - cfg.sliding_window)
-        new = {"window": ring_after(keys, start - size, end, size)}
+        new = {"window": jax.tree.map(lambda a: ring_after(a, start - size, end, size), seq)}
     if plan.role != SWA:
         r = plan.ratio
         if plan.role == FULL:
@@ -736,13 +863,15 @@ def attention(cfg: DeepseekV41Config, w: dict, layer: int, x: jax.Array, state: 
                                                         start, end, cache.comp_ring, lin)
             ik = rms_norm(lin("indexer.wk", latent, w["indexer"]["wk"]),
                           w["indexer"]["k_norm"], eps)
-            comp = _qdq(cfg, nvfp4_qdq, _rope(latent, spec, g * r))
-            ikeys = _qdq(cfg, mxfp4_qdq, _rope(ik, spec, g * r))
-            if cache is not None:
+            comp, ikeys = _rope(latent, spec, g * r), _rope(ik, spec, g * r)
+            if cache is None:
+                comp, ikeys = _qdq(cfg, "nvfp4", comp), _qdq(cfg, "mxfp4", ikeys)
+            else:
                 # written first, then read (this layer's indexer and the Reuse / Reindex
                 # layers after it): the caches are updated in place (`_write_slots`)
-                comp = _write_slots(cache.comp, g, comp, done)
-                ikeys = _write_slots(cache.index_keys, g, ikeys, done)
+                comp = _write_slots(cache.comp, g, cache_entries(cfg, "nvfp4", comp), done)
+                ikeys = _write_slots(cache.index_keys, g, cache_entries(cfg, "mxfp4", ikeys),
+                                     done)
                 new.update(comp=comp, index_keys=ikeys)
                 if ring is not None:
                     new["comp_ring"] = ring
@@ -755,13 +884,13 @@ def attention(cfg: DeepseekV41Config, w: dict, layer: int, x: jax.Array, state: 
             # decode: a Reindex layer scores only the candidate slots (gathered), not every
             # compressed entry; its top-k is the masked form's (ties: the lower slot)
             slots, ok = state["candidates"]
-            keys_c = gather_entries(state["index_keys"], slots)[:, 0]  # [B, C, ci]
+            keys_c = _gather(state["index_keys"], slots, jnp.float32)[:, 0]  # [B, C, ci]
             scores = index_scores(cfg, w["indexer"], x, q_res, positions, keys_c, spec, lin)
             pick, picked = topk_indices(scores, ok, cfg.index_topk)
             state = {**state, "selected": (jnp.take_along_axis(slots, pick, axis=-1), picked)}
         elif plan.role in (FULL, REINDEX):
             scores = index_scores(cfg, w["indexer"], x, q_res, positions,
-                                  state["index_keys"], spec, lin)
+                                  read_entries(state["index_keys"], jnp.float32), spec, lin)
             allowed = visible
             if plan.candidate_source:
                 state = {**state,
@@ -773,9 +902,9 @@ def attention(cfg: DeepseekV41Config, w: dict, layer: int, x: jax.Array, state: 
         idx, picked = state["selected"]
         if cache is not None and gather_pays(t, idx.shape[-1], n):
             # decode / short chunks: only the selected entries are read (sink_attention)
-            selected = (gather_entries(comp, idx).astype(kv.dtype), picked)
+            selected = (_gather(comp, idx, kv.dtype), picked)
         else:
-            keys = jnp.concatenate([keys, comp.astype(kv.dtype)], axis=1)
+            keys = jnp.concatenate([keys, read_entries(comp, kv.dtype)], axis=1)
             mask = jnp.concatenate([mask, entries_mask(idx, picked, n)], axis=2)
     with jax.named_scope("attention"):
         attn = sink_attention(q, keys, mask, w["sinks"], cfg.head_dim**-0.5, selected)
@@ -1642,7 +1771,8 @@ def plan_weights(hf: dict, mesh: dict[str, int], weights_dtype: str, *,
     per_token, windows = released_cache_bytes(cfg)
     notes.append(f"released cache formats: {per_token:.0f} B per cached token + "
                  f"{windows / 1e6:.2f} MB of windows per sequence; the cache lines above are "
-                 "what gsm_jax allocates (QDQ'd values held in the weights dtype)")
+                 "what gsm_jax allocates (held packed in those formats; with "
+                 "--kv-cache-dtype float, as float in the weights dtype)")
     return lines, params, notes
 
 

@@ -160,7 +160,7 @@ def _attention(cfg, w: dict, s: int, x, target, block_pos, ctx_pos, anchor, step
 
     def keys_of(a, pos):
         kv = rms_norm(lin("kv", a, w["kv"]), w["kv_norm"], eps)
-        return dv._qdq(cfg, dv.fp8_qdq, dv._rope(kv, spec, jnp.maximum(pos, 0)))
+        return dv._qdq(cfg, "fp8", dv._rope(kv, spec, jnp.maximum(pos, 0)))
 
     q = lin("q_b", rms_norm(lin("q_a", x, w["q_a"]), w["q_norm"], eps), w["q_b"])
     q = dv._rope(q.reshape(b, k, cfg.num_heads, cfg.head_dim), spec, block_pos)

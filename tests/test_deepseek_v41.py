@@ -190,9 +190,73 @@ def test_qdq_bitwise_against_reference():
         x = (rng.standard_normal((64, 96)) * scale * rng.random((64, 1))).astype(np.float32)
         for fmt, block, fn in (("fp8", 32, dv.fp8_qdq), ("nvfp4", 16, dv.nvfp4_qdq),
                                ("mxfp4", 32, dv.mxfp4_qdq)):
+            assert dv.CACHE_FORMATS[fmt] == block
             ref = quant.quantize_cache(torch.from_numpy(x), format=fmt, block_size=block)
-            np.testing.assert_array_equal(np.asarray(fn(jnp.asarray(x), block)), ref.numpy(),
+            np.testing.assert_array_equal(np.asarray(fn(jnp.asarray(x))), ref.numpy(),
                                           err_msg=f"{fmt} scale {scale}")
+
+
+@pytest.mark.parametrize("width", [96, 40])  # 40: a partial last block (held padded)
+def test_packed_entries_read_back_as_the_qdq(width):
+    """pack_entries / read_entries round-trip to exactly the QDQ (checked against the
+    reference above), bit for bit, in f32 and bf16, signed zeros included; the bytes
+    decode with the numpy-side tables (models/block_quant.py: e2m1 low nibble first,
+    E8M0 = 2 ** (byte - 127)) to the same values."""
+    import ml_dtypes
+
+    from gsm_jax.models import block_quant as bq
+    rng = np.random.default_rng(1)
+    for scale in (1e-3, 1.0, 400.0):
+        x = (rng.standard_normal((5, 7, width)) * scale * rng.random((5, 7, 1)))
+        x[0, 0, :3] = [-1e-9, 0.0, -0.0]  # signed zeros through the rounding
+        for fmt, qdq in (("fp8", dv.fp8_qdq), ("nvfp4", dv.nvfp4_qdq), ("mxfp4", dv.mxfp4_qdq)):
+            block = dv.CACHE_FORMATS[fmt]
+            for dtype in (jnp.float32, jnp.bfloat16):
+                xj = jnp.asarray(x, dtype)
+                e = dv.pack_entries(fmt, xj)
+                want = np.asarray(qdq(xj))
+                got = np.asarray(dv.read_entries(e, dtype))
+                assert e.shape == xj.shape and got.dtype == want.dtype
+                np.testing.assert_array_equal(got.view(np.uint16 if dtype == jnp.bfloat16
+                                                       else np.uint32),
+                                              want.view(np.uint16 if dtype == jnp.bfloat16
+                                                        else np.uint32), err_msg=fmt)
+                padded = -(-width // block) * block
+                codes, scales = np.asarray(e.codes), np.asarray(e.scales)
+                if fmt == "fp8":
+                    assert codes.dtype == ml_dtypes.float8_e4m3fn and codes.shape[-1] == padded
+                    values = codes.astype(np.float32)
+                else:
+                    assert codes.dtype == np.uint8 and codes.shape[-1] == padded // 2
+                    values = bq.unpack_e2m1(codes)
+                assert scales.shape[-1] == padded // block
+                s = scales.astype(np.float32) if fmt == "nvfp4" else bq.e8m0_to_float(scales)
+                np_values = values * np.repeat(s, block, axis=-1)
+                np.testing.assert_array_equal(np_values[..., :width],
+                                              np.asarray(qdq(xj), np.float32), err_msg=fmt)
+
+
+def test_caches_hold_the_released_bytes():
+    """The packed caches of the released config cost the card's ~890 B per cached token
+    (research note §9.6: the Full layers 2, 8, 14 at ratio 2 and 20 at ratio 1 hold
+    (288 + 68) bytes per entry) plus 40 windows of 128 entries of 512 + 16 bytes; with
+    `cache_qdq=False` the same entries are float (the weights dtype)."""
+    cfg = dv.DeepseekV41Config.from_hf_config(released_hf_config())
+
+    def entry_bytes(c, n):
+        tree = jax.eval_shape(lambda: dv.init_cache(c, 1, n, dtype=jnp.bfloat16))
+        return sum(leaf.size * leaf.dtype.itemsize for layer in tree.layers
+                   for name in ("window", "comp", "index_keys")
+                   if getattr(layer, name) is not None
+                   for leaf in jax.tree.leaves(getattr(layer, name)))
+
+    per_token = (entry_bytes(cfg, 8192) - entry_bytes(cfg, 4096)) / 4096
+    assert per_token == 890.0 == dv.released_cache_bytes(cfg)[0]
+    windows = entry_bytes(cfg, 4096) - 4096 * per_token
+    assert windows == 40 * 128 * (512 + 16) == dv.released_cache_bytes(cfg)[1]
+    float_cfg = dataclasses.replace(cfg, cache_qdq=False)
+    assert (entry_bytes(float_cfg, 8192) - entry_bytes(float_cfg, 4096)) / 4096 == \
+        3 * (512 + 128) * 2 / 2 + (512 + 128) * 2  # bf16; Full layers 2, 8, 14 (r2), 20 (r1)
 
 
 # ----------------------------------------------------------------------------- weights

@@ -75,6 +75,14 @@ def test_planner_splits_by_part_on_8_devices():
     assert 0 <= p.lines[tables] * 8 - one.lines[tables] <= 2 * 7 * 264
     assert p.fits, p.table()
     assert any("890 B per cached token" in n for n in p.notes)
+    # the cache lines are the packed caches' bytes (batch 8 over 1 data shard: 8 rows of
+    # 8192 tokens at 890 B, plus the windows); float caches (--kv-cache-dtype float) more
+    entries = ("cache: sliding-window K=V", "cache: compressed KV (shared)",
+               "cache: index keys (shared)")
+    assert sum(p.lines[k] for k in entries) == 8 * (8192 * 890 + 40 * 128 * 528)
+    f = gsm_jax.plan("deepseek-v4.1-flash", (1, 8), "141GB", batch=8, context=8192,
+                     kv_cache_dtype="float")
+    assert sum(f.lines[k] for k in entries) > 3 * sum(p.lines[k] for k in entries)
     # the tables in pinned host memory: the same bytes, listed apart, off the device total
     h = gsm_jax.plan("deepseek-v4.1-flash", (1, 8), "141GB", batch=8, context=8192,
                      engram_memory="host")

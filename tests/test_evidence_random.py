@@ -137,6 +137,11 @@ def test_evidence_on_a_random_v41_is_cost_only(tiny_dir, tmp_path, monkeypatch):
     assert r13["verdict"] == "supported", r13["why"]  # +4.8% interaction, z >> 2
     assert r13["numbers"]["interactions"]["released"]["quality"] is None
     assert "Random weights, cost only" in r13["why"]
+    # the released arm's caches are held packed: fewer bytes per cached token, in the why
+    arms = r13["numbers"]["arms"]
+    packed, flt = (arms[f"{k}/off"]["cache_bytes_per_token"] for k in ("released", "float"))
+    assert 0 < packed < flt / 3, (packed, flt)
+    assert f"{packed:.0f} B per cached token against {flt:.0f} B float" in r13["why"]
     text = md.read_text()
     assert f"| {TINY} ({rm.COST_ONLY}) |" in text
     assert f"DeepSeek-V4.1-Flash's architecture, {rm.COST_ONLY}" in text
