@@ -8,7 +8,11 @@ Models (random weights, float32, GSM off, batch 1 by default):
 - "v4": `bench_deepseek_v4.py`'s "mid" preset (8 layers: sliding window 128, CSA
   ratio 4 with a top-16 indexer, HCA ratio 32; 768 wide, 8 experts top-2);
 - "v41": `bench_deepseek_v41.py`'s "mid" preset without Engram (8 layers: SWA, CSA2
-  ratio 2 and ratio 1 with Full / Reuse / Reindex roles, top-64 indexer; 512 wide);
+  ratio 2 and ratio 1 with Full / Reuse / Reindex roles, top-64 indexer; 512 wide), float
+  caches (`cache_qdq=False`);
+- "v41-released": the same with its caches held packed in the release's formats (FP8
+  window KV, FP4 compressed KV and index keys: `kv_cache_dtype="released"`, V4.1's
+  default), read back where each step reads them;
 - "llama": a Llama of v4's width and depth (768, 12 heads, 4 KV heads of 64, 8
   layers; per-layer weights as `gsm_jax.load` gives them).
 
@@ -82,7 +86,7 @@ def build(name: str, size: str = "mid", seed: int = 0):
                   max_position_embeddings=1 << 20)
         cfg = dv.DeepseekV4Config.from_hf_config(hf)
         return dv, cfg, dv.init_weights(cfg, jax.random.key(seed))
-    if name == "v41":
+    if name in ("v41", "v41-released"):
         import dataclasses
 
         from bench_deepseek_v41 import PRESETS, _harness
@@ -90,7 +94,8 @@ def build(name: str, size: str = "mid", seed: int = 0):
         from gsm_jax.models import deepseek_v41 as dv1
 
         hf = _harness().tiny_config(**PRESETS[size], engram_layer_ids=[])
-        cfg = dataclasses.replace(dv1.DeepseekV41Config.from_hf_config(hf), cache_qdq=False)
+        cfg = dataclasses.replace(dv1.DeepseekV41Config.from_hf_config(hf),
+                                  cache_qdq=name == "v41-released")
         return dv1, cfg, dv1.init_weights(cfg, jax.random.key(seed))
     if name == "llama":
         from gsm_jax.models import llama
@@ -104,11 +109,12 @@ def build(name: str, size: str = "mid", seed: int = 0):
     raise SystemExit(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
 
 
-MODELS = ("v4", "v41", "llama")
+MODELS = ("v4", "v41", "v41-released", "llama")
 
 
 def filled_cache(fam, cfg, batch: int, context: int, steps: int, seed: int):
-    """A cache of max_len context + steps whose rows hold `context` tokens (random values)."""
+    """A cache of max_len context + steps whose rows hold `context` tokens (random values;
+    a packed cache's bytes random too, its E8M0 scale bytes in 100..129: 2^-27..2^2)."""
     import jax
     import jax.numpy as jnp
 
@@ -118,7 +124,9 @@ def filled_cache(fam, cfg, batch: int, context: int, steps: int, seed: int):
     filled = []
     for k, leaf in zip(keys, leaves, strict=True):
         if hasattr(leaf, "dtype") and jnp.issubdtype(leaf.dtype, jnp.floating):
-            filled.append(jax.random.normal(k, leaf.shape, leaf.dtype) * 0.1)
+            filled.append((jax.random.normal(k, leaf.shape) * 0.1).astype(leaf.dtype))
+        elif hasattr(leaf, "dtype") and leaf.dtype == jnp.uint8:
+            filled.append(jax.random.randint(k, leaf.shape, 100, 130).astype(jnp.uint8))
         else:
             filled.append(leaf)
     cache = jax.tree.unflatten(tree, filled)
@@ -326,6 +334,15 @@ def write_report(out: Path, res: dict) -> None:
                         f"{small} (target <= {TARGET_RATIO}): "
                         f"{'met' if ratio <= TARGET_RATIO else 'missed'}"
                         + ("" if r["comparable"] else " (load above 1.5: not comparable)"))
+    if {"v41", "v41-released"} <= set(res["models"]):
+        flt, pk = (res["models"][m]["contexts"] for m in ("v41", "v41-released"))
+        verdicts.append(
+            "- v41-released against v41 (packed caches against float; measured one after "
+            "the other in this run): step " + ", ".join(
+                f"{pk[str(n)]['step_ms_median'] / flt[str(n)]['step_ms_median']:.2f}x"
+                for n in contexts) + f" at {', '.join(str(n) for n in contexts)} tokens; "
+            f"cache {pk[big]['cache_bytes'] / flt[big]['cache_bytes']:.2f}x the bytes at "
+            f"{big}")
     text = "\n".join([
         "# Decode step against context length",
         "",

@@ -67,7 +67,7 @@ from flax import struct
 from gsm_jax.errors import InvalidInputError, ModelLoadError, UnsupportedModelError
 from gsm_jax.in_place import scatter_set
 from gsm_jax.models import common
-from gsm_jax.models.block_quant import E2M1_VALUES, BlockQuantWeight
+from gsm_jax.models.block_quant import BlockQuantWeight
 from gsm_jax.models.deepseek_v4 import (
     RopeSpec,
     apply_rope,
@@ -551,7 +551,13 @@ def _e2m1_codes(v: jax.Array) -> jax.Array:
 
 
 def _e2m1_values(codes: jax.Array) -> jax.Array:
-    return jnp.asarray(E2M1_VALUES, jnp.float32)[codes.astype(jnp.int32)]
+    """e2m1 codes (0..15) -> f32 values, `E2M1_VALUES` built from the bits: magnitude code
+    m >= 2 is 2 ** ((m >> 1) - 1) * (1 + (m & 1) / 2), i.e. f32 bits (m + 252) << 22; m = 1
+    is 0.5; bit 3 the sign (XLA:CPU runs this ~1.3x faster than the 16-entry table)."""
+    c = codes.astype(jnp.uint32)
+    m = c & 7
+    bits = jnp.where(m >= 2, (m + 252) << 22, jnp.where(m == 1, jnp.uint32(0x3F000000), 0))
+    return jax.lax.bitcast_convert_type(bits | ((c & 8) << 28), jnp.float32)
 
 
 def _quantize(fmt: str, x: jax.Array) -> tuple[jax.Array, jax.Array, int]:
@@ -596,8 +602,11 @@ _QDQ = {"fp8": fp8_qdq, "nvfp4": nvfp4_qdq, "mxfp4": mxfp4_qdq}
 class PackedEntries:
     """Cache entries [..., width] held in a released format (`CACHE_FORMATS`).
 
-    codes:  "fp8": [..., W] float8_e4m3fn; FP4: [..., W / 2] uint8, two e2m1 codes per
-            byte, the even channel in the low nibble (the release's I8 layout)
+    codes:  [..., W] uint8 for "fp8" (the e4m3 bytes: XLA:CPU gathers and selects bytes
+            faster than float8, 3.5 ms of a 16 ms V4.1-mid decode step); FP4: [..., W / 2]
+            uint8, two e2m1 codes per byte: byte j holds channel j in its low nibble and
+            channel j + W / 2 in its high one (unpacked as two halves side by side; the
+            weights' even / odd interleave unpacked 3-5x slower on XLA:CPU)
     scales: [..., W / block]: E8M0 bytes (uint8, 2 ** (byte - 127)) for "fp8" / "mxfp4",
             float8_e4m3fn for "nvfp4"
     W is `width` rounded up to whole blocks. Leading axes (batch, slot) are the leaves'
@@ -629,9 +638,11 @@ def pack_entries(fmt: str, x: jax.Array) -> PackedEntries:
     codes, scale, c = _quantize(fmt, x)
     lead = codes.shape[:-2]
     codes = codes.reshape(lead + (-1,))
-    if fmt != "fp8":
-        pairs = codes.reshape(lead + (-1, 2))
-        codes = pairs[..., 0] | (pairs[..., 1] << 4)
+    if fmt == "fp8":  # as bytes: XLA:CPU moves uint8 faster than float8 (gathers, selects)
+        codes = jax.lax.bitcast_convert_type(codes, jnp.uint8)
+    else:  # byte j: channel j (low nibble), channel j + W / 2 (high nibble)
+        half = codes.shape[-1] // 2
+        codes = codes[..., :half] | (codes[..., half:] << 4)
     scales = scale[..., 0]
     scales = scales.astype(jnp.float8_e4m3fn) if fmt == "nvfp4" else _e8m0_byte(scales)
     return PackedEntries(codes=codes, scales=scales, fmt=fmt, width=c)
@@ -642,13 +653,21 @@ def read_entries(e: jax.Array | PackedEntries, dtype: Any) -> jax.Array:
     released formats' values are exact in bfloat16 and float32)."""
     if not isinstance(e, PackedEntries):
         return e.astype(dtype)
-    codes = e.codes
-    if e.fmt != "fp8":
-        codes = jnp.stack([codes & 0xF, codes >> 4], axis=-1).reshape(codes.shape[:-1] + (-1,))
     block = CACHE_FORMATS[e.fmt]
-    codes = codes.reshape(codes.shape[:-1] + (-1, block))
     scale = (e.scales.astype(jnp.float32) if e.fmt == "nvfp4" else _e8m0_value(e.scales))
-    return _dequantize(e.fmt, codes, scale[..., None], e.width, dtype)
+    nb, lead = scale.shape[-1], e.codes.shape[:-1]
+    if e.fmt == "fp8":
+        values = jax.lax.bitcast_convert_type(e.codes, jnp.float8_e4m3fn).astype(jnp.float32)
+        return _unblock(values.reshape(lead + (nb, block)) * scale[..., None], e.width, dtype)
+    lo, hi = _e2m1_values(e.codes & 0xF), _e2m1_values(e.codes >> 4)
+    if nb % 2 == 0:  # each half whole blocks, scaled apart, then side by side: on XLA:CPU
+        # 3x faster than scaling the joined halves at 64-128 channels, 5x than an interleave
+        h = nb // 2
+        lo = lo.reshape(lead + (h, block)) * scale[..., :h, None]
+        hi = hi.reshape(lead + (h, block)) * scale[..., h:, None]
+        return _unblock(jnp.concatenate([lo, hi], axis=-2), e.width, dtype)
+    values = jnp.concatenate([lo, hi], axis=-1)
+    return _unblock(values.reshape(lead + (nb, block)) * scale[..., None], e.width, dtype)
 
 
 def empty_entries(cfg: DeepseekV41Config, fmt: str, shape: tuple[int, ...],

@@ -28,10 +28,15 @@ def test_quick_tiny_run_writes_every_model_and_context(bench, tmp_path):
         assert small["ratio_to_smallest"] == pytest.approx(1.0)
         # the cache grows with the context it holds (a full-attention cache 4x)
         assert big["cache_bytes"] > small["cache_bytes"], name
+    # V4.1's caches packed in the released formats hold fewer bytes than float ones
+    packed, flt = (res["models"][m]["contexts"]["1024"]["cache_bytes"]
+                   for m in ("v41-released", "v41"))
+    assert packed < flt / 2, (packed, flt)
     llama = res["models"]["llama"]["contexts"]
     assert 3.5 < llama["1024"]["cache_bytes"] / llama["256"]["cache_bytes"] <= 4.0
     md = (out / "results.md").read_text()
     assert "Decode step against context length" in md and "target <= 1.3" in md
+    assert "v41-released against v41" in md
     assert (out / "results.png").stat().st_size > 1000
     # prefill memory: v4 at 64 tokens, in its own process (--quick: the chunked arm only)
     pre = res["prefill"]["models"]["v4"]["lengths"]["64"]

@@ -196,12 +196,13 @@ def test_qdq_bitwise_against_reference():
                                           err_msg=f"{fmt} scale {scale}")
 
 
-@pytest.mark.parametrize("width", [96, 40])  # 40: a partial last block (held padded)
+@pytest.mark.parametrize("width", [96, 40, 64])  # 40: a partial last block (held padded);
+# FP4 blocks: 6 / 3 / 4 (nvfp4), 3 / 2 / 2 (mxfp4): halves of whole blocks and not
 def test_packed_entries_read_back_as_the_qdq(width):
     """pack_entries / read_entries round-trip to exactly the QDQ (checked against the
     reference above), bit for bit, in f32 and bf16, signed zeros included; the bytes
-    decode with the numpy-side tables (models/block_quant.py: e2m1 low nibble first,
-    E8M0 = 2 ** (byte - 127)) to the same values."""
+    decode in numpy (the e2m1 table of models/block_quant.py, E8M0 = 2 ** (byte - 127),
+    e4m3 through ml_dtypes) to the same values."""
     import ml_dtypes
 
     from gsm_jax.models import block_quant as bq
@@ -224,11 +225,12 @@ def test_packed_entries_read_back_as_the_qdq(width):
                 padded = -(-width // block) * block
                 codes, scales = np.asarray(e.codes), np.asarray(e.scales)
                 if fmt == "fp8":
-                    assert codes.dtype == ml_dtypes.float8_e4m3fn and codes.shape[-1] == padded
-                    values = codes.astype(np.float32)
-                else:
+                    assert codes.dtype == np.uint8 and codes.shape[-1] == padded
+                    values = codes.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+                else:  # byte j: channel j low nibble, channel j + padded / 2 high
                     assert codes.dtype == np.uint8 and codes.shape[-1] == padded // 2
-                    values = bq.unpack_e2m1(codes)
+                    table = np.asarray(bq.E2M1_VALUES, np.float32)
+                    values = np.concatenate([table[codes & 0xF], table[codes >> 4]], axis=-1)
                 assert scales.shape[-1] == padded // block
                 s = scales.astype(np.float32) if fmt == "nvfp4" else bq.e8m0_to_float(scales)
                 np_values = values * np.repeat(s, block, axis=-1)
