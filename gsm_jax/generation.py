@@ -319,8 +319,8 @@ def with_kv_cache_dtype(params: ModelParams, kind: str | None) -> ModelParams:
       values (`models.common.kv_quantize`: the rounding rule); Llama-family and Gemma 3
       models. Every attention then reads keys and values so rounded, the teacher-forced
       `forward` too, so its logits are what the cached paths compute.
-    - "released": DeepSeek-V4.1's caches rounded as released (FP8 window KV, FP4
-      compressed KV and index keys; its default, `cache_qdq`).
+    - "released": DeepSeek-V4.1's caches held packed as released (FP8 window KV, FP4
+      compressed KV and index keys: 890 B per cached token; its default, `cache_qdq`).
     - "float": the activation dtype (V4.1: no rounding).
     - None or "auto": the params unchanged.
     A pairing a family does not take is refused by name

@@ -364,9 +364,9 @@ def config_with_kv_cache_dtype(cfg: Any, kind: Any) -> Any:
 
     - Families whose config has `kv_cache_dtype` (the dense KV cache: Llama family,
       Gemma 3): "float", "int8", "fp8".
-    - Families whose config has `cache_qdq` (DeepSeek-V4.1: its caches rounded to the
-      released FP8 / FP4 formats, the default): "released" (those roundings) or "float"
-      (none: `cache_qdq=False`); "int8" / "fp8" are refused by name.
+    - Families whose config has `cache_qdq` (DeepSeek-V4.1: its caches held packed in the
+      released FP8 / FP4 formats, the default): "released" (those formats) or "float"
+      (`cache_qdq=False`); "int8" / "fp8" are refused by name.
     - DeepSeek-V4 (float caches only): "float".
     Any other pairing is refused by name, before any work."""
     if kind is None or kind == "auto":

@@ -513,7 +513,7 @@ def cache_insert(cache: DeepseekV41Cache, rows: DeepseekV41Cache,
 # reference applies. The caches are held packed (`PackedEntries`: e4m3 bytes, or two
 # e2m1 codes per byte low nibble first, plus the scale bytes): `pack_entries` /
 # `read_entries` round-trip to exactly `*_qdq(x)`, so a packed cache costs the release's
-# bytes (`released_cache_bytes`) and computes what the QDQ'd float cache did.
+# bytes (`released_cache_bytes`) and computes what a float cache of QDQ'd values would.
 
 _FP4_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 CACHE_FORMATS = {"fp8": 32, "nvfp4": 16, "mxfp4": 32}  # format -> channels per scale

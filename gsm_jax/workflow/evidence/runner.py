@@ -93,7 +93,8 @@ CLAIMS: dict[int, ClaimSpec] = {c.number: c for c in (
     ClaimSpec(12, "Warm-up: the first tokens are smoothed differently and need their own "
               "treatment (here: protect_first)", "§4.4", f"{_PKG}.quality_claims:run_claim_12"),
     ClaimSpec(13, "Smoothing and KV-cache optimisation together gain more than the sum of "
-              "each (here: the FP8 / int8 KV cache)", "§5.2", f"{_PKG}.kv_claims:run_claim_13"),
+              "each (here: the FP8 / int8 KV cache; V4.1: its released cache formats)",
+              "§5.2", f"{_PKG}.kv_claims:run_claim_13"),
     ClaimSpec(14, "Under continuous batching, with requests coming and going, smoothing "
               "evens the load", "§5.2", f"{_PKG}.serving_claim:run_claim_14"),
 )}
