@@ -151,3 +151,28 @@ def test_run_claim_13_unresolved_decode_time_is_not_testable(tiny_llama, tmp_pat
     assert all(v["quality"] is not None for v in r["numbers"]["interactions"].values())
     assert r["verdict"] == "not testable here"
     assert "decode time not resolved" in r["why"]
+
+
+def test_a_super_additive_interaction_says_whether_it_is_a_net_gain():
+    """Each format alone slower, the two together slower by less than the product: the
+    speed interaction counts, and the why says whether the combination beats the float
+    cache without GSM (paired per round, beyond 2 standard errors either way)."""
+    checks = {"fp8": {"super_additive_speed": True}, "int8": {"super_additive_speed": False},
+              "reason": "x"}
+    base = np.asarray([100.0, 102.0, 98.0, 101.0, 99.0])
+
+    def rounds(*factors):
+        return list(base * np.asarray(factors))
+
+    arms = {"float/off": {"decode_tok_s_per_round": list(base)},
+            "fp8/on": {"speed_vs_float_off_median": 0.82,
+                       "decode_tok_s_per_round": rounds(.81, .83, .82, .8, .84)},
+            "int8/on": {"speed_vs_float_off_median": 1.2, "decode_tok_s_per_round": base}}
+    text = kc._net_speed(checks, arms)
+    assert "fp8 with GSM runs at 0.820x" in text and "a net loss" in text
+    assert "int8" not in text  # its interaction did not count
+    assert checks["fp8"]["net_speed_vs_float_off"]["median_ratio"] == 0.82
+    arms["fp8/on"]["decode_tok_s_per_round"] = rounds(1.0, 1.01, .99, 1.0, 1.0)
+    assert "no net gain beyond the noise" in kc._net_speed(checks, arms)
+    arms["fp8/on"]["decode_tok_s_per_round"] = rounds(1.1, 1.12, 1.09, 1.1, 1.11)
+    assert "a net gain." in kc._net_speed(checks, arms)

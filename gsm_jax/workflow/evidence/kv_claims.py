@@ -107,6 +107,33 @@ def claim13_verdict(per_format: dict[str, dict[str, Any]], *, cost_only: bool = 
     return ("supported" if ok else "refuted"), reasons
 
 
+def _net_speed(checks: dict[str, Any], arms: dict[str, dict[str, Any]]) -> str:
+    """For each format whose speed interaction counted: whether both together are faster
+    than the float cache without GSM at all (a super-additive interaction can be a
+    smaller loss: each alone slower, the two together slower by less than the product).
+    Paired per round on log tokens/s, beyond `SE_MULTIPLE` standard errors either way.
+    Writes `net_speed_vs_float_off` (the median ratio and the paired difference) into
+    its check."""
+    out = []
+    for k, r in checks.items():
+        if not isinstance(r, dict) or not r.get("super_additive_speed"):
+            continue
+        both, base = arms.get(f"{k}/on"), arms.get("float/off")
+        if not both or not base or both.get("speed_vs_float_off_median") is None:
+            continue
+        d = paired_difference(np.log(np.asarray(both["decode_tok_s_per_round"], float)),
+                              np.log(np.asarray(base["decode_tok_s_per_round"], float)))
+        ratio = both["speed_vs_float_off_median"]
+        r["net_speed_vs_float_off"] = {"median_ratio": ratio, "log_difference": d}
+        neg = {**d, "mean": -d["mean"], "z": -d["z"]}
+        out.append(f" {k} with GSM runs at {ratio:.3f}x of the float cache without GSM "
+                   f"(z {d['z']:+.1f}): "
+                   + ("a net gain." if beyond_se(d) else
+                      "a net loss: the interaction is a smaller loss, not a gain."
+                      if beyond_se(neg) else "no net gain beyond the noise."))
+    return "".join(out)
+
+
 def _finite(x: Any) -> float | None:
     return float(x) if x is not None and np.isfinite(x) else None
 
@@ -252,6 +279,7 @@ def run_claim_13(params: ModelParams, *, sizes: dict, progress: bool,
                    or r["super_additive_quality"]) if verdict == "supported" else
                   "No format gains more together than the two gains combined beyond "
                   f"{SE_MULTIPLE:g} standard errors") + "."
+               + _net_speed(checks, arms_out)
                + (" The released arm holds its caches packed in the release's formats "
                   f"(FP8 window KV, FP4 compressed KV and index keys: "
                   f"{cache_bytes['released']:.0f} B per cached token against "
