@@ -176,3 +176,10 @@ def test_a_super_additive_interaction_says_whether_it_is_a_net_gain():
     assert "no net gain beyond the noise" in kc._net_speed(checks, arms)
     arms["fp8/on"]["decode_tok_s_per_round"] = rounds(1.1, 1.12, 1.09, 1.1, 1.11)
     assert "a net gain." in kc._net_speed(checks, arms)
+
+
+def test_the_table_cell_says_where_both_together_run():
+    per = {"fp8": {"speed": {"mean": math.log(1.08), "stderr": 0.01, "z": 7.7}},
+           "int8": {"speed": None}}
+    arms = {"fp8/on": {"speed_vs_float_off_median": 0.823}}
+    assert kc._measurement(per, arms) == "fp8 x GSM speed +8.0% (both 0.82x)"
