@@ -807,23 +807,32 @@ class Indexer(nn.Module):
                                    head_w) * ci**-0.5
 
 
-def ring_after(seq: jax.Array, seq_start: jax.Array, end: jax.Array, size: int) -> jax.Array:
+def ring_after(seq: Any, seq_start: jax.Array, end: jax.Array, size: int) -> Any:
     """A ring [B, size, F] after a chunk: slot s holds the last position q < end [B] with
     q % size == s (zeros where q < 0), read from seq [B, L, F] in which seq[b, i] is
-    position seq_start[b] + i (it must hold positions end - size .. end - 1 that are >= 0)."""
+    position seq_start[b] + i (it must hold positions end - size .. end - 1 that are >= 0).
+    seq may be a pytree of such arrays (packed cache entries: codes and scales), each
+    leaf read alike."""
     last = (end - 1)[:, None]
     q = last - ((last - jnp.arange(size)[None, :]) % size)
-    idx = jnp.clip(q - seq_start[:, None], 0, seq.shape[1] - 1)
-    got = jnp.take_along_axis(seq, idx[..., None], axis=1)
-    return jnp.where((q >= 0)[..., None], got, 0).astype(seq.dtype)
+    length = jax.tree.leaves(seq)[0].shape[1]
+    idx = jnp.clip(q - seq_start[:, None], 0, length - 1)
+
+    def one(a):
+        got = jnp.take_along_axis(a, idx[..., None], axis=1)
+        return jnp.where((q >= 0)[..., None], got, 0).astype(a.dtype)
+
+    return jax.tree.map(one, seq)
 
 
-def ring_history(ring: jax.Array, start: jax.Array) -> tuple[jax.Array, jax.Array]:
+def ring_history(ring: Any, start: jax.Array) -> tuple[Any, jax.Array]:
     """A ring [B, R, F] (position p in slot p % R) as the sequence of positions
-    start - R .. start - 1 [B, R, F], and those positions [B, R]."""
-    size = ring.shape[1]
+    start - R .. start - 1 [B, R, F], and those positions [B, R]. The ring may be a
+    pytree of such arrays (packed cache entries), each leaf read alike."""
+    b, size = jax.tree.leaves(ring)[0].shape[:2]
     pos = start[:, None] - size + jnp.arange(size)[None, :]
-    return ring[jnp.arange(ring.shape[0])[:, None], pos % size], pos
+    rows = jnp.arange(b)[:, None]
+    return jax.tree.map(lambda a: a[rows, pos % size], ring), pos
 
 
 class Attention(nn.Module):

@@ -511,7 +511,7 @@ def cache_insert(cache: DeepseekV41Cache, rows: DeepseekV41Cache,
 #   index keys / q  "mxfp4": FP4 e2m1, one power-of-two (E8M0) scale per 32 channels
 # `*_qdq(x)` rounds x to the format and back (f32 inside, x's dtype out): what the
 # reference applies. The caches are held packed (`PackedEntries`: e4m3 bytes, or two
-# e2m1 codes per byte low nibble first, plus the scale bytes): `pack_entries` /
+# e2m1 codes per byte, plus the scale bytes): `pack_entries` /
 # `read_entries` round-trip to exactly `*_qdq(x)`, so a packed cache costs the release's
 # bytes (`released_cache_bytes`) and computes what a float cache of QDQ'd values would.
 
@@ -657,17 +657,17 @@ def read_entries(e: jax.Array | PackedEntries, dtype: Any) -> jax.Array:
     scale = (e.scales.astype(jnp.float32) if e.fmt == "nvfp4" else _e8m0_value(e.scales))
     nb, lead = scale.shape[-1], e.codes.shape[:-1]
     if e.fmt == "fp8":
-        values = jax.lax.bitcast_convert_type(e.codes, jnp.float8_e4m3fn).astype(jnp.float32)
-        return _unblock(values.reshape(lead + (nb, block)) * scale[..., None], e.width, dtype)
-    lo, hi = _e2m1_values(e.codes & 0xF), _e2m1_values(e.codes >> 4)
-    if nb % 2 == 0:  # each half whole blocks, scaled apart, then side by side: on XLA:CPU
+        codes = jax.lax.bitcast_convert_type(e.codes, jnp.float8_e4m3fn)
+    elif nb % 2 == 0:  # each half whole blocks, scaled apart, then side by side: on XLA:CPU
         # 3x faster than scaling the joined halves at 64-128 channels, 5x than an interleave
         h = nb // 2
-        lo = lo.reshape(lead + (h, block)) * scale[..., :h, None]
-        hi = hi.reshape(lead + (h, block)) * scale[..., h:, None]
+        lo = _e2m1_values(e.codes & 0xF).reshape(lead + (h, block)) * scale[..., :h, None]
+        hi = _e2m1_values(e.codes >> 4).reshape(lead + (h, block)) * scale[..., h:, None]
         return _unblock(jnp.concatenate([lo, hi], axis=-2), e.width, dtype)
-    values = jnp.concatenate([lo, hi], axis=-1)
-    return _unblock(values.reshape(lead + (nb, block)) * scale[..., None], e.width, dtype)
+    else:
+        codes = jnp.concatenate([e.codes & 0xF, e.codes >> 4], axis=-1)
+    return _dequantize(e.fmt, codes.reshape(lead + (nb, block)), scale[..., None], e.width,
+                       dtype)
 
 
 def empty_entries(cfg: DeepseekV41Config, fmt: str, shape: tuple[int, ...],
@@ -781,12 +781,13 @@ def _gather(entries, idx: jax.Array, dtype: Any) -> jax.Array:
 
 
 def index_scores(cfg: DeepseekV41Config, w: dict, x, q_res, positions, keys, spec, lin):
-    """Indexer scores (§4.4): x [B,T,D], q_res [B,T,q_lora], keys [B,n,ci] -> [B,T,n] f32."""
+    """Indexer scores (§4.4): x [B,T,D], q_res [B,T,q_lora], keys [B,n,ci] (float or
+    packed entries: read once, in the query's dtype) -> [B,T,n] f32."""
     hi, ci = cfg.index_n_heads, cfg.index_head_dim
     q = lin("indexer.q_b", q_res, w["q_b"]).reshape(q_res.shape[:2] + (hi, ci))
     q = _qdq(cfg, "mxfp4", _rope(q, spec, positions))
     head_w = lin("indexer.weights_proj", x, w["weights_proj"]) * (ci**-0.5 * hi**-0.5)
-    return weighted_index_dots(q, keys.astype(q.dtype), head_w).astype(jnp.float32)
+    return weighted_index_dots(q, read_entries(keys, q.dtype), head_w).astype(jnp.float32)
 
 
 def candidate_slots(cfg: DeepseekV41Config, scores: jax.Array, visible: jax.Array,
@@ -861,8 +862,7 @@ def attention(cfg: DeepseekV41Config, w: dict, layer: int, x: jax.Array, state: 
     else:  # the window ring's positions start - Wc .. start - 1, then the chunk
         start, end = step.start, step.start + step.n_new
         size = cache.window.shape[1]
-        hist = jax.tree.map(lambda a: ring_history(a, start)[0], cache.window)
-        hist_pos = start[:, None] - size + jnp.arange(size)[None, :]  # `ring_history`'s
+        hist, hist_pos = ring_history(cache.window, start)
         seq = jax.tree.map(lambda h, e: jnp.concatenate([h, e.astype(h.dtype)], axis=1),
                            hist, kv_entries)
         keys = jnp.concatenate([read_entries(hist, kv.dtype), kv], axis=1)
@@ -870,7 +870,7 @@ def attention(cfg: DeepseekV41Config, w: dict, layer: int, x: jax.Array, state: 
                                    jnp.where(valid, positions, -1)], axis=1)
         qp, kp = positions[:, :, None], key_pos[:, None, :]
         mask = valid[:, :, None] & (kp >= 0) & (kp <= qp) & (kp > qp - cfg.sliding_window)
-        new = {"window": jax.tree.map(lambda a: ring_after(a, start - size, end, size), seq)}
+        new = {"window": ring_after(seq, start - size, end, size)}
     if plan.role != SWA:
         r = plan.ratio
         if plan.role == FULL:
@@ -903,13 +903,14 @@ def attention(cfg: DeepseekV41Config, w: dict, layer: int, x: jax.Array, state: 
             # decode: a Reindex layer scores only the candidate slots (gathered), not every
             # compressed entry; its top-k is the masked form's (ties: the lower slot)
             slots, ok = state["candidates"]
-            keys_c = _gather(state["index_keys"], slots, jnp.float32)[:, 0]  # [B, C, ci]
+            keys_c = jax.tree.map(lambda a: gather_entries(a, slots)[:, 0],  # [B, C, ci]
+                                  state["index_keys"])
             scores = index_scores(cfg, w["indexer"], x, q_res, positions, keys_c, spec, lin)
             pick, picked = topk_indices(scores, ok, cfg.index_topk)
             state = {**state, "selected": (jnp.take_along_axis(slots, pick, axis=-1), picked)}
         elif plan.role in (FULL, REINDEX):
             scores = index_scores(cfg, w["indexer"], x, q_res, positions,
-                                  read_entries(state["index_keys"], jnp.float32), spec, lin)
+                                  state["index_keys"], spec, lin)
             allowed = visible
             if plan.candidate_source:
                 state = {**state,
