@@ -86,6 +86,7 @@ from gsm_jax.models.deepseek_v4 import (
     weighted_streams,
 )
 from gsm_jax.models.engram import engram_update, hash_ids, update_history
+from gsm_jax.models.hf_config import PRETRAINED_KEYS, ConfigReader, rope_settings
 from gsm_jax.models.moe import routed_experts, swiglu
 from gsm_jax.models.sites import ATTN_OUT, FFN_MID, Sites
 
@@ -220,39 +221,67 @@ class DeepseekV41Config:
 
     @classmethod
     def from_hf_config(cls, hf: dict[str, Any]) -> DeepseekV41Config:
-        """From a Hugging Face config.json dict: the nested release form (`text_config`,
-        `quantization_config`) or a flat text config; the reference's key names
-        (rope_head_dim, window_size, kv_source_layers, route_scale, n_mtp_layers) too."""
-        text = dict(hf.get("text_config") or hf)
-        quant = hf.get("quantization_config") or text.get("quantization_config")
+        """From a config.json dict as NeMo AutoModel's `DeepseekV41Config.save_pretrained`
+        writes it (nested: `text_config`, `vision_config`, top-level `quantization_config`)
+        or a flat text config; the reference's key names (rope_head_dim, window_size,
+        kv_source_layers, route_scale, n_mtp_layers) too. Every key is read, listed in
+        `HARMLESS`, or refused by name (`models/hf_config.py`); an unknown one is warned
+        about once. Defaults are NeMo's (e.g. YaRN factor 16 over 65,536 positions on the
+        compressed layers when neither `rope_parameters` nor `rope_scaling` is given)."""
+        top = ConfigReader(hf, "deepseek_v41")
+        text_r = top.sub("text_config")
+        r = text_r if text_r is not None else top
+        if text_r is not None:
+            # the nested form's top level: what the text model needs is in text_config
+            top.expect("model_type", ("deepseek_v41", None))
+        r.expect("model_type", ("deepseek_v41_text", "deepseek_v41", None))
+        quant = top.get("quantization_config") or r.get("quantization_config")
+        get = r.require
 
-        def get(key: str, *aliases: str, default: Any = KeyError) -> Any:
-            for k in (key, *aliases):
-                if k in text and text[k] is not None:
-                    return text[k]
-            if default is KeyError:
-                raise ModelLoadError(f"deepseek_v41 config: missing key {key!r}")
-            return default
+        def opt(key: str, *aliases: str, default: Any) -> Any:
+            return r.get(key, *aliases, default=default)
 
         num_layers = int(get("num_hidden_layers", "n_layers"))
-        ratios = [int(r) for r in get("compress_ratios")]
+        ratios = [int(x) for x in get("compress_ratios")]
         if len(ratios) < num_layers:
             raise ModelLoadError(
                 f"deepseek_v41 config: compress_ratios has {len(ratios)} entries for "
                 f"num_hidden_layers={num_layers}")
-        if int(get("num_key_value_heads", default=1)) != 1:
-            raise UnsupportedModelError("deepseek_v41 config: num_key_value_heads must be 1 "
-                                        "(one shared K=V latent)")
-        if int(get("n_shared_experts", default=1)) != 1:
-            raise UnsupportedModelError("deepseek_v41 config: n_shared_experts must be 1")
-        if get("num_hash_layers", default=0):
+        r.expect("num_key_value_heads", (1,), default=1, why="one shared K=V latent")
+        r.expect("n_shared_experts", (1,), default=1)
+        if opt("num_hash_layers", default=0):
             raise UnsupportedModelError("deepseek_v41 config: num_hash_layers (hash routing) "
                                         "is not part of V4.1")
-        scaling = get("rope_scaling", default=None) or {}
-        if scaling and scaling.get("type", scaling.get("rope_type")) not in ("yarn", None):
+        # Settings whose other values the reference (NeMo AutoModel 0.7.0) does not
+        # implement either: refused rather than run differently from it.
+        r.expect("hidden_act", ("silu",), default="silu")
+        r.expect("attention_bias", (False,), default=False)
+        r.expect("topk_method", ("noaux_tc",), default="noaux_tc",
+                 why="the reference routes top-k over bias-corrected scores, no groups")
+        r.expect("norm_topk_prob", (True,), default=True,
+                 why="the chosen experts' weights are renormalised")
+        scoring = r.get("scoring_func", "score_func", default="sqrtsoftplus")
+        if scoring != "sqrtsoftplus":
+            raise r.refuse("scoring_func", scoring, ("sqrtsoftplus",),
+                           "the reference routes with sqrtsoftplus whatever the key says")
+        tie = r.expect("tie_word_embeddings", (False,), default=False,
+                       why="V4.1 has its own LM head")
+        if text_r is not None:
+            top.expect("tie_word_embeddings", (False,), default=False)
+        rope = rope_settings(r, default=NEMO_ROPE_SCALING)
+        rope_type = rope.get("rope_type", "default")
+        if rope_type not in ("yarn", "default"):
+            raise r.refuse("rope_parameters.rope_type", rope_type, ("yarn", "default"),
+                           "YaRN on the compressed layers, or none")
+        known_rope = {"rope_type", "rope_theta", "factor", "original_max_position_embeddings",
+                      "beta_fast", "beta_slow"}
+        extra = sorted(set(rope) - known_rope)
+        if extra:
             raise UnsupportedModelError(
-                f"deepseek_v41 config: rope_scaling type {scaling.get('type')!r} "
-                "(only yarn)")
+                f"deepseek_v41 config: rope_parameters keys {extra} are not supported "
+                f"(supported: {sorted(known_rope)}; the reference's YaRN has no attention "
+                "factor)")
+        yarn = rope if rope_type == "yarn" else {}
         block = (32, 32)
         if quant:
             if quant.get("quant_method", "fp8") != "fp8":
@@ -263,10 +292,14 @@ class DeepseekV41Config:
             if len(block) != 2:
                 raise ModelLoadError("deepseek_v41 config: quantization_config."
                                      f"weight_block_size must be [out, in], got {block}")
-        engram = tuple(int(i) for i in get("engram_layer_ids", default=()))
-        eos = hf.get("eos_token_id", text.get("eos_token_id", 1))
+        engram = tuple(int(i) for i in opt("engram_layer_ids", default=()))
+        # the nested form writes it at both levels: the top level's (generation) first
+        text_eos = r.get("eos_token_id", default=1)
+        eos = top.get("eos_token_id", default=text_eos) if text_r is not None else text_eos
         eos = tuple(int(e) for e in (eos if isinstance(eos, list | tuple) else [eos]))
-        return cls(
+        image = top.get("image_token_id") if text_r is not None else None
+        image = r.get("image_token_id", default=-1) if image is None else image
+        cfg = cls(
             vocab_size=int(get("vocab_size")),
             hidden_size=int(get("hidden_size", "dim")),
             num_layers=num_layers,
@@ -280,57 +313,74 @@ class DeepseekV41Config:
             num_experts_per_tok=int(get("num_experts_per_tok", "n_activated_experts")),
             moe_intermediate_size=int(get("moe_intermediate_size", "moe_inter_dim")),
             compress_ratios=tuple(ratios[:num_layers]),
-            kv_source_layer_ids=tuple(int(i) for i in get("kv_source_layer_ids",
+            kv_source_layer_ids=tuple(int(i) for i in opt("kv_source_layer_ids",
                                                           "kv_source_layers", default=())),
-            index_source_layer_ids=tuple(int(i) for i in get("index_source_layer_ids",
+            index_source_layer_ids=tuple(int(i) for i in opt("index_source_layer_ids",
                                                              "index_source_layers",
                                                              default=())),
             index_n_heads=int(get("index_n_heads")),
             index_head_dim=int(get("index_head_dim")),
             index_topk=int(get("index_topk")),
-            candidate_source_layer_id=int(get("candidate_source_layer_id", default=-1)),
-            candidate_topk_blocks=int(get("candidate_topk_blocks", default=0)),
-            candidate_block_size=int(get("candidate_block_size", default=0)),
+            candidate_source_layer_id=int(opt("candidate_source_layer_id", default=-1)),
+            candidate_topk_blocks=int(opt("candidate_topk_blocks", default=0)),
+            candidate_block_size=int(opt("candidate_block_size", default=0)),
             sliding_window=int(get("sliding_window", "window_size")),
-            rope_theta=float(get("rope_theta", default=10000.0)),
-            compress_rope_theta=float(get("compress_rope_theta", default=160000.0)),
-            yarn_factor=float(scaling.get("factor", 1.0)),
-            yarn_original_max_position=int(scaling.get("original_max_position_embeddings", 0)),
-            yarn_beta_fast=float(scaling.get("beta_fast", 32)),
-            yarn_beta_slow=float(scaling.get("beta_slow", 1)),
-            rms_norm_eps=float(get("rms_norm_eps", "norm_eps", default=1e-20)),
-            scoring_func=str(get("scoring_func", "score_func", default="sqrtsoftplus")),
-            routed_scaling_factor=float(get("routed_scaling_factor", "route_scale",
+            rope_theta=float(rope.get("rope_theta", 10000.0)),
+            compress_rope_theta=float(opt("compress_rope_theta", default=160000.0)),
+            yarn_factor=float(yarn.get("factor", 1.0)),
+            yarn_original_max_position=int(yarn.get("original_max_position_embeddings", 0)),
+            yarn_beta_fast=float(yarn.get("beta_fast", 32)),
+            yarn_beta_slow=float(yarn.get("beta_slow", 1)),
+            rms_norm_eps=float(opt("rms_norm_eps", "norm_eps", default=1e-20)),
+            scoring_func=str(scoring),
+            routed_scaling_factor=float(opt("routed_scaling_factor", "route_scale",
                                             default=1.5)),
-            swiglu_limit=float(get("swiglu_limit", default=10.0)),
-            hc_mult=int(get("hc_mult", default=4)),
-            hc_sinkhorn_iters=int(get("hc_sinkhorn_iters", default=20)),
-            hc_eps=float(get("hc_eps", default=1e-6)),
+            swiglu_limit=float(opt("swiglu_limit", default=10.0)),
+            hc_mult=int(opt("hc_mult", default=4)),
+            hc_sinkhorn_iters=int(opt("hc_sinkhorn_iters", default=20)),
+            hc_eps=float(opt("hc_eps", default=1e-6)),
             engram_layer_ids=engram,
-            engram_max_ngram_size=int(get("engram_max_ngram_size", default=4)),
-            engram_n_heads=int(get("engram_n_heads", default=8)),
-            engram_head_dim=int(get("engram_head_dim", default=256)),
-            engram_vocab_size=int(get("engram_vocab_size", default=16000000)),
-            engram_compressed_vocab_size=int(get("engram_compressed_vocab_size",
+            engram_max_ngram_size=int(opt("engram_max_ngram_size", default=4)),
+            engram_n_heads=int(opt("engram_n_heads", default=8)),
+            engram_head_dim=int(opt("engram_head_dim", default=256)),
+            engram_vocab_size=int(opt("engram_vocab_size", default=16000000)),
+            engram_compressed_vocab_size=int(opt("engram_compressed_vocab_size",
                                                  default=99092)),
-            engram_pad_token_id=int(get("engram_pad_token_id", default=2)),
-            engram_num_embeddings=tuple(int(r) for r in get("engram_num_embeddings",
+            engram_pad_token_id=int(opt("engram_pad_token_id", default=2)),
+            engram_num_embeddings=tuple(int(x) for x in opt("engram_num_embeddings",
                                                             default=())),
-            num_nextn_predict_layers=int(get("num_nextn_predict_layers", "n_mtp_layers",
+            num_nextn_predict_layers=int(opt("num_nextn_predict_layers", "n_mtp_layers",
                                              default=0)),
-            dspark_block_size=int(get("dspark_block_size", default=5)),
-            dspark_noise_token_id=int(get("dspark_noise_token_id", default=128799)),
-            dspark_target_layer_ids=tuple(int(i) for i in get("dspark_target_layer_ids",
+            dspark_block_size=int(opt("dspark_block_size", default=5)),
+            dspark_noise_token_id=int(opt("dspark_noise_token_id", default=128799)),
+            dspark_target_layer_ids=tuple(int(i) for i in opt("dspark_target_layer_ids",
                                                               default=(37, 38, 39))),
-            dspark_markov_rank=int(get("dspark_markov_rank", default=256)),
-            dspark_n_routed_experts=int(get("dspark_n_routed_experts", default=128)),
-            dspark_num_experts_per_tok=int(get("dspark_num_experts_per_tok", default=3)),
-            image_token_id=int(hf.get("image_token_id", text.get("image_token_id", -1))),
+            dspark_markov_rank=int(opt("dspark_markov_rank", default=256)),
+            dspark_n_routed_experts=int(opt("dspark_n_routed_experts", default=128)),
+            dspark_num_experts_per_tok=int(opt("dspark_num_experts_per_tok", default=3)),
+            image_token_id=int(image),
             weight_block_size=block,
-            max_position_embeddings=int(get("max_position_embeddings", default=1048576)),
-            tie_word_embeddings=bool(get("tie_word_embeddings", default=False)),
+            max_position_embeddings=int(opt("max_position_embeddings", default=1048576)),
+            tie_word_embeddings=bool(tie),
             eos_token_ids=eos,
         )
+        top.finish(HARMLESS)
+        return cfg
+
+
+# The reference's rotary default when a config names none (NeMo's DeepseekV41Config):
+# frequency-only YaRN on the compressed layers.
+NEMO_ROPE_SCALING = {"rope_type": "yarn", "factor": 16, "beta_fast": 32, "beta_slow": 1,
+                     "original_max_position_embeddings": 65536}
+
+# Keys NeMo's DeepseekV41Config writes that do not change inference here (one-word reason).
+HARMLESS: dict[str, str] = {
+    **PRETRAINED_KEYS,
+    "bos_token_id": "tokenizer",  # the chat template adds BOS; the model never reads it
+    "vision_config": "vision",  # the vision tower: text-only here; image tokens are masked
+    "dtype": "storage",
+    "expert_dtype": "checkpoint",  # read off the tensors (deepseek_v41_checkpoint)
+}
 
 
 @functools.lru_cache(maxsize=64)

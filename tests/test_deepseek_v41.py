@@ -381,7 +381,8 @@ def released(tmp_path_factory):
             tensors = ref_mod.released_state_dict(model)
             tensors["vision.norm.weight"] = np.ones(8, np.float32)  # reported unused
             tensors["mtp.0.main_norm.weight"] = np.full(8, 0.5, np.float32)  # kept in extra
-            path = write_checkpoint(tmp_path_factory.mktemp(name), hf, tensors,
+            path = write_checkpoint(tmp_path_factory.mktemp(name), ref_mod.saved_config(model),
+                                    tensors,
                                     ref_mod.tiny_tokenizer_json(), shard_bytes=200_000)
             built[name] = path, ref_mod.nemo_from_checkpoint(model, path)
         return built[name]

@@ -601,7 +601,8 @@ def test_nemo_from_hf_loads_our_checkpoint(tmp_path):
     config = v41.tiny_config()
     model = v41.nemo_model(config, v41.tiny_tokenizer(), seed=0)
     released = v41.released_state_dict(model)
-    path = write_checkpoint(tmp_path / "nemo", config, released, v41.tiny_tokenizer_json(),
+    path = write_checkpoint(tmp_path / "nemo", v41.saved_config(model), released,
+                            v41.tiny_tokenizer_json(),
                             shard_bytes=100_000)
     _, ckpt = read_checkpoint(path)
     assert set(ckpt.tensors) == set(released) and ckpt.unused == ()

@@ -49,7 +49,7 @@ def released(tmp_path_factory):
     model = ref.nemo_model(hf, seed=1)
     draft = ref.nemo_dspark(model, seed=1)
     tensors = {**ref.released_state_dict(model), **ref.dspark_state_dict(draft)}
-    path = write_checkpoint(tmp_path_factory.mktemp("dspark"), hf, tensors,
+    path = write_checkpoint(tmp_path_factory.mktemp("dspark"), ref.saved_config(model), tensors,
                             ref.tiny_tokenizer_json(), shard_bytes=200_000, quantize_mtp=True)
     target = ref.nemo_from_checkpoint(model, path)
     return path, target, ref.nemo_dspark_from_checkpoint(draft, path, target), \

@@ -51,7 +51,7 @@ def released(tmp_path_factory):
     """(checkpoint dir, NeMo on that file) for the Engram-free must-choose config."""
     config = ref.tiny_config(**TEXT)
     model = ref.nemo_model(config, seed=SEED)
-    path = _write(tmp_path_factory.mktemp("v41_load") / "ckpt", config,
+    path = _write(tmp_path_factory.mktemp("v41_load") / "ckpt", ref.saved_config(model),
                   ref.released_state_dict(model))
     yield path, ref.nemo_from_checkpoint(model, path)
     shutil.rmtree(path, ignore_errors=True)
@@ -188,7 +188,7 @@ def test_greedy_tokens_with_engram_equal_the_reference(tmp_path):
     config = ref.tiny_config(index_n_heads=8)
     assert config["text_config"]["engram_layer_ids"] == [1, 5]
     model = ref.nemo_model(config, seed=SEED)
-    path = _write(tmp_path / "ckpt", config, ref.released_state_dict(model))
+    path = _write(tmp_path / "ckpt", ref.saved_config(model), ref.released_state_dict(model))
     nemo = ref.nemo_from_checkpoint(model, path)
     params = gsm_jax.load(path, dtype="float32", keep_quantized=True)
     assert params.config.active_engram_layers == (1, 5) and params.config.cache_qdq

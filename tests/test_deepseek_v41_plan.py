@@ -120,7 +120,8 @@ def tiny_nemo():
     # heads in 8 output groups and 8 experts, so that a model axis of 8 splits them
     config = ref.tiny_config(index_n_heads=8, engram_vocab_size=54, num_attention_heads=8,
                              o_groups=8)
-    return config, ref.nemo_model(config, seed=1)
+    model = ref.nemo_model(config, seed=1)
+    return ref.saved_config(model), model  # the config as NeMo's save_pretrained writes it
 
 
 def test_layout_names_and_shapes_are_nemos(tiny_nemo, tmp_path):

@@ -84,7 +84,8 @@ def setup(tmp_path_factory):
     vocab = Backend.from_str(tok_json).get_vocab_size()
     hf = ref.tiny_config(**TINY, vocab_size=vocab, dspark_noise_token_id=vocab - 1)
     model = ref.nemo_model(hf, seed=0)
-    ckpt = write_checkpoint(root / "ckpt", hf, ref.released_state_dict(model), tok_json)
+    ckpt = write_checkpoint(root / "ckpt", ref.saved_config(model), ref.released_state_dict(model),
+                            tok_json)
     (ckpt / "tokenizer_config.json").write_text(json.dumps(
         {"bos_token": cf.BOS, "eos_token": cf.EOS, "pad_token": "<｜▁pad▁｜>",
          "add_bos_token": False, "add_eos_token": False}))

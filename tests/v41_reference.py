@@ -17,6 +17,8 @@ Provides
 - `nemo_model(config_dict, tokenizer=None, seed=0)`: NeMo's `DeepseekV41ForCausalLM` on CPU,
   fp32, `initialize_weights`, then non-identity sinks / router biases / norms / Engram q,k weights.
   Cached per (config, seed) for the pytest session; treat the result as read-only.
+- `saved_config(model) -> dict`: the config.json NeMo's `save_pretrained` writes for `model` (what
+  parity tests load on our side).
 - `nemo_logits(model, ids, attention_mask=None, *, cache_qdq=True) -> np.ndarray[B, T, V]`
   (fp32); `cache_qdq=False` makes NeMo's cache quantize/dequantize the identity.
 - `nemo_streams(model, ids, attention_mask=None) -> list[np.ndarray[B, T, hc_mult, D]]`: the
@@ -241,6 +243,18 @@ def nemo_model(config_dict: dict | None = None, tokenizer=None, seed: int = 0):
     tokenizer = tiny_tokenizer() if tokenizer is None else tokenizer
     _TOKENIZERS[id(tokenizer)] = tokenizer
     return _nemo_model_cached(_freeze(config_dict), id(tokenizer), int(seed))
+
+
+def saved_config(model) -> dict:
+    """The config.json NeMo's own serializer writes for `model` (`save_pretrained`:
+    transformers 5 underneath, so rotary settings go under `rope_parameters`, with every
+    PretrainedConfig key). Parity tests load this, never the dict `tiny_config` built."""
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model.config.save_pretrained(tmp)
+        return json.loads((Path(tmp) / "config.json").read_text())
 
 
 def _ids_tensor(ids):
