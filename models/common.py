@@ -600,13 +600,25 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return (x32 * weight.astype(jnp.float32)).astype(x.dtype)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
-    """Rotate-half RoPE (the Hugging Face convention). x [B, T, N, hd], positions [B, T]."""
+def apply_rope(x: jax.Array, positions: jax.Array, theta: float | None = None, *,
+               inv_freq: Any = None, attention_factor: float = 1.0) -> jax.Array:
+    """Rotate-half RoPE (the Hugging Face convention). x [B, T, N, hd], positions [B, T].
+
+    Plain RoPE of base `theta` over the whole head, or, given `inv_freq` ([hd // 2], e.g. a
+    scaled `RopeSpec.inv_freq()`: linear, llama3, YaRN), those frequencies, with cos and sin
+    multiplied by `attention_factor` (YaRN's; 1 for the others) as transformers does."""
     half = x.shape[-1] // 2
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, half, dtype=jnp.float32) * 2.0 / x.shape[-1]))
+    if inv_freq is None:
+        inv_freq = 1.0 / (theta ** (jnp.arange(0, half, dtype=jnp.float32) * 2.0 / x.shape[-1]))
+    elif tuple(inv_freq.shape) != (half,):
+        raise ValueError(f"apply_rope: inv_freq has shape {tuple(inv_freq.shape)}, the head "
+                         f"rotates {half} channel pairs")
+    inv_freq = jnp.asarray(inv_freq, jnp.float32)
     angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, half]
     cos = jnp.cos(angles)[:, :, None, :]
     sin = jnp.sin(angles)[:, :, None, :]
+    if attention_factor != 1.0:
+        cos, sin = cos * attention_factor, sin * attention_factor
     x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x.dtype)
