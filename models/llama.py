@@ -1,5 +1,5 @@
-"""Llama-family decoder (Llama, SmolLM2, Qwen2) in Flax: the config, one `layer`, and the
-entry points, thin wrappers over `models/common.py`'s loop:
+"""Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2, Qwen3) in Flax: the config, one
+`layer`, and the entry points, thin wrappers over `models/common.py`'s loop:
 
 - `forward` / `hidden_states`: teacher-forced logits / hidden states over right-padded rows;
 - `prefill`: a prompt batch into a fresh cache, logits of each row's last token;
@@ -39,7 +39,22 @@ from gsm_jax.models.common import (  # noqa: F401  (re-exported: the family's pu
     stack_layers,
     unstack_layers,
 )
+from gsm_jax.models.hf_config import PRETRAINED_KEYS, ConfigReader, rope_settings
+from gsm_jax.models.rope import RopeSpec
 from gsm_jax.models.sites import ATTN_OUT, FFN_MID, Sites
+
+# Keys transformers' Llama / Qwen2 / Qwen3 / Mistral configs (and checkpoints on the Hub)
+# write that do not change inference, with a one-word reason; every other key is read.
+HARMLESS = {
+    **PRETRAINED_KEYS,
+    "pretraining_tp": "training",  # transformers 5 keeps it in the config, the model ignores it
+    "is_llama_config": "metadata",  # nanotron's export (SmolLM2)
+    "rope_interleaved": "metadata",  # nanotron's export; transformers rotates halves regardless
+}
+
+# per model_type: transformers' defaults for the keys a saved config may omit
+_DEFAULT_MAX_POSITIONS = {"llama": 2048, "mistral": 131072, "qwen2": 32768, "qwen3": 32768}
+_ROPE_THETA = 10000.0  # transformers' `default_theta`
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,18 +72,37 @@ class LlamaConfig:
     rms_norm_eps: float = 1e-5
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
-    attention_bias: bool = False  # Qwen2 has biases on q, k and v
+    attention_bias: bool = False  # biases on q, k and v (Qwen2; Llama / Qwen3 attention_bias)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     model_type: str = "llama"
     # keys and values in the KV cache: None (the activation dtype), "int8" or "fp8"
     # (`common.kv_quantize`; every attention then reads them rounded, the forward too)
     kv_cache_dtype: str | None = None
+    # scaled RoPE (linear, llama3, YaRN) over the whole head, its theta `rope_theta`; None:
+    # plain RoPE of `rope_theta`. A dict (`gsm_jax.save`'s JSON) is read back as a RopeSpec.
+    rope: RopeSpec | None = None
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k, before RoPE
+    o_bias: bool = False  # a bias on o_proj too (Llama / Qwen3 attention_bias=True)
 
     family = "llama"
 
     def __post_init__(self) -> None:
         common.check_kv_cache_dtype(self.kv_cache_dtype)
+        rope = self.rope
+        if isinstance(rope, dict):
+            rope = RopeSpec(**rope)
+        if rope is not None:
+            if rope.dim != self.head_dim:
+                raise UnsupportedModelError(
+                    f"rope rotates {rope.dim} channels of a head of {self.head_dim}: partial "
+                    "rotation is not supported (Llama family)")
+            if float(rope.theta) != float(self.rope_theta):
+                raise ValueError(f"rope.theta={rope.theta} differs from rope_theta="
+                                 f"{self.rope_theta}")
+            if rope.rope_type == "default":
+                rope = None  # plain RoPE of rope_theta: one spelling, one config
+        object.__setattr__(self, "rope", rope)
 
     @property
     def q_size(self) -> int:
@@ -85,45 +119,115 @@ class LlamaConfig:
 
     @classmethod
     def from_hf_config(cls, hf: dict[str, Any]) -> LlamaConfig:
-        """Build from a Hugging Face `config.json` dict; refuse what is not implemented."""
+        """Build from a Hugging Face `config.json` dict (transformers 5's `rope_parameters`
+        or the older `rope_scaling` / `rope_theta`). Every key is read, listed in
+        `HARMLESS`, or refused by name (`models/hf_config.py`) before any weight is read;
+        an unknown one is warned about once."""
         model_type = hf.get("model_type")
-        if model_type not in ("llama", "qwen2", "mistral"):
-            raise UnsupportedModelError(
-                f"model_type {model_type!r} is not a supported Llama-family type "
-                "(supported: llama, qwen2, mistral)"
-            )
-        rope_scaling = hf.get("rope_scaling") or hf.get("rope_parameters")
-        if rope_scaling:
-            rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
-            if rope_type != "default":
-                raise UnsupportedModelError(f"rope_scaling type {rope_type!r} is not supported")
-            hf = {**hf, "rope_theta": rope_scaling.get("rope_theta", hf.get("rope_theta"))}
-        if hf.get("sliding_window") and hf.get("use_sliding_window", model_type == "mistral"):
-            raise UnsupportedModelError("sliding-window attention is not supported (Llama family)")
-        if hf.get("hidden_act", "silu") != "silu":
-            raise UnsupportedModelError(f"hidden_act {hf['hidden_act']!r} is not supported")
-        if hf.get("mlp_bias"):
-            raise UnsupportedModelError("mlp_bias=True is not supported")
-        heads = int(hf["num_attention_heads"])
-        eos = hf.get("eos_token_id")
+        r = ConfigReader(hf, str(model_type) if model_type in HF_MODEL_TYPES else "llama")
+        model_type = r.expect("model_type", HF_MODEL_TYPES,
+                              why="not a Llama-family model_type")
+        heads = int(r.require("num_attention_heads"))
+        hidden = int(r.require("hidden_size"))
+        num_layers = int(r.require("num_hidden_layers"))
+        head_dim = int(r.get("head_dim") or hidden // heads)
+        max_pos = int(r.get("max_position_embeddings",
+                            default=_DEFAULT_MAX_POSITIONS[model_type]))
+        r.expect("hidden_act", ("silu",), default="silu")
+        r.expect("mlp_bias", (False,), default=False, why="the MLP has no biases here")
+        if model_type == "qwen2":  # transformers' Qwen2 has q/k/v biases whatever the key says
+            r.expect("attention_bias", (True,), default=True,
+                     why="Qwen2's q, k and v projections always have biases")
+            qkv_bias, o_bias = True, False
+        elif model_type == "mistral":
+            r.expect("attention_bias", (False,), default=False,
+                     why="Mistral's projections have no biases")
+            qkv_bias = o_bias = False
+        else:  # llama, qwen3: q, k, v and o alike
+            qkv_bias = o_bias = bool(r.get("attention_bias", default=False))
+        _check_sliding_window(r, model_type, num_layers, max_pos)
+        rope = _rope_spec(r, model_type, head_dim, max_pos)
+        eos = r.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list | tuple) else (() if eos is None else (eos,))
-        return cls(
-            vocab_size=int(hf["vocab_size"]),
-            hidden_size=int(hf["hidden_size"]),
-            intermediate_size=int(hf["intermediate_size"]),
-            num_layers=int(hf["num_hidden_layers"]),
+        cfg = cls(
+            vocab_size=int(r.require("vocab_size")),
+            hidden_size=hidden,
+            intermediate_size=int(r.require("intermediate_size")),
+            num_layers=num_layers,
             num_heads=heads,
-            num_kv_heads=int(hf.get("num_key_value_heads") or heads),
-            head_dim=int(hf.get("head_dim") or hf["hidden_size"] // heads),
-            rope_theta=float(hf.get("rope_theta") or 10000.0),
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            attention_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
-            bos_token_id=hf.get("bos_token_id"),
+            num_kv_heads=int(r.get("num_key_value_heads") or heads),
+            head_dim=head_dim,
+            rope_theta=rope.theta,
+            rms_norm_eps=float(r.get("rms_norm_eps", default=1e-6)),
+            max_position_embeddings=max_pos,
+            tie_word_embeddings=bool(r.get("tie_word_embeddings", default=False)),
+            attention_bias=qkv_bias,
+            bos_token_id=r.get("bos_token_id"),
             eos_token_ids=tuple(int(e) for e in eos_ids),
             model_type=model_type,
+            rope=rope,
+            qk_norm=model_type == "qwen3",
+            o_bias=o_bias,
         )
+        r.finish(HARMLESS)
+        return cfg
+
+
+def _check_sliding_window(r: ConfigReader, model_type: str, num_layers: int,
+                          max_pos: int) -> None:
+    """Refuse a sliding window that can bind. Mistral applies `sliding_window` to every
+    layer; Qwen2 / Qwen3 only when `use_sliding_window`, to the layers `layer_types` marks
+    "sliding_attention" (by default those from `max_window_layers` on). A window of at least
+    max_position_embeddings never binds: sequences are refused past that context."""
+    if model_type == "llama":
+        return
+    window = r.get("sliding_window")
+    if model_type == "mistral":
+        sliding = [] if window is None else list(range(num_layers))
+    else:
+        if not r.get("use_sliding_window", default=False):
+            window = None
+        first = int(r.get("max_window_layers", default=28))
+        types = r.get("layer_types")
+        if types is None:
+            types = ["sliding_attention" if window is not None and i >= first
+                     else "full_attention" for i in range(num_layers)]
+        kinds = ("full_attention", "sliding_attention")
+        bad = sorted({t for t in types if t not in kinds})
+        if bad or len(types) != num_layers:
+            raise r.refuse("layer_types", types, kinds,
+                           f"one per layer ({num_layers}) of the supported kinds")
+        sliding = [i for i, t in enumerate(types) if t == "sliding_attention"]
+    if sliding and window is not None and int(window) < max_pos:
+        raise UnsupportedModelError(
+            f"{r.family} config: sliding_window={window} applies to layers {sliding} and is "
+            f"shorter than max_position_embeddings={max_pos}; sliding-window attention is "
+            "not supported (Llama family)")
+
+
+def _rope_spec(r: ConfigReader, model_type: str, head_dim: int, max_pos: int) -> RopeSpec:
+    """The config's RoPE as a `RopeSpec` (default, linear, llama3 or yarn), as transformers
+    reads it: `rope_parameters` or `rope_scaling`, `rope_theta` (10000 when absent), and a
+    top-level `original_max_position_embeddings`, which takes precedence for llama3 / yarn
+    (transformers' `standardize_rope_params`); otherwise max_position_embeddings."""
+    p = rope_settings(r)
+    p.setdefault("rope_type", "default")
+    p.setdefault("rope_theta", _ROPE_THETA)
+    top_partial = r.get("partial_rotary_factor")  # standardize_rope_params moves it in
+    if top_partial is not None:
+        p.setdefault("partial_rotary_factor", top_partial)
+    top_original = r.get("original_max_position_embeddings")
+    if top_original is not None and p["rope_type"] in ("llama3", "yarn"):
+        p["original_max_position_embeddings"] = top_original
+    where = (f"{r.family} config: rope_parameters"
+             if r.has("rope_parameters") or not r.has("rope_scaling")
+             else f"{r.family} config: rope_scaling")
+    spec = RopeSpec.from_hf(p, head_dim, max_pos, where=where)
+    if spec.dim != head_dim:
+        raise r.refuse("rope_parameters.partial_rotary_factor",
+                       p.get("partial_rotary_factor"), (1.0,),
+                       "the Llama family rotates the whole head")
+    return spec
 
 
 CONFIG_CLASS = LlamaConfig
@@ -161,7 +265,12 @@ class DecoderLayer(nn.Module):
         if cfg.attention_bias:
             self.qkv_bias = self.param("qkv_bias", nn.initializers.zeros,
                                        (cfg.q_size + 2 * cfg.kv_size,))
+        if cfg.qk_norm:
+            self.q_norm = self.param("q_norm", nn.initializers.ones, (cfg.head_dim,))
+            self.k_norm = self.param("k_norm", nn.initializers.ones, (cfg.head_dim,))
         self.o = projection_param(self, "o", init, (cfg.q_size, d))
+        if cfg.o_bias:
+            self.o_bias = self.param("o_bias", nn.initializers.zeros, (d,))
         self.ffn_norm = self.param("ffn_norm", nn.initializers.ones, (d,))
         self.gate_up = projection_param(self, "gate_up", init, (d, 2 * cfg.intermediate_size))
         self.down = projection_param(self, "down", init, (cfg.intermediate_size, d))
@@ -178,17 +287,30 @@ class DecoderLayer(nn.Module):
         if cfg.attention_bias:
             qkv = qkv + self.qkv_bias.astype(x.dtype)
         q, k, v = jnp.split(qkv, [cfg.q_size, cfg.q_size + cfg.kv_size], axis=-1)
-        pos = step.rope_positions
-        q = apply_rope(q.reshape(b, t, cfg.num_heads, cfg.head_dim), pos, cfg.rope_theta)
-        k = apply_rope(k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim), pos, cfg.rope_theta)
+        q = q.reshape(b, t, cfg.num_heads, cfg.head_dim)
+        k = k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:  # Qwen3: per-head RMSNorm of q and k, before RoPE
+            q, k = rms_norm(q, self.q_norm, eps), rms_norm(k, self.k_norm, eps)
+        q, k = _rope(cfg, q, step.rope_positions), _rope(cfg, k, step.rope_positions)
         v = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
         attn, cache = common.kv_attention(q, k, v, cache, step, kv_dtype=cfg.kv_cache_dtype)
         attn = step.site(layer, ATTN_OUT, attn, self.o)  # GSM site attn_out
-        x = x + step.linear(layer, "o", attn, self.o)
+        out = step.linear(layer, "o", attn, self.o)
+        if cfg.o_bias:
+            out = out + self.o_bias.astype(x.dtype)
+        x = x + out
         h = rms_norm(x, self.ffn_norm, eps)
         gate, up = jnp.split(step.linear(layer, "gate_up", h, self.gate_up), 2, axis=-1)
         mid = step.site(layer, FFN_MID, jax.nn.silu(gate) * up, self.down)  # GSM site ffn_mid
         return x + step.linear(layer, "down", mid, self.down), cache
+
+
+def _rope(cfg: LlamaConfig, x: jax.Array, positions: jax.Array) -> jax.Array:
+    """Rotate-half RoPE of `cfg`: plain of rope_theta, or the scaled `cfg.rope`."""
+    if cfg.rope is None:
+        return apply_rope(x, positions, cfg.rope_theta)
+    return apply_rope(x, positions, inv_freq=cfg.rope.inv_freq(),
+                      attention_factor=cfg.rope.attention_factor)
 
 
 def layer(cfg: LlamaConfig, weights: dict, index, x: jax.Array, cache, step: common.Step):
@@ -327,6 +449,11 @@ def weights_from_hf(cfg: LlamaConfig, tensors: dict[str, Any], dtype: Any = jnp.
         }
         if cfg.attention_bias:
             lw["qkv_bias"] = np.concatenate([get(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
+        if cfg.o_bias:
+            lw["o_bias"] = get(p + "self_attn.o_proj.bias")
+        if cfg.qk_norm:
+            lw["q_norm"] = get(p + "self_attn.q_norm.weight")
+            lw["k_norm"] = get(p + "self_attn.k_norm.weight")
         return {k: jnp.asarray(v, dtype=dtype) for k, v in lw.items()}
 
     weights = {
@@ -345,7 +472,7 @@ def weights_from_hf(cfg: LlamaConfig, tensors: dict[str, Any], dtype: Any = jnp.
 
 FAMILY = "llama"
 TITLE = "Llama"  # in messages
-HF_MODEL_TYPES = ("llama", "qwen2", "mistral")  # Hugging Face model_type values it loads
+HF_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")  # Hugging Face model_types it loads
 
 # Logical axes of each weight of the float layout ([..., in, out] projections), by leaf name
 # (mesh axes by `partitioning.RULES`); a leaf not listed is replicated whole, a leading
