@@ -419,10 +419,9 @@ def _plan(cfg: DeepseekV41Config) -> tuple[LayerPlan, ...]:
         if cfg.candidate_topk_blocks <= 0 or cfg.candidate_block_size <= 0:
             raise bad("candidate_topk_blocks",
                       "candidate_topk_blocks and candidate_block_size must be positive")
-        if cfg.candidate_topk_blocks * cfg.candidate_block_size < cfg.index_topk:
-            # the reference and NeMo disagree on -inf picks then (§4.4 trap 2)
-            raise bad("candidate_topk_blocks", "candidate_topk_blocks * candidate_block_size "
-                      f"must be >= index_topk ({cfg.index_topk})")
+        # candidate_topk_blocks * candidate_block_size < index_topk is allowed, as NeMo
+        # allows it: a Reindex layer then has fewer candidates than picks, and the picks
+        # without a finite score are not attended (NeMo's -1; `topk_indices`' picked=False).
     if cfg.rope_dim <= 0 or cfg.rope_dim % 2 or cfg.rope_dim > min(cfg.head_dim,
                                                                    cfg.index_head_dim):
         raise bad("qk_rope_head_dim", f"{cfg.rope_dim} must be even and fit head_dim "
@@ -844,7 +843,14 @@ def candidate_slots(cfg: DeepseekV41Config, scores: jax.Array, visible: jax.Arra
                     n_visible: jax.Array) -> tuple[jax.Array, jax.Array]:
     """The candidate source's slots (§4.4): blocks of `candidate_block_size` slots scored
     by their max, the block of the newest visible slot forced in, the best
-    `candidate_topk_blocks` kept (those with a finite score). Returns (slots [B,T,C],
+    `candidate_topk_blocks` kept (those with a finite score).
+
+    The tie rule, here and in every top-k of the indexer (`topk_indices`): equal scores
+    go to the lower index (`jax.lax.top_k`). Ties are real: the ReLU makes all-zero score
+    rows, and FP4 queries and keys with few index heads make equal sums common. NeMo's
+    `torch.topk` leaves the order of ties to the implementation; the parity tests make it
+    deterministic with a stable descending sort in its place, which breaks ties the same
+    way (tests/v41_reference.py, `stable_topk`). Returns (slots [B,T,C],
     ok [B,T,C]), C = kept blocks x block size, the blocks in ascending order (a Reindex
     top-k over them then breaks ties toward the lower slot, as over the whole mask);
     ok: a kept, visible slot. The masked form is `entries_mask(slots, ok, n)` (the slots of
@@ -863,15 +869,6 @@ def candidate_slots(cfg: DeepseekV41Config, scores: jax.Array, visible: jax.Arra
     ok = (jnp.repeat(blocks < nb, bs, axis=-1) & (slots < n)
           & jnp.take_along_axis(visible, jnp.minimum(slots, n - 1), axis=-1))
     return slots, ok
-
-
-def select_topk(scores: jax.Array, allowed: jax.Array, k: int) -> jax.Array:
-    """[B,T,n] bool: the top min(k, n) allowed slots (ties: the lower index, as
-    `jax.lax.top_k`; the reference's order of ties is unspecified, §4.4 trap 1)."""
-    n = scores.shape[-1]
-    s = jnp.where(allowed, scores, -jnp.inf)
-    vals, idx = jax.lax.top_k(s, min(k, n))
-    return jnp.any((idx[..., None] == jnp.arange(n)) & (vals > -jnp.inf)[..., None], axis=-2)
 
 
 # ----------------------------------------------------------------------------- layer

@@ -144,7 +144,6 @@ def test_reference_key_names():
      "kv_source_layer_ids"),  # SWA-only source
     (dict(index_source_layer_ids=[5, 7]), "index_source_layer_ids"),  # KV source not indexed
     (dict(compress_ratios=[0, 0, 2]), "compress_ratios"),  # too short
-    (dict(candidate_topk_blocks=1, index_topk=8), "candidate_topk_blocks"),
 ])
 def test_bad_schedules_name_the_key(text, key):
     with pytest.raises(ModelLoadError, match=key):
@@ -359,6 +358,17 @@ PARITY = {
     "must_choose": (dict(index_n_heads=8), 1, (1, 2)),
 }
 
+# The indexer's edge cases, as NeMo does them (4 index heads, top-k 3-5, 48 tokens): ties at
+# the k-th place (ReLU zero rows, FP4 roundings), and fewer candidate slots than top-k
+# (candidate_topk_blocks * candidate_block_size < index_topk: NeMo's -1 picks).
+TIES = {
+    "ties_top3": (dict(index_topk=3, candidate_topk_blocks=2, candidate_block_size=4), 2, (5,)),
+    "ties_top4_two_candidates": (dict(index_topk=4, candidate_topk_blocks=1,
+                                      candidate_block_size=2), 3, (6,)),
+    "ties_top5_four_candidates": (dict(index_topk=5, candidate_topk_blocks=2,
+                                       candidate_block_size=2), 5, (7,)),
+}
+
 
 PARITY_ENGRAM = (1, 5)  # the Engram layers of the parity configs (tiny_config's)
 
@@ -375,7 +385,7 @@ def released(tmp_path_factory):
 
     def get(name):
         if name not in built:
-            overrides, seed, _ = PARITY[name]
+            overrides, seed, _ = {**PARITY, **TIES}[name]
             hf = ref_mod.tiny_config(engram_layer_ids=list(PARITY_ENGRAM), **overrides)
             model = ref_mod.nemo_model(hf, seed=seed)
             tensors = ref_mod.released_state_dict(model)
@@ -435,6 +445,42 @@ def test_load_matches_nemo(released, name):
         err_q = _rel_err(out_q, ref_q)
         assert err_q < 1e-2, f"{name} inputs {s}, cache roundings: {err_q:.2e} of the scale"
         np.testing.assert_array_equal(out_q.argmax(-1), ref_q.argmax(-1))
+
+
+@pytest.mark.parametrize("name", sorted(TIES))
+def test_indexer_ties_and_short_candidates_match_nemo(released, name):
+    """Top-k ties and fewer candidate slots than top-k, against NeMo made deterministic the
+    way JAX is (`stable_topk`: ties to the lower index). Float caches on both sides: within
+    1e-4 of the logit scale, same top-1 everywhere; the inputs must meet boundary ties in
+    NeMo's top-k (else the test would not test them). With the released cache roundings on
+    both sides, FP4 ties are many more; the logits then agree within 1e-2 (the rounding
+    midpoint flips `test_load_matches_nemo` explains)."""
+    import dataclasses
+
+    import v41_reference as ref_mod
+
+    import gsm_jax
+
+    path, model = released(name)
+    params = gsm_jax.load(path, dtype="float32", keep_quantized=True)
+    cfg = params.config
+    short = cfg.candidate_topk_blocks * cfg.candidate_block_size < cfg.index_topk
+    assert short == name.endswith("candidates")  # accepted, as NeMo accepts it
+    float_caches = dataclasses.replace(params, config=dataclasses.replace(cfg, cache_qdq=False))
+    (s,) = TIES[name][2]
+    ids = np.random.default_rng(s).integers(3, 128, size=(2, 48))
+    with ref_mod.stable_topk() as ties:
+        ref = ref_mod.nemo_logits(model, ids, cache_qdq=False)
+    assert ties.boundary_ties > 0, "no ties at the k-th place: the inputs test nothing"
+    out = np.asarray(gsm_jax.forward(float_caches, ids))
+    err = _rel_err(out, ref)
+    assert err < REL_TOL, f"{name}: max logit error {err:.2e} of the scale"
+    np.testing.assert_array_equal(out.argmax(-1), ref.argmax(-1))
+    with ref_mod.stable_topk() as ties_q:
+        ref_q = ref_mod.nemo_logits(model, ids)
+    assert ties_q.boundary_ties > 0
+    err_q = _rel_err(np.asarray(gsm_jax.forward(params, ids)), ref_q)
+    assert err_q < 1e-2, f"{name}, cache roundings: {err_q:.2e} of the scale"
 
 
 def test_load_dequantized_and_bf16(released):

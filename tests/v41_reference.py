@@ -21,6 +21,8 @@ Provides
   parity tests load on our side).
 - `nemo_logits(model, ids, attention_mask=None, *, cache_qdq=True) -> np.ndarray[B, T, V]`
   (fp32); `cache_qdq=False` makes NeMo's cache quantize/dequantize the identity.
+- `stable_topk()`: a context making NeMo's top-k deterministic (ties to the lower index, as JAX),
+  yielding a count of the ties met.
 - `nemo_streams(model, ids, attention_mask=None) -> list[np.ndarray[B, T, hc_mult, D]]`: the
   residual streams entering each decoder block.
 - `nemo_engram_hash(model, ids, attention_mask=None) -> np.ndarray[B, T, n_engram_layers, n_ids]`.
@@ -291,6 +293,49 @@ def _cache_qdq(on: bool):
         stack.enter_context(mock.patch.object(mod, "quantize_cache",
                                               lambda values, **_: values))
     return stack
+
+
+class TopkTies:
+    """What `stable_topk` saw: calls, and rows whose k-th and (k+1)-th finite values tie
+    (where an unstable top-k may pick either)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.boundary_ties = 0
+
+
+def stable_topk():
+    """A context in which `torch.Tensor.topk` is a stable descending (or ascending) sort cut
+    to k: equal values keep their index order, so ties go to the lower index, as
+    `jax.lax.top_k` breaks them (torch's own order of ties is implementation-defined).
+    Covers NeMo's indexer top-k, its candidate-block top-k and the router's. Yields a
+    `TopkTies` that counts the boundary ties met, so a test can show its inputs have some."""
+    import contextlib
+    from collections import namedtuple
+
+    import torch
+
+    result = namedtuple("topk", ["values", "indices"])
+    original = torch.Tensor.topk
+    ties = TopkTies()
+
+    def topk(self, k, dim=-1, largest=True, sorted=True):  # noqa: A002 (torch's name)
+        values, indices = torch.sort(self, dim=dim, descending=largest, stable=True)
+        ties.calls += 1
+        if k < self.shape[dim]:
+            kth, nxt = values.narrow(dim, k - 1, 1), values.narrow(dim, k, 1)
+            ties.boundary_ties += int(((kth == nxt) & torch.isfinite(kth)).sum())
+        return result(values.narrow(dim, 0, k), indices.narrow(dim, 0, k))
+
+    @contextlib.contextmanager
+    def ctx():
+        torch.Tensor.topk = topk
+        try:
+            yield ties
+        finally:
+            torch.Tensor.topk = original
+
+    return ctx()
 
 
 def nemo_streams(model, ids, attention_mask=None) -> list[np.ndarray]:
