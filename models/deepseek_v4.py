@@ -82,6 +82,7 @@ from gsm_jax.in_place import scatter_set
 from gsm_jax.models import common
 from gsm_jax.models.block_quant import BlockQuantWeight, projection_param
 from gsm_jax.models.common import Step
+from gsm_jax.models.hf_config import PRETRAINED_KEYS, ConfigReader, rope_settings
 from gsm_jax.models.linear import linear
 from gsm_jax.models.moe import DISPATCHES, routed_experts, swiglu
 from gsm_jax.models.rope import RopeSpec  # noqa: F401  (re-exported: V4.1 and old imports)
@@ -181,47 +182,49 @@ class DeepseekV4Config:
         `deepseek_v4_checkpoint.check_quantization_config`; the formats themselves are
         read off the tensors.
         """
-        hf = dict(hf)
-        if hf.get("model_type") != "deepseek_v4":
+        r = ConfigReader(hf, "deepseek_v4")
+        hf = r.data
+        if r.value("model_type") != "deepseek_v4":
             raise UnsupportedModelError(
-                f"model_type {hf.get('model_type')!r} is not deepseek_v4"
+                f"model_type {r.value('model_type')!r} is not deepseek_v4"
             )
         checks = [
-            ("hidden_act", hf.get("hidden_act", "silu") == "silu", "only silu is supported"),
-            ("mlp_bias", not hf.get("mlp_bias", False), "biases are not supported"),
-            ("attention_bias", not hf.get("attention_bias", False), "biases are not supported"),
-            ("num_key_value_heads", int(hf.get("num_key_value_heads", 1) or 1) == 1,
+            ("hidden_act", r.value("hidden_act", "silu") == "silu", "only silu is supported"),
+            ("mlp_bias", not r.value("mlp_bias", False), "biases are not supported"),
+            ("attention_bias", not r.value("attention_bias", False), "biases are not supported"),
+            ("num_key_value_heads", int(r.value("num_key_value_heads", 1) or 1) == 1,
              "DeepSeek-V4 attention has one shared K=V head"),
-            ("n_shared_experts", int(hf.get("n_shared_experts", 1)) == 1,
+            ("n_shared_experts", int(r.value("n_shared_experts", 1)) == 1,
              "only one shared expert (the reference's layout) is supported"),
-            ("scoring_func", hf.get("scoring_func", "sqrtsoftplus") in SCORING_FUNCS,
+            ("scoring_func", r.value("scoring_func", "sqrtsoftplus") in SCORING_FUNCS,
              f"supported: {SCORING_FUNCS}"),
         ]
         from gsm_jax.models.deepseek_v4_checkpoint import check_quantization_config
 
         check_quantization_config(hf)  # FP8 / FP4 checkpoints: refused only when unknown
+        r.mark("quantization_config", "expert_dtype")
         for key, ok, why in checks:
             if not ok:
-                raise UnsupportedModelError(f"config field {key}={hf.get(key)!r}: {why}")
+                raise UnsupportedModelError(f"config field {key}={r.value(key)!r}: {why}")
 
-        n = int(hf.get("num_hidden_layers", 43))
-        head_dim = int(hf.get("head_dim", 512))
-        rates = {CSA: 4, HCA: 128, **(hf.get("compress_rates") or {})}
-        if hf.get("compress_rate_csa") is not None:
+        n = int(r.value("num_hidden_layers", 43))
+        head_dim = int(r.value("head_dim", 512))
+        rates = {CSA: 4, HCA: 128, **(r.value("compress_rates") or {})}
+        if r.value("compress_rate_csa") is not None:
             rates[CSA] = hf["compress_rate_csa"]
-        if hf.get("compress_rate_hca") is not None:
+        if r.value("compress_rate_hca") is not None:
             rates[HCA] = hf["compress_rate_hca"]
-        layer_types = hf.get("layer_types")
-        if layer_types is None and hf.get("compress_ratios") is not None:
-            bad = [r for r in hf["compress_ratios"] if r not in _LEGACY_RATIO_TO_TYPE]
+        layer_types = r.value("layer_types")
+        if layer_types is None and r.value("compress_ratios") is not None:
+            bad = [x for x in hf["compress_ratios"] if x not in _LEGACY_RATIO_TO_TYPE]
             if bad:
                 raise UnsupportedModelError(f"config field compress_ratios has values {bad}")
-            layer_types = [_LEGACY_RATIO_TO_TYPE[r] for r in hf["compress_ratios"]]
+            layer_types = [_LEGACY_RATIO_TO_TYPE[x] for x in hf["compress_ratios"]]
         if layer_types is None:
             layer_types = [HCA] * min(n, 2) + [CSA if i % 2 else HCA for i in range(max(n - 2, 0))]
-        mlp_types = hf.get("mlp_layer_types")
+        mlp_types = r.value("mlp_layer_types")
+        n_hash = r.value("num_hash_layers")  # the legacy form of mlp_layer_types
         if mlp_types is None:
-            n_hash = hf.get("num_hash_layers")
             n_hash = 3 if n_hash is None else int(n_hash)
             mlp_types = ["hash_moe"] * min(n, n_hash) + ["moe"] * max(0, n - n_hash)
         for name, types, allowed in (("layer_types", layer_types, LAYER_TYPES),
@@ -233,19 +236,29 @@ class DeepseekV4Config:
             if bad:
                 raise UnsupportedModelError(f"config field {name} has unsupported values {bad}")
 
-        prf = hf.get("partial_rotary_factor")
+        prf = r.value("partial_rotary_factor")
+        qk = r.value("qk_rope_head_dim")  # the same in channels (transformers 5 writes both)
         if prf is None:
-            qk = hf.get("qk_rope_head_dim")
             prf = qk / head_dim if qk is not None else 64 / 512
-        max_pos = int(hf.get("max_position_embeddings", 1048576))
-        rp = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+        elif qk is not None and round(float(prf) * head_dim) != int(qk):
+            raise UnsupportedModelError(
+                f"deepseek_v4 config: partial_rotary_factor={prf!r} x head_dim={head_dim} and "
+                f"qk_rope_head_dim={qk!r} disagree")
+        max_pos = int(r.value("max_position_embeddings", 1048576))
+        # rope_parameters (transformers 5) or rope_scaling (earlier), refused when they
+        # disagree; the top-level rope_theta is the main RoPE's (read below)
+        rp = rope_settings(r, merge_theta=False)
         if isinstance(rp.get("main"), dict) and isinstance(rp.get("compress"), dict):
             main_p, comp_p = rp["main"], rp["compress"]
+            # transformers 5 writes the top-level thetas too, as legacy mirrors it does not
+            # keep in sync (rope_parameters.compress.rope_theta 5e4 beside a default
+            # compress_rope_theta 1.6e5); its model uses the nested ones, and so do we
+            r.mark("rope_theta", "compress_rope_theta")
         else:
-            main_p = {"rope_type": "default", "rope_theta": hf.get("rope_theta", 10000.0),
+            main_p = {"rope_type": "default", "rope_theta": r.value("rope_theta", 10000.0),
                       "partial_rotary_factor": prf}
             comp_p = {k: v for k, v in rp.items() if k not in ("main", "compress")}
-            comp_p.update(rope_theta=hf.get("compress_rope_theta", 160000.0),
+            comp_p.update(rope_theta=r.value("compress_rope_theta", 160000.0),
                           partial_rotary_factor=prf)
             comp_p.setdefault("rope_type", comp_p.pop("type", "default"))
             if comp_p["rope_type"] == "yarn":
@@ -253,43 +266,44 @@ class DeepseekV4Config:
         main_rope = RopeSpec.from_hf(main_p, head_dim, max_pos, "main")
         compress_rope = RopeSpec.from_hf(comp_p, head_dim, max_pos, "compress")
 
-        eos = hf.get("eos_token_id", 1)
+        eos = r.value("eos_token_id", 1)
         eos_ids = tuple(eos) if isinstance(eos, list | tuple) else (() if eos is None else (eos,))
         cfg = cls(
-            vocab_size=int(hf.get("vocab_size", 129280)),
-            hidden_size=int(hf.get("hidden_size", 4096)),
+            vocab_size=int(r.value("vocab_size", 129280)),
+            hidden_size=int(r.value("hidden_size", 4096)),
             num_layers=n,
-            num_heads=int(hf.get("num_attention_heads", 64)),
+            num_heads=int(r.value("num_attention_heads", 64)),
             head_dim=head_dim,
-            q_lora_rank=int(hf.get("q_lora_rank", 1024)),
-            o_groups=int(hf.get("o_groups", 8)),
-            o_lora_rank=int(hf.get("o_lora_rank", 1024)),
+            q_lora_rank=int(r.value("q_lora_rank", 1024)),
+            o_groups=int(r.value("o_groups", 8)),
+            o_lora_rank=int(r.value("o_lora_rank", 1024)),
             layer_types=tuple(layer_types[:n]),
             mlp_layer_types=tuple(mlp_types[:n]),
-            n_routed_experts=int(hf.get("n_routed_experts", 256)),
-            num_experts_per_tok=int(hf.get("num_experts_per_tok", 6)),
-            moe_intermediate_size=int(hf.get("moe_intermediate_size", 2048)),
+            n_routed_experts=int(r.value("n_routed_experts", 256)),
+            num_experts_per_tok=int(r.value("num_experts_per_tok", 6)),
+            moe_intermediate_size=int(r.value("moe_intermediate_size", 2048)),
             main_rope=main_rope,
             compress_rope=compress_rope,
-            sliding_window=int(hf.get("sliding_window", 128)),
+            sliding_window=int(r.value("sliding_window", 128)),
             compress_rate_csa=int(rates[CSA]),
             compress_rate_hca=int(rates[HCA]),
-            index_n_heads=int(hf.get("index_n_heads", 64)),
-            index_head_dim=int(hf.get("index_head_dim", 128)),
-            index_topk=int(hf.get("index_topk", 512)),
-            hc_mult=int(hf.get("hc_mult", 4)),
-            hc_sinkhorn_iters=int(hf.get("hc_sinkhorn_iters", 20)),
-            hc_eps=float(hf.get("hc_eps", 1e-6)),
-            scoring_func=hf.get("scoring_func", "sqrtsoftplus"),
-            routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.5)),
-            swiglu_limit=float(hf.get("swiglu_limit", 10.0)),
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            index_n_heads=int(r.value("index_n_heads", 64)),
+            index_head_dim=int(r.value("index_head_dim", 128)),
+            index_topk=int(r.value("index_topk", 512)),
+            hc_mult=int(r.value("hc_mult", 4)),
+            hc_sinkhorn_iters=int(r.value("hc_sinkhorn_iters", 20)),
+            hc_eps=float(r.value("hc_eps", 1e-6)),
+            scoring_func=r.value("scoring_func", "sqrtsoftplus"),
+            routed_scaling_factor=float(r.value("routed_scaling_factor", 1.5)),
+            swiglu_limit=float(r.value("swiglu_limit", 10.0)),
+            rms_norm_eps=float(r.value("rms_norm_eps", 1e-6)),
             max_position_embeddings=max_pos,
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            bos_token_id=hf.get("bos_token_id", 0),
+            tie_word_embeddings=bool(r.value("tie_word_embeddings", False)),
+            bos_token_id=r.value("bos_token_id", 0),
             eos_token_ids=tuple(int(e) for e in eos_ids),
         )
         cfg.validate()
+        r.finish(HARMLESS)
         return cfg
 
     def validate(self) -> None:
@@ -312,6 +326,19 @@ class DeepseekV4Config:
             problems.append(f"scoring_func {self.scoring_func!r} (supported: {SCORING_FUNCS})")
         if problems:
             raise UnsupportedModelError("unsupported DeepSeek-V4 config: " + "; ".join(problems))
+
+
+# Keys transformers' DeepseekV4Config writes that do not change inference here (one word why).
+HARMLESS: dict[str, str] = {
+    **PRETRAINED_KEYS,
+    "bos_token_id": "tokenizer",  # read for the config record; the model never reads it
+    "norm_topk_prob": "reference",  # the reference always renormalises the chosen scores
+    "num_nextn_predict_layers": "drafter",  # MTP weights are kept (weights["mtp"]), not run
+    "topk_method": "reference",  # the reference routes one way whatever the key says
+    "router_aux_loss_coef": "training",
+    "router_jitter_noise": "training",
+    "output_router_logits": "training",
+}
 
 
 CONFIG_CLASS = DeepseekV4Config

@@ -113,6 +113,11 @@ class ConfigReader:
                 return self.data[k]
         return default
 
+    def value(self, key: str, default: Any = None) -> Any:
+        """`dict.get` semantics (a present None is returned as None), recorded as a read."""
+        self._read.add(key)
+        return self.data.get(key, default)
+
     def require(self, key: str, *aliases: str) -> Any:
         from gsm_jax.errors import ModelLoadError
 
@@ -177,8 +182,8 @@ class ConfigReader:
         return unknown
 
 
-def rope_settings(r: ConfigReader, *, default: Mapping[str, Any] | None = None
-                  ) -> dict[str, Any]:
+def rope_settings(r: ConfigReader, *, default: Mapping[str, Any] | None = None,
+                  merge_theta: bool = True) -> dict[str, Any]:
     """One rotary-settings dict from `rope_parameters` and / or `rope_scaling`.
 
     transformers 5 (and NeMo AutoModel, built on it) writes `rope_parameters`, with the
@@ -186,7 +191,9 @@ def rope_settings(r: ConfigReader, *, default: Mapping[str, Any] | None = None
     write `rope_scaling` and a top-level `rope_theta`. Either is read; both present and
     different is refused naming both. `type` is read as `rope_type`. The top-level
     `rope_theta`, when present, is put in as `rope_theta` unless the dict has its own; the
-    two disagreeing is refused. `default` is the reference's value when neither is present.
+    two disagreeing is refused (`merge_theta=False`: neither, for a family whose top-level
+    `rope_theta` is another RoPE's). `default` is the reference's value when neither is
+    present.
     A flat dict of one RoPE (Gemma 3's per-layer-type form is the family's to read)."""
     params = r.get("rope_parameters")
     scaling = r.get("rope_scaling")
@@ -217,7 +224,7 @@ def rope_settings(r: ConfigReader, *, default: Mapping[str, Any] | None = None
     out = {**(scaling or {}), **(params or {})}
     if params is None and scaling is None and default is not None:
         out = dict(default)
-    top = r.get("rope_theta")
+    top = r.get("rope_theta") if merge_theta else None
     if top is not None:
         inner = out.get("rope_theta")
         if inner is not None and float(inner) != float(top):
