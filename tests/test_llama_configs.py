@@ -317,3 +317,21 @@ def test_cli_generate_on_a_saved_directory(saved, name, capsys):
     expected = gsm_jax.generate(gsm_jax.load(path), ["The capital of France is"],
                                 max_new_tokens=6)[0]
     assert f">>> The capital of France is\n{expected}\n" in out, out
+
+
+def test_planner_counts_qwen3_parameters(saved):
+    """The planner reads a Qwen3 config.json: its parameter count is transformers' (the
+    q / k norms and tied embeddings included)."""
+    path, model = saved("qwen3")
+    plan = gsm_jax.plan(str(path / "config.json"), batch=1, context=64, device_memory="1GB")
+    assert plan.parameters == model.num_parameters()
+
+
+def test_a_key_the_rope_type_does_not_read_is_named():
+    """transformers ignores (with a warning) a key that another RoPE type reads: so do we."""
+    from gsm_jax.models.rope import RopeKeyWarning
+
+    with pytest.warns(RopeKeyWarning, match=r"'linear' does not read \['low_freq_factor'\]"):
+        spec = RopeSpec.from_hf({"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0,
+                                 "low_freq_factor": 1.0}, 16, 128, where="rope_parameters")
+    assert spec == RopeSpec(theta=1e4, dim=16, rope_type="linear", factor=2.0)
