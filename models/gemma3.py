@@ -53,6 +53,7 @@ from gsm_jax.models.common import (
     stack_layers,
     unstack_layers,
 )
+from gsm_jax.models.hf_config import PRETRAINED_KEYS, ConfigReader, rope_settings
 from gsm_jax.models.llama import cache_insert, init_cache  # the same KV cache as Llama
 from gsm_jax.models.sites import ATTN_OUT, FFN_MID, Sites
 
@@ -122,69 +123,114 @@ class Gemma3Config:
     @classmethod
     def from_hf_config(cls, hf: dict[str, Any]) -> Gemma3Config:
         """Build from a Hugging Face Gemma 3 `config.json` dict (text model, or the
-        `text_config` of the multimodal one); refuse what is not implemented."""
-        if hf.get("model_type") not in _MODEL_TYPES:
-            raise UnsupportedModelError(f"model_type {hf.get('model_type')!r} is not Gemma 3 "
-                                        f"(supported: {list(_MODEL_TYPES)})")
-        if hf.get("model_type") == "gemma3":
-            if "text_config" not in hf:
+        multimodal one, whose `text_config` is read), as transformers' `save_pretrained`
+        writes it (`rope_parameters` per layer type) or earlier releases did (`rope_theta`,
+        `rope_local_base_freq`, `rope_scaling`). Every key is read, listed in `HARMLESS` or
+        refused by name (`models/hf_config.py`)."""
+        top = ConfigReader(hf, "gemma3")
+        model_type = top.get("model_type")
+        if model_type not in _MODEL_TYPES:
+            raise top.refuse("model_type", model_type, _MODEL_TYPES, "not Gemma 3")
+        r = top
+        if model_type == "gemma3":
+            r = top.sub("text_config")
+            if r is None:
                 raise UnsupportedModelError("a multimodal Gemma 3 config without text_config")
-            hf = {**hf["text_config"], "model_type": "gemma3_text"}
+            r.expect("model_type", ("gemma3_text", None))
+            top_tie = top.get("tie_word_embeddings")
+            if top_tie is not None and r.has("tie_word_embeddings") and (
+                    bool(top_tie) != bool(r.get("tie_word_embeddings"))):
+                raise UnsupportedModelError(
+                    f"gemma3 config: tie_word_embeddings={top_tie!r} and text_config."
+                    f"tie_word_embeddings={r.get('tie_word_embeddings')!r} disagree")
         for key in ("attn_logit_softcapping", "final_logit_softcapping"):
-            if hf.get(key):
-                raise UnsupportedModelError(f"{key}={hf[key]} is not supported (Gemma 3 has none)")
-        if hf.get("use_bidirectional_attention"):
-            raise UnsupportedModelError("bidirectional attention (EmbeddingGemma) is not supported")
-        act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
+            if r.get(key):
+                raise r.refuse(key, r.get(key), "null", "Gemma 3 has no logit soft-capping")
+        r.expect("use_bidirectional_attention", (False, None), why="bidirectional attention "
+                 "(EmbeddingGemma) is not implemented")
+        r.expect("attention_bias", (False,), default=False)
+        act = r.get("hidden_activation", "hidden_act", default="gelu_pytorch_tanh")
         if act != "gelu_pytorch_tanh":
-            raise UnsupportedModelError(f"hidden_activation {act!r} is not supported")
-        layers = int(hf["num_hidden_layers"])
-        types = hf.get("layer_types")
+            raise r.refuse("hidden_activation", act, ("gelu_pytorch_tanh",))
+        layers = int(r.require("num_hidden_layers"))
+        pattern = int(r.get("sliding_window_pattern", "_sliding_window_pattern", default=6))
+        types = r.get("layer_types")
         if types is None:
-            pattern = int(hf.get("sliding_window_pattern") or hf.get("_sliding_window_pattern")
-                          or 6)
             types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
                      for i in range(layers)]
         unknown = set(types) - {"full_attention", "sliding_attention"}
         if unknown or len(types) != layers:
             raise UnsupportedModelError(f"layer_types {types!r}: expected {layers} entries of "
                                         "full_attention / sliding_attention")
-        theta = float(hf.get("rope_theta") or 1_000_000.0)
-        local = float(hf.get("rope_local_base_freq") or 10_000.0)
-        rope = hf.get("rope_parameters") or {}
+        theta = float(r.get("rope_theta", default=1_000_000.0))
+        local = float(r.get("rope_local_base_freq", default=10_000.0))
+        rope = r.get("rope_parameters") or {}
         if "full_attention" in rope or "sliding_attention" in rope:
             for kind, params in rope.items():
-                if (params or {}).get("rope_type", "default") != "default":
+                params = params or {}
+                if kind not in ("full_attention", "sliding_attention"):
+                    raise r.refuse(f"rope_parameters.{kind}", params,
+                                   ("full_attention", "sliding_attention"))
+                if params.get("rope_type", "default") != "default":
                     raise UnsupportedModelError(
-                        f"RoPE scaling {params.get('rope_type')!r} on {kind} layers is not "
-                        "supported (Gemma 3 4B and larger scale their global RoPE)")
+                        f"gemma3 config: RoPE scaling rope_parameters.{kind}.rope_type="
+                        f"{params.get('rope_type')!r} is not supported (supported: 'default'; "
+                        "Gemma 3 4B and larger scale their global RoPE)")
+                extra = sorted(set(params) - {"rope_type", "rope_theta"})
+                if extra:
+                    raise UnsupportedModelError(
+                        f"gemma3 config: rope_parameters.{kind} keys {extra} are not supported "
+                        "(supported: rope_type, rope_theta)")
             theta = float(rope.get("full_attention", {}).get("rope_theta", theta))
             local = float(rope.get("sliding_attention", {}).get("rope_theta", local))
-        elif hf.get("rope_scaling"):
-            raise UnsupportedModelError(f"rope_scaling {hf['rope_scaling']!r} is not supported")
-        heads = int(hf["num_attention_heads"])
-        head_dim = int(hf.get("head_dim") or 256)
-        eos = hf.get("eos_token_id")
+        else:
+            flat = rope_settings(r)  # one RoPE for all layers: only the default type
+            if flat.get("rope_type", "default") != "default" or set(flat) - {"rope_type",
+                                                                              "rope_theta"}:
+                raise r.refuse("rope_scaling", r.get("rope_scaling") or rope, "null",
+                               "Gemma 3 4B and larger scale their global RoPE")
+            theta = float(flat.get("rope_theta", theta))
+        heads = int(r.require("num_attention_heads"))
+        head_dim = int(r.get("head_dim", default=256))
+        eos = r.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list | tuple) else (() if eos is None else (eos,))
-        return cls(
-            vocab_size=int(hf["vocab_size"]),
-            hidden_size=int(hf["hidden_size"]),
-            intermediate_size=int(hf["intermediate_size"]),
+        tie = r.get("tie_word_embeddings")
+        tie = top.get("tie_word_embeddings", default=True) if tie is None else tie
+        cfg = cls(
+            vocab_size=int(r.require("vocab_size")),
+            hidden_size=int(r.require("hidden_size")),
+            intermediate_size=int(r.require("intermediate_size")),
             num_layers=layers,
             num_heads=heads,
-            num_kv_heads=int(hf.get("num_key_value_heads") or heads),
+            num_kv_heads=int(r.get("num_key_value_heads", default=heads)),
             head_dim=head_dim,
             sliding_layers=tuple(t == "sliding_attention" for t in types),
-            sliding_window=int(hf.get("sliding_window") or 4096),
+            sliding_window=int(r.get("sliding_window", default=4096)),
             rope_theta=theta,
             rope_local_theta=local,
-            query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar") or head_dim),
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
-            bos_token_id=hf.get("bos_token_id"),
+            query_pre_attn_scalar=float(r.get("query_pre_attn_scalar", default=head_dim)),
+            rms_norm_eps=float(r.get("rms_norm_eps", default=1e-6)),
+            max_position_embeddings=int(r.get("max_position_embeddings", default=32768)),
+            tie_word_embeddings=bool(tie),
+            bos_token_id=r.get("bos_token_id"),
             eos_token_ids=tuple(int(e) for e in eos_ids),
         )
+        top.finish(HARMLESS)
+        return cfg
+
+
+# Keys transformers' Gemma3TextConfig / Gemma3Config write that do not change inference here.
+HARMLESS: dict[str, str] = {
+    **PRETRAINED_KEYS,
+    "vision_config": "vision",  # the SigLIP tower: text-only here
+    "mm_tokens_per_image": "vision",
+    "boi_token_index": "vision",
+    "eoi_token_index": "vision",
+    "image_token_index": "vision",
+    "image_token_id": "vision",
+    "boi_token_id": "vision",
+    "eoi_token_id": "vision",
+}
 
 
 CONFIG_CLASS = Gemma3Config
