@@ -15,6 +15,7 @@ import json
 import warnings
 
 import pytest
+from reference_config import saved_config
 
 from gsm_jax import families
 from gsm_jax.errors import UnsupportedModelError
@@ -24,8 +25,9 @@ pytestmark = pytest.mark.filterwarnings("error::gsm_jax.models.hf_config.Unknown
 
 
 def _saved(config, tmp_path) -> dict:
-    config.save_pretrained(tmp_path)
-    return json.loads((tmp_path / "config.json").read_text())
+    hf = saved_config(config)
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    return hf
 
 
 def _transformers(name: str, **kw):

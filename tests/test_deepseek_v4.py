@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from reference_config import saved_config
 from tiny_models import randomise_hf_dsv4
 
 from gsm_jax.errors import UnsupportedModelError
@@ -101,7 +102,7 @@ def _models(name: str, seed: int = 0):
     torch.manual_seed(seed)
     model = transformers.DeepseekV4ForCausalLM(hf_cfg).eval()
     randomise_hf_dsv4(model, hf_cfg, seed + 1)
-    cfg = dv.DeepseekV4Config.from_hf_config(hf_cfg.to_dict())
+    cfg = dv.DeepseekV4Config.from_hf_config(saved_config(hf_cfg))  # as save_pretrained writes
     if CONFIGS[name].get("softmax"):
         for layer in model.model.layers:
             layer.mlp.gate.score_fn = torch.nn.Softmax(dim=-1)

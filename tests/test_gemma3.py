@@ -18,6 +18,7 @@ import pytest
 import torch  # test dependencies (pyproject [test]): the reference implementation
 import transformers
 from decode_checks import decode_and_teacher_forced
+from reference_config import saved_config
 
 import gsm_jax
 from gsm_jax.errors import ModelNotFoundError, UnsupportedModelError
@@ -40,7 +41,7 @@ def _tiny_hf(seed: int = 0):
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.normal_(0, 0.3)
-    cfg = gemma3.Gemma3Config.from_hf_config(hc.to_dict())
+    cfg = gemma3.Gemma3Config.from_hf_config(saved_config(hc))  # as save_pretrained writes
     weights = gemma3.weights_from_hf(cfg, {k: v.numpy() for k, v in model.state_dict().items()})
     return model, cfg, weights
 

@@ -251,12 +251,9 @@ def saved_config(model) -> dict:
     """The config.json NeMo's own serializer writes for `model` (`save_pretrained`:
     transformers 5 underneath, so rotary settings go under `rope_parameters`, with every
     PretrainedConfig key). Parity tests load this, never the dict `tiny_config` built."""
-    import tempfile
-    from pathlib import Path
+    from reference_config import saved_config as saved
 
-    with tempfile.TemporaryDirectory() as tmp:
-        model.config.save_pretrained(tmp)
-        return json.loads((Path(tmp) / "config.json").read_text())
+    return saved(model.config)
 
 
 def _ids_tensor(ids):
