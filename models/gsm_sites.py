@@ -20,11 +20,14 @@ gives the quantized model without GSM bit for bit.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import struct
 
 from gsm_jax.models.linear import QuantizedActivation, wants_int8_input
+from gsm_jax.models.partitioning import map_rows_and_channels
 from gsm_jax.models.sites import ATTN_OUT, FFN_MID, SITES, Sites
 
 __all__ = ["ATTN_OUT", "FFN_MID", "SITES", "GSMInputs", "smooth_site_decode",
@@ -80,6 +83,24 @@ class GSMInputs(Sites):
         return y[:, None]  # also a QuantizedActivation: [B, C] -> [B, 1, C]
 
 
+# The axes of the filter's arguments (`partitioning.map_rows_and_channels`): x [B, T, C],
+# positions [B, T], window and strength [B], protect_first []; for decode x [B, C], the
+# rings [L, B, W, C], layer [], position and active [B].
+_PREFILL_KINDS = ("btc", "bt", "b", "b", "")
+_DECODE_KINDS = ("bc", "lbwc", "", "b", "b", "b", "b", "")
+
+
+def _per_shard(fn, args, kinds, out_kinds, *, per_token_scale: bool = False):
+    """The GSM filter on each device's own rows and channels when a mesh is set (exact: the
+    filter is independent across both): the Pallas kernels need it (Mosaic cannot be
+    partitioned automatically; a Triton call's operands would be gathered). With
+    `per_token_scale` (smooth, then int8) the channels stay whole: the scale is a max over
+    all of a token's channels."""
+    x = args[0]
+    return map_rows_and_channels(fn, args, kinds, out_kinds, x.shape[0],
+                                 None if per_token_scale else x.shape[-1])
+
+
 def smooth_site_prefill(
     gsm: GSMInputs | None,
     layer: jax.Array,
@@ -99,14 +120,16 @@ def smooth_site_prefill(
     window, strength = gsm.row_args(layer, site)
     kw = dict(max_window=gsm.max_window, precision=gsm.precision, impl=gsm.impl)
     with jax.named_scope(f"gsm_{SITES[site]}"):
+        args = (x, positions, window, strength, gsm.protect_first)
         if wants_int8_input(next_weight):
             from gsm_jax.smoothing import smooth_quantize_prefill
 
-            q, s = smooth_quantize_prefill(x, positions, window, strength, gsm.protect_first,
-                                           **kw)
+            q, s = _per_shard(functools.partial(smooth_quantize_prefill, **kw), args,
+                              _PREFILL_KINDS, ("btc", "bt"), per_token_scale=True)
             y = QuantizedActivation(q, s, jnp.dtype(x.dtype).name)
         else:
-            y = smooth_prefill(x, positions, window, strength, gsm.protect_first, **kw)
+            y = _per_shard(functools.partial(smooth_prefill, **kw), args, _PREFILL_KINDS,
+                           "btc")
         ring = ring_from_prefill(x, positions, gsm.max_window)
     return y, ring
 
@@ -134,20 +157,20 @@ def smooth_site_decode(
     from gsm_jax.smoothing import smooth_decode_stacked
 
     window, strength = gsm.row_args(layer, site)
+    args = (x, rings, layer, position, active, window, strength, gsm.protect_first)
     if wants_int8_input(next_weight):
         from gsm_jax.smoothing import smooth_quantize_decode_stacked
 
         with jax.named_scope(f"gsm_{SITES[site]}"):
-            q, s, rings = smooth_quantize_decode_stacked(
-                x, rings, layer, position, active, window, strength, gsm.protect_first,
-                precision=gsm.precision, impl=gsm.impl,
-            )
+            q, s, rings = _per_shard(
+                functools.partial(smooth_quantize_decode_stacked, precision=gsm.precision,
+                                  impl=gsm.impl), args, _DECODE_KINDS, ("bc", "b", "lbwc"),
+                per_token_scale=True)
         return QuantizedActivation(q, s, jnp.dtype(x.dtype).name), rings
     with jax.named_scope(f"gsm_{SITES[site]}"):
-        return smooth_decode_stacked(
-            x, rings, layer, position, active, window, strength, gsm.protect_first,
-            precision=gsm.precision, impl=gsm.impl,
-        )
+        return _per_shard(functools.partial(smooth_decode_stacked, precision=gsm.precision,
+                                            impl=gsm.impl), args, _DECODE_KINDS,
+                          ("bc", "lbwc"))
 
 
 def smooth_site_extend(
@@ -178,7 +201,8 @@ def smooth_site_extend(
     xs = jnp.concatenate([hist, x], axis=1)
     ps = jnp.concatenate([jnp.where(hist_pos >= 0, hist_pos, -1), positions], axis=1)
     with jax.named_scope(f"gsm_{SITES[site]}"):
-        y = smooth_prefill(xs, ps, window, strength, gsm.protect_first,
-                           max_window=gsm.max_window, precision=gsm.precision, impl=gsm.impl)
+        y = _per_shard(functools.partial(smooth_prefill, max_window=gsm.max_window,
+                                         precision=gsm.precision, impl=gsm.impl),
+                       (xs, ps, window, strength, gsm.protect_first), _PREFILL_KINDS, "btc")
         new_ring = ring_from_prefill(xs, ps, w)
     return y[:, w:], rings.at[layer].set(new_ring.astype(rings.dtype))

@@ -76,3 +76,29 @@ def constrain_rings(rings: Any) -> Any:
         return jax.lax.with_sharding_constraint(r, PartitionSpec(None, data, None, chan))
 
     return tuple(one(r) for r in rings)
+
+
+def map_rows_and_channels(fn: Any, args: tuple, kinds: tuple[str, ...], out_kinds: Any,
+                          rows: int, channels: int | None) -> Any:
+    """`fn(*args)`, under `shard_map` when the call runs under a mesh (`jax.set_mesh`), for
+    computations independent across rows and channels (the GSM filter: a token-axis window
+    per (row, channel)). `kinds` / `out_kinds` spell each array's axes: "b" the batch (split
+    over "data" when it divides `rows`), "c" the channels (over "model" when it divides
+    `channels`; never when `channels` is None: a computation that reduces over the
+    channels, such as a per-token quantization scale), any other letter whole; "" a
+    replicated scalar. `out_kinds` mirrors fn's
+    output pytree. Exact: each device filters its own rows and channels. A Pallas kernel
+    needs it: Mosaic (TPU) kernels cannot be partitioned automatically at all, and XLA
+    would gather a Triton call's operands onto every device."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not all(a in mesh.axis_names for a in MESH_AXES):
+        return fn(*args)
+    axis = {"b": RULES["batch"] if rows % mesh.shape[RULES["batch"]] == 0 else None,
+            "c": "model" if channels and channels % mesh.shape["model"] == 0 else None}
+
+    def spec(kind: str) -> PartitionSpec:
+        return PartitionSpec(*(axis.get(a) for a in kind))
+
+    args = tuple(jax.numpy.asarray(a) for a in args)  # a Python layer index, too
+    return jax.shard_map(fn, mesh=mesh, in_specs=tuple(spec(k) for k in kinds),
+                         out_specs=jax.tree.map(spec, out_kinds), check_vma=False)(*args)

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import struct
-from tiny_models import tiny_dsv4, tiny_gsm_llama
+from tiny_models import tiny_dsv4, tiny_dsv41, tiny_gemma3, tiny_gsm_llama
 
 import gsm_jax
 from gsm_jax.families import family_module
@@ -52,38 +52,6 @@ RTOL = 2e-5
 # one more program to compile per family (the suite is mostly XLA compilation), so the
 # tests below reuse each other's forward / prefill / decode programs within a family.
 T, CACHE, P = 20, 32, 9  # tokens per row, cache length, tokens prefilled before decoding
-
-
-def tiny_gemma3(seed: int = 0) -> ModelParams:
-    """Gemma 3 with sliding (window 5) and global layers, norms randomised."""
-    from gsm_jax.models import gemma3
-
-    cfg = gemma3.Gemma3Config(
-        vocab_size=96, hidden_size=32, intermediate_size=48, num_layers=4, num_heads=4,
-        num_kv_heads=2, head_dim=16, sliding_layers=(True, False, True, False),
-        sliding_window=5, query_pre_attn_scalar=12.0, max_position_embeddings=256)
-    w = gemma3.init_weights(cfg, jax.random.key(seed))
-    rng = np.random.default_rng(seed)
-    layers = {k: (v + jnp.asarray(rng.normal(0, 0.3, v.shape), v.dtype) if "norm" in k else v)
-              for k, v in w["layers"].items()}
-    return ModelParams({**w, "layers": layers}, cfg, None, "tiny-gemma3")
-
-
-def tiny_dsv41(seed: int = 0) -> ModelParams:
-    """DeepSeek-V4.1 with every CSA2 role (SWA, Full r2, Reuse r2, Full r1 + candidates,
-    Reuse r1, Reindex), window 4, top-k choosing."""
-    from gsm_jax.models import deepseek_v41 as dv
-
-    cfg = dv.DeepseekV41Config(
-        vocab_size=96, hidden_size=32, num_layers=6, num_heads=4, head_dim=16, rope_dim=8,
-        q_lora_rank=24, o_groups=2, o_lora_rank=8, n_routed_experts=6, num_experts_per_tok=2,
-        moe_intermediate_size=16, compress_ratios=(0, 2, 2, 1, 1, 1),
-        kv_source_layer_ids=(1, 3), index_source_layer_ids=(1, 3, 5), index_n_heads=4,
-        index_head_dim=16, index_topk=3, candidate_source_layer_id=3,
-        candidate_topk_blocks=2, candidate_block_size=2, sliding_window=4, hc_mult=2,
-        swiglu_limit=2.0, max_position_embeddings=128)
-    return ModelParams(dv.init_weights(cfg, jax.random.key(seed)), cfg, None,
-                       source="tiny-dsv41")
 
 
 TINY = {"llama": tiny_gsm_llama, "gemma3": tiny_gemma3, "deepseek_v4": tiny_dsv4,
