@@ -226,8 +226,10 @@ class DeepseekV41Config:
         or a flat text config; the reference's key names (rope_head_dim, window_size,
         kv_source_layers, route_scale, n_mtp_layers) too. Every key is read, listed in
         `HARMLESS`, or refused by name (`models/hf_config.py`); an unknown one is warned
-        about once. Defaults are NeMo's (e.g. YaRN factor 16 over 65,536 positions on the
-        compressed layers when neither `rope_parameters` nor `rope_scaling` is given)."""
+        about once. The rotary default is NeMo's (YaRN factor 16 over 65,536 positions on
+        the compressed layers when neither `rope_parameters` nor `rope_scaling` is given);
+        the layer schedule (source layers, candidates, Engram layers) has none that fits a
+        truncated config, so a config must name it (NeMo's serializer always writes it)."""
         top = ConfigReader(hf, "deepseek_v41")
         text_r = top.sub("text_config")
         r = text_r if text_r is not None else top

@@ -130,14 +130,17 @@ class LlamaConfig:
         heads = int(r.require("num_attention_heads"))
         hidden = int(r.require("hidden_size"))
         num_layers = int(r.require("num_hidden_layers"))
-        head_dim = int(r.get("head_dim") or hidden // heads)
+        # Qwen3Config's default head_dim is 128, not hidden / heads
+        head_dim = int(r.get("head_dim") or (128 if model_type == "qwen3" else hidden // heads))
         max_pos = int(r.get("max_position_embeddings",
                             default=_DEFAULT_MAX_POSITIONS[model_type]))
         r.expect("hidden_act", ("silu",), default="silu")
         r.expect("mlp_bias", (False,), default=False, why="the MLP has no biases here")
         if model_type == "qwen2":  # transformers' Qwen2 has q/k/v biases whatever the key says
-            r.expect("attention_bias", (True,), default=True,
-                     why="Qwen2's q, k and v projections always have biases")
+            # transformers' Qwen2 has q / k / v biases whatever the key says (Qwen2Config has
+            # no such field; some exporters write attention_bias=false): read, and ignored
+            # as the reference ignores it
+            r.mark("attention_bias")
             qkv_bias, o_bias = True, False
         elif model_type == "mistral":
             r.expect("attention_bias", (False,), default=False,
@@ -181,7 +184,8 @@ def _check_sliding_window(r: ConfigReader, model_type: str, num_layers: int,
     max_position_embeddings never binds: sequences are refused past that context."""
     if model_type == "llama":
         return
-    window = r.get("sliding_window")
+    # MistralConfig's default window is 4096 (absent key); an explicit null is none
+    window = r.value("sliding_window", 4096 if model_type == "mistral" else None)
     if model_type == "mistral":
         sliding = [] if window is None else list(range(num_layers))
     else:

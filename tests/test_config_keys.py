@@ -180,3 +180,31 @@ def test_v41_rope_names_that_disagree_are_refused(tmp_path):
     del text["rope_scaling"]
     with pytest.raises(UnsupportedModelError, match="rope_theta"):
         DeepseekV41Config.from_hf_config(hf)
+
+
+# ----------------------------------------------------------------------------- defaults
+
+
+def test_an_absent_key_means_the_references_default(tmp_path):
+    """Where a config leaves a key out, the reference's class default applies: Qwen3's
+    head_dim 128 (not hidden / heads), Mistral's 4096-token window (refused: it binds below
+    max_position_embeddings; an explicit null is no window)."""
+    hf = _saved(_transformers("Qwen3Config", hidden_size=1024, num_attention_heads=16),
+                tmp_path)
+    del hf["head_dim"]
+    assert hf["hidden_size"] // hf["num_attention_heads"] != 128
+    assert _read(hf)[1].head_dim == 128
+    hf = _saved(REFERENCE_CONFIGS["mistral"](), tmp_path)
+    assert hf["sliding_window"] is None and _read(hf)[1].family == "llama"
+    del hf["sliding_window"]
+    with pytest.raises(UnsupportedModelError, match="sliding_window=4096"):
+        _read(hf)
+
+
+def test_qwen2_biases_whatever_attention_bias_says(tmp_path):
+    """transformers' Qwen2 always has q / k / v biases (Qwen2Config has no such field);
+    an exporter's attention_bias=false is read and ignored as the reference ignores it."""
+    hf = _saved(REFERENCE_CONFIGS["qwen2"](), tmp_path)
+    hf["attention_bias"] = False
+    cfg = _read(hf)[1]
+    assert cfg.attention_bias and not cfg.o_bias

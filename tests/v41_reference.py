@@ -305,7 +305,8 @@ def stable_topk():
     """A context in which `torch.Tensor.topk` is a stable descending (or ascending) sort cut
     to k: equal values keep their index order, so ties go to the lower index, as
     `jax.lax.top_k` breaks them (torch's own order of ties is implementation-defined).
-    Covers NeMo's indexer top-k, its candidate-block top-k and the router's. Yields a
+    Covers NeMo's indexer top-k and its candidate-block top-k (the method form); the MoE
+    gate's `torch.topk(...)` calls are not patched (router scores do not tie). Yields a
     `TopkTies` that counts the boundary ties met, so a test can show its inputs have some."""
     import contextlib
     from collections import namedtuple
