@@ -260,7 +260,7 @@ class DeepseekV4Config:
             comp_p = {k: v for k, v in rp.items() if k not in ("main", "compress")}
             comp_p.update(rope_theta=r.value("compress_rope_theta", 160000.0),
                           partial_rotary_factor=prf)
-            comp_p.setdefault("rope_type", comp_p.pop("type", "default"))
+            comp_p.setdefault("rope_type", "default")  # rope_settings read "type" already
             if comp_p["rope_type"] == "yarn":
                 comp_p.setdefault("attention_factor", 1.0)
         main_rope = RopeSpec.from_hf(main_p, head_dim, max_pos, "main")

@@ -380,7 +380,6 @@ HARMLESS: dict[str, str] = {
     **PRETRAINED_KEYS,
     "bos_token_id": "tokenizer",  # the chat template adds BOS; the model never reads it
     "vision_config": "vision",  # the vision tower: text-only here; image tokens are masked
-    "dtype": "storage",
     "expert_dtype": "checkpoint",  # read off the tensors (deepseek_v41_checkpoint)
 }
 

@@ -27,7 +27,7 @@ import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from gsm_jax.errors import UnsupportedModelError
+from gsm_jax.errors import ModelLoadError, UnsupportedModelError
 
 
 class UnknownConfigKeyWarning(UserWarning):
@@ -119,8 +119,7 @@ class ConfigReader:
         return self.data.get(key, default)
 
     def require(self, key: str, *aliases: str) -> Any:
-        from gsm_jax.errors import ModelLoadError
-
+        """`get` of a key the config must have (ModelLoadError naming it when absent)."""
         value = self.get(key, *aliases)
         if value is None:
             raise ModelLoadError(f"{self.family} config: missing key {self.name(key)!r}")

@@ -136,7 +136,7 @@ class LlamaConfig:
                             default=_DEFAULT_MAX_POSITIONS[model_type]))
         r.expect("hidden_act", ("silu",), default="silu")
         r.expect("mlp_bias", (False,), default=False, why="the MLP has no biases here")
-        if model_type == "qwen2":  # transformers' Qwen2 has q/k/v biases whatever the key says
+        if model_type == "qwen2":
             # transformers' Qwen2 has q / k / v biases whatever the key says (Qwen2Config has
             # no such field; some exporters write attention_bias=false): read, and ignored
             # as the reference ignores it

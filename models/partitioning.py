@@ -43,12 +43,17 @@ def model_axis_mesh(size: int) -> Any:
     return mesh if n > 1 and size % n == 0 else None
 
 
+def _split(mesh: Any, axis: str, size: int | None) -> str | None:
+    """`axis` when the mesh has it and it divides `size` (a split of that array axis), else
+    None (the axis stays whole)."""
+    return axis if size and axis in mesh.axis_names and size % mesh.shape[axis] == 0 else None
+
+
 def batch_spec(mesh: Any, rows: int) -> PartitionSpec:
     """`shard_map`'s spec of an input whose leading axis is the batch: split over "data"
     when that divides it, else whole."""
-    if "data" in mesh.axis_names and rows % mesh.shape["data"] == 0:
-        return PartitionSpec("data")
-    return PartitionSpec()
+    data = _split(mesh, "data", rows)
+    return PartitionSpec() if data is None else PartitionSpec(data)
 
 
 def table_axes(table: dict[str, tuple[str | None, ...]], name: str,
@@ -71,9 +76,9 @@ def constrain_rings(rings: Any) -> Any:
         return rings
 
     def one(r):
-        data = RULES["batch"] if r.shape[1] % mesh.shape[RULES["batch"]] == 0 else None
-        chan = "model" if r.shape[-1] % mesh.shape["model"] == 0 else None
-        return jax.lax.with_sharding_constraint(r, PartitionSpec(None, data, None, chan))
+        return jax.lax.with_sharding_constraint(r, PartitionSpec(
+            None, _split(mesh, RULES["batch"], r.shape[1]), None, _split(mesh, "model",
+                                                                      r.shape[-1])))
 
     return tuple(one(r) for r in rings)
 
@@ -86,15 +91,14 @@ def map_rows_and_channels(fn: Any, args: tuple, kinds: tuple[str, ...], out_kind
     over "data" when it divides `rows`), "c" the channels (over "model" when it divides
     `channels`; never when `channels` is None: a computation that reduces over the
     channels, such as a per-token quantization scale), any other letter whole; "" a
-    replicated scalar. `out_kinds` mirrors fn's
-    output pytree. Exact: each device filters its own rows and channels. A Pallas kernel
-    needs it: Mosaic (TPU) kernels cannot be partitioned automatically at all, and XLA
-    would gather a Triton call's operands onto every device."""
+    replicated scalar. `out_kinds` mirrors fn's output pytree. Exact: each device filters
+    its own rows and channels. A Pallas kernel needs it: Mosaic (TPU) kernels cannot be
+    partitioned automatically at all, and XLA would gather a Triton call's operands onto
+    every device."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or not all(a in mesh.axis_names for a in MESH_AXES):
         return fn(*args)
-    axis = {"b": RULES["batch"] if rows % mesh.shape[RULES["batch"]] == 0 else None,
-            "c": "model" if channels and channels % mesh.shape["model"] == 0 else None}
+    axis = {"b": _split(mesh, RULES["batch"], rows), "c": _split(mesh, "model", channels)}
 
     def spec(kind: str) -> PartitionSpec:
         return PartitionSpec(*(axis.get(a) for a in kind))
