@@ -57,7 +57,7 @@ def _start(tmp: Path, *args: str, env: dict[str, str] | None = None
             r = httpx.get(f"{url}/health", timeout=2)
             if r.status_code == 200:
                 return proc, url
-            assert r.json()["status"] == "loading", r.text  # 503 while loading
+            assert r.json()["status"] in ("loading", "warming"), r.text  # 503 meanwhile
         except httpx.TransportError:
             pass
         time.sleep(0.5)

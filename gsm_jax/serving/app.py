@@ -5,10 +5,10 @@
 Endpoints: `/v1/completions`, `/v1/chat/completions` (the model's chat template; for
 DeepSeek-V4/V4.1 their own format, `reasoning_effort`, thinking on by default and the
 answer split at `</think>` into `reasoning_content` and `content`, as vLLM does),
-`/v1/models`, `/v1/models/{id}`, `/health` (503 while loading or draining), `/ready`,
-`/metrics`
-(Prometheus), and, with `--admin-token`, `GET/PUT /admin/gsm`,
-`POST /admin/gsm/rollout`, `POST /admin/gsm/rollback`, `GET /admin/stats`.
+`/v1/models`, `/v1/models/{id}`, `/health` (503 with `Retry-After` while loading or
+warming, with "warming n/N" there; 503 while draining), `/ready`, `/metrics`
+(Prometheus, `gsm_jax_compilations_total` among them), and, with `--admin-token`,
+`GET/PUT /admin/gsm`, `POST /admin/gsm/rollout`, `POST /admin/gsm/rollback`, `GET /admin/stats`.
 
 Each HTTP request gets one id (`x-request-id` if the client sent one, else a new
 `cmpl-...` / `chatcmpl-...`; the body's `id` carries that prefix); it picks the GSM
@@ -25,6 +25,13 @@ and equal `jax.nn.log_softmax(gsm_jax.forward(...))` there. Streams score what h
 arrived whenever the previous scoring finished, so each chunk carries the
 log-probabilities of its tokens. Forwards run one at a time on their own thread.
 
+Start-up: status "loading" (the model), "warming" (`Engine.warmup`, each stage logged as
+"warming n/N" and shown by /health), then "ready"; every API request before that gets
+503 with `Retry-After`. SIGTERM while loading or warming stops the warm-up and the
+process exits 0 at once (`serve`), without waiting for the program XLA is compiling.
+Programs built after ready are logged as warnings and counted on /metrics
+(`gsm_jax_compilations_after_ready_total`; issue 42 wants none).
+
 Text is detokenized incrementally on the engine thread, where stop strings are matched:
 a matched stop ends the request at once (`finish_reason: "stop"`, the stop cut).
 A client that disconnects has its requests aborted at the next engine step.
@@ -37,6 +44,8 @@ import functools
 import hmac
 import json
 import logging
+import os
+import sys
 import threading
 import time
 import uuid
@@ -55,6 +64,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from gsm_jax.errors import GSMConfigError, GSMJaxError, InvalidInputError
 from gsm_jax.families import family_module
 from gsm_jax.generation import MIN_PROMPT_BUCKET, bucket, on_mesh
+from gsm_jax.serving import compile_events
 from gsm_jax.serving.engine import Engine
 from gsm_jax.serving.engine import Request as EngineRequest
 from gsm_jax.serving.gsm_state import GSMVersion, LiveGSM
@@ -72,9 +82,18 @@ from gsm_jax.serving.protocol import (
 )
 from gsm_jax.serving.scheduler import Draining, EngineLoop, QueueFull, Ticket
 
-__all__ = ["GSMServer", "ServerOptions", "build_app"]
+__all__ = ["GSMServer", "ServerOptions", "WarmupCancelled", "build_app"]
 
 log = logging.getLogger("gsm_jax.serving")
+
+STARTING = ("loading", "warming")  # statuses before ready: API requests get 503
+STARTING_RETRY_AFTER_S = 5  # the Retry-After of a 503 while loading or warming
+
+
+class WarmupCancelled(BaseException):
+    """Raised in the loading thread (from the warm-up's progress callback) once
+    `GSMServer.stop_loading` was called: the warm-up ends at its next stage. A
+    BaseException, as asyncio's CancelledError, so no `except Exception` swallows it."""
 
 
 @dataclass(frozen=True)
@@ -225,7 +244,16 @@ class GSMServer:
 
     def __init__(self, options: ServerOptions, params: Any = None) -> None:
         self.options = options
-        self.status = "loading"  # -> "ready" -> "draining" / "failed"
+        # "loading" (the model) -> "warming" (compiling) -> "ready" -> "draining";
+        # "failed" (the load or warm-up raised), "stopped" (stopped while starting)
+        self.status = "loading"
+        self.warm_progress: tuple[int, int | None, str] = (0, None, "")  # done, total, what
+        self._stopping = threading.Event()  # stop_loading() was called
+        # the loop starts, or close() / stop_loading() ran: not both (reentrant: a signal
+        # handler may run on the main thread while it is inside close())
+        self._lifecycle = threading.RLock()
+        self._unsubscribe: Any = None  # the after-ready compilation warning
+        self.load_thread: threading.Thread | None = None  # build_app's loading thread
         self.error: str | None = None
         self.exception: BaseException | None = None
         self.params = params
@@ -275,17 +303,65 @@ class GSMServer:
             self.params = engine.params  # the KV-cache format is part of the model config
             self.live = LiveGSM(initial, check=self._check_gsm, on_change=self._gsm_changed)
             self._gsm_changed(self.live.current)
-            engine.warmup(o.warmup_lengths, sample=o.warmup_sampling)
-            self.loop = EngineLoop(engine, max_queue=o.max_queue,
-                                   on_step=self._engine_stepped).start()
-            if self.watcher is not None:
-                self.watcher.start()
-            self.status = "ready"
-            log.info("gsm-jax serve: %s ready (max_batch %d, max_len %d)", self.name,
-                     o.max_batch, o.max_len)
+            self._check_stopping()
+            self.status = "warming"
+            t0, c0 = time.perf_counter(), compile_events.count()
+            log.info("gsm-jax serve: %s loaded; warming up (compiling the engine's programs)",
+                     self.name)
+
+            def progress(done: int, total: int, what: str) -> None:
+                self.warm_progress = (int(done), int(total), str(what))
+                log.info("gsm-jax serve: warming %d/%d: %s (%d programs, %.1f s)", done, total,
+                         what, compile_events.count() - c0, time.perf_counter() - t0)
+                self._check_stopping()
+
+            engine.warmup(o.warmup_lengths, sample=o.warmup_sampling, progress=progress)
+            with self._lifecycle:
+                self._check_stopping()
+                self.loop = EngineLoop(engine, max_queue=o.max_queue,
+                                       on_step=self._engine_stepped).start()
+                if self.watcher is not None:
+                    self.watcher.start()
+                self.metrics.mark_ready()
+                self._unsubscribe = compile_events.subscribe(self._compiled_after_ready)
+                self.status = "ready"
+            log.info("gsm-jax serve: %s ready (max_batch %d, max_len %d; warm-up %.1f s, "
+                     "%d programs compiled or loaded from the cache)", self.name, o.max_batch,
+                     o.max_len, time.perf_counter() - t0, compile_events.count() - c0)
+        except WarmupCancelled:
+            self.status = "stopped"
+            log.info("gsm-jax serve: stopped while %s", "warming up" if self.engine else
+                     "loading")
         except Exception as e:
             self.status, self.error, self.exception = "failed", f"{type(e).__name__}: {e}", e
             log.error("loading failed: %s", self.error)
+
+    def _check_stopping(self) -> None:
+        if self._stopping.is_set():
+            raise WarmupCancelled("stopped while starting")
+
+    def stop_loading(self) -> bool:
+        """Stop a load or warm-up in progress: the loading thread ends at the warm-up's next
+        stage (the program XLA is compiling then is not interrupted). True if the server was
+        still starting (False: it is ready, or failed, and nothing was changed)."""
+        with self._lifecycle:
+            if self.status not in STARTING:
+                return False
+            self._stopping.set()
+            return True
+
+    def progress_message(self) -> str:
+        """What the server is doing while it starts: "loading the model", "warming n/N"."""
+        if self.status == "loading":
+            return "the model is still loading"
+        done, total, what = self.warm_progress
+        if total is None:
+            return "warming 0/?: compiling the first stage"
+        return f"warming {done}/{total}" + (f" ({what} done)" if what else "")
+
+    def _compiled_after_ready(self, name: str, seconds: float) -> None:
+        log.warning("gsm-jax serve: compiled %s after ready (%.2f s; %d so far)", name,
+                    seconds, self.metrics.compilations_after_ready)
 
     def drain(self, timeout: float | None = None) -> bool:
         """Stop taking requests (503), finish the running ones within `timeout` s."""
@@ -298,6 +374,11 @@ class GSMServer:
         return clean
 
     def close(self) -> None:
+        with self._lifecycle:  # a warm-up that ends now starts no engine thread
+            self._stopping.set()
+            if self._unsubscribe is not None:
+                self._unsubscribe()
+                self._unsubscribe = None
         if self.watcher is not None:
             self.watcher.stop()
         if self.loop is not None:
@@ -385,15 +466,17 @@ class GSMServer:
     # ---------------------------------------------------------------- requests
 
     def _ready(self) -> None:
-        if self.status == "loading":
-            raise HTTPError(503, "the model is still loading", type="unavailable_error",
-                            code="loading", headers={"Retry-After": "5"})
+        if self.status in STARTING:
+            raise HTTPError(503, f"the server is starting: {self.progress_message()}",
+                            type="unavailable_error", code=self.status,
+                            headers={"Retry-After": str(STARTING_RETRY_AFTER_S)})
         if self.status == "draining":
             raise HTTPError(503, "the server is shutting down", type="unavailable_error",
                             code="draining")
-        if self.status != "ready" or not self.loop.alive:
-            raise HTTPError(503, f"the engine is not running: {self.error or self.loop.error}",
-                            type="server_error", code="engine_dead")
+        if self.status != "ready" or self.loop is None or not self.loop.alive:
+            why = self.error or (self.loop.error if self.loop is not None else self.status)
+            raise HTTPError(503, f"the engine is not running: {why}", type="server_error",
+                            code="engine_dead")
 
     def _chat_options(self, body: ChatRequest) -> tuple[dict[str, Any], bool | None]:
         """The chat template's options of `body`, and whether the prompt opens thinking
@@ -458,28 +541,36 @@ class GSMServer:
         return out
 
     def _max_tokens(self, body: Any, n_prompt: int) -> int:
-        room = self.options.max_len - n_prompt
+        """The tokens to generate for a prompt of `n_prompt` tokens, or a 400: a prompt
+        longer than --max-len (or, to generate, as long) is refused before max_tokens is
+        looked at, with both lengths named."""
+        max_len = self.options.max_len
         limit = body.max_tokens
         if isinstance(body, ChatRequest) and body.max_completion_tokens is not None:
             limit = body.max_completion_tokens
-        if limit is None:
-            limit = 16 if isinstance(body, CompletionRequest) else room
         echo = isinstance(body, CompletionRequest) and body.echo
         if limit == 0 and echo:  # scoring the prompt alone (lm-evaluation-harness)
-            if n_prompt > self.options.max_len:
-                raise HTTPError(400, f"this model's context is {self.options.max_len} tokens; "
+            if n_prompt > max_len:
+                raise HTTPError(400, f"this model's context is {max_len} tokens (--max-len); "
                                 f"the prompt has {n_prompt}", param="prompt",
                                 code="context_length_exceeded")
             return 0
+        room = max_len - n_prompt
+        if room < 1:
+            raise HTTPError(400, f"this model's context is {max_len} tokens (--max-len); the "
+                            f"prompt has {n_prompt}, which leaves no room for a new token: "
+                            "shorten the prompt", param="prompt",
+                            code="context_length_exceeded")
+        if limit is None:
+            limit = 16 if isinstance(body, CompletionRequest) else room
         if limit < 1:
             raise HTTPError(400, f"max_tokens must be >= 1 (0 only with echo), got {limit}",
                             param="max_tokens")
-        if room < 1 or limit > room:
+        if limit > room:
             raise HTTPError(
-                400, f"this model's context is {self.options.max_len} tokens; the prompt has "
+                400, f"this model's context is {max_len} tokens (--max-len); the prompt has "
                 f"{n_prompt} and max_tokens asks for {limit}: shorten the prompt or lower "
-                "max_tokens", param="max_tokens" if room >= 1 else "prompt",
-                code="context_length_exceeded")
+                "max_tokens", param="max_tokens", code="context_length_exceeded")
         return limit
 
     def check_model(self, name: str | None) -> None:
@@ -890,15 +981,19 @@ def _sse(obj: dict[str, Any]) -> bytes:
 
 
 def build_app(server: GSMServer, *, load_in_background: bool = True) -> FastAPI:
-    """The FastAPI app of `server`; its lifespan loads the model (in a thread, so
-    /health answers 503 "loading" meanwhile) and stops the engine at exit."""
+    """The FastAPI app of `server`; its lifespan loads the model and warms the engine (in
+    a thread, `server.load_thread`, so /health answers 503 "loading" / "warming n/N"
+    meanwhile) and stops the engine at exit (a warm-up still running stops at its next
+    stage)."""
     from contextlib import asynccontextmanager
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        if server.status == "loading":
+        if server.status == "loading" and server.load_thread is None:
             if load_in_background:
-                threading.Thread(target=server.load, name="gsm-jax-load", daemon=True).start()
+                server.load_thread = threading.Thread(target=server.load, name="gsm-jax-load",
+                                                      daemon=True)
+                server.load_thread.start()
             else:
                 server.load()
         yield
@@ -1012,20 +1107,33 @@ def build_app(server: GSMServer, *, load_in_background: bool = True) -> FastAPI:
                              "model_max_length": server.options.max_len,
                              "vocab_size": server.params.config.vocab_size})
 
+    def starting(body: dict[str, Any]) -> dict[str, str]:
+        """While loading or warming: the progress in `body`, and the Retry-After header."""
+        if server.status not in STARTING:
+            return {}
+        body["message"] = server.progress_message()
+        if server.status == "warming":
+            done, total, what = server.warm_progress
+            body["warmup"] = {"done": done, "total": total, "stage": what}
+        return {"Retry-After": str(STARTING_RETRY_AFTER_S)}
+
     @app.get("/health")
     async def health() -> JSONResponse:
         alive = server.status == "ready" and server.loop is not None and server.loop.alive
-        body = {"status": server.status if alive or server.status != "ready" else "failed"}
+        body: dict[str, Any] = {
+            "status": server.status if alive or server.status != "ready" else "failed"}
+        headers = starting(body)
         if server.error:
             body["error"] = server.error
-        return JSONResponse(body, status_code=200 if alive else 503)
+        return JSONResponse(body, status_code=200 if alive else 503, headers=headers)
 
     @app.get("/ready")
     async def ready() -> JSONResponse:
         ok = server.status == "ready" and server.loop is not None and server.loop.alive
         full = ok and server.loop.num_waiting >= server.loop.max_queue
-        status = "queue_full" if full else server.status
-        return JSONResponse({"status": status}, status_code=200 if ok and not full else 503)
+        body: dict[str, Any] = {"status": "queue_full" if full else server.status}
+        headers = starting(body)
+        return JSONResponse(body, status_code=200 if ok and not full else 503, headers=headers)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -1104,6 +1212,9 @@ def build_app(server: GSMServer, *, load_in_background: bool = True) -> FastAPI:
         eng = server.engine
         return JSONResponse({
             "compiles": {**compile_counts(), "logprobs": _score._cache_size()},
+            # XLA programs this process built (JAX's events), and those since ready
+            "compilations": {"total": compile_events.count(),
+                             "after_ready": server.metrics.compilations_after_ready},
             "running": server.loop.num_running,
             "waiting": server.loop.num_waiting, "kv_usage": eng.kv_usage,
             "max_batch": eng.max_batch, "max_len": eng.max_len,
@@ -1122,7 +1233,10 @@ def serve(options: ServerOptions, *, host: str = "127.0.0.1", port: int = 8000,
           log_level: str = "info") -> None:
     """Run the server until SIGTERM / SIGINT. The first signal drains: /health turns 503,
     new requests get 503, running ones finish within `options.shutdown_timeout` s (then
-    are aborted), and the process exits; a second signal exits at once."""
+    are aborted), and the process exits; a second signal exits at once. A signal while
+    the model loads or the engine warms up stops at once: the HTTP side shuts down and,
+    if the loading thread is still inside a compilation (which cannot be interrupted),
+    the process exits 0 without waiting for it (`os._exit`, after flushing the logs)."""
     import uvicorn
 
     server = GSMServer(options)
@@ -1136,6 +1250,10 @@ def serve(options: ServerOptions, *, host: str = "127.0.0.1", port: int = 8000,
                 self.force_exit = True
                 return super().handle_exit(sig, frame)
             self.draining = True
+            if server.stop_loading():  # loading or warming: nothing to drain
+                log.info("gsm-jax serve: signal %s while %s: stopping", sig, server.status)
+                self.should_exit = True
+                return
             log.info("gsm-jax serve: signal %s: draining (up to %.0f s)", sig,
                      options.shutdown_timeout)
 
@@ -1150,7 +1268,7 @@ def serve(options: ServerOptions, *, host: str = "127.0.0.1", port: int = 8000,
     uv = DrainingServer(config)
 
     def exit_if_loading_fails() -> None:  # an unknown model or a corrupt file ends the process
-        while server.status == "loading":
+        while server.status in STARTING:
             time.sleep(0.1)
         if server.status == "failed":
             uv.should_exit = True
@@ -1158,6 +1276,19 @@ def serve(options: ServerOptions, *, host: str = "127.0.0.1", port: int = 8000,
     threading.Thread(target=exit_if_loading_fails, name="gsm-jax-load-watch",
                      daemon=True).start()
     uv.run()
+    loading = server.load_thread
+    if loading is not None and loading.is_alive():  # stopped while loading or warming
+        loading.join(timeout=1.0)  # a warm-up between two stages ends now
+        if loading.is_alive():  # inside a compilation: do not wait for it, nor let the
+            # interpreter tear JAX down under it (its thread would run on during exit)
+            log.info("gsm-jax serve: exiting during %s", server.status)
+            logging.shutdown()
+            for stream in (sys.stdout, sys.stderr):
+                try:
+                    stream.flush()
+                except (OSError, ValueError):
+                    pass
+            os._exit(0)
     if server.status == "failed":
         if isinstance(server.exception, GSMJaxError):
             raise server.exception

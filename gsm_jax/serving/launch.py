@@ -30,7 +30,9 @@ class ServerProcess:
     """`gsm-jax serve <args>` on 127.0.0.1:<free port>; `url`, `admin_token`, `log_path`.
 
     `start()` waits up to `timeout` s for `/health` to answer 200 (it answers 503 while
-    the model loads and compiles) and raises with the log's tail if the process dies.
+    the model loads and compiles) and raises with the log's tail if the process dies;
+    `start(wait=False)` returns once the process is started (`health()` then tells how far
+    it got: "loading", "warming" with its "warming n/N", "ready").
     `cpus`: the cores the server may run on (set before JAX starts its threads).
     `stop()` sends SIGTERM (the server drains) and waits; `kill()` does not wait.
     """
@@ -58,7 +60,17 @@ class ServerProcess:
             return "(no log)"
         return self.log_path.read_text(errors="replace")[-n:]
 
-    def start(self) -> ServerProcess:
+    def health(self) -> tuple[int, dict[str, Any], dict[str, str]] | None:
+        """`/health` now: (status code, JSON body, headers); None if it does not answer."""
+        import httpx
+
+        try:
+            r = httpx.get(f"{self.url}/health", timeout=2)
+        except httpx.TransportError:
+            return None
+        return r.status_code, r.json(), dict(r.headers)
+
+    def start(self, wait: bool = True) -> ServerProcess:
         import httpx
 
         cmd = [sys.executable, "-c", "import sys; from gsm_jax.cli import main; sys.exit(main())",
@@ -73,6 +85,8 @@ class ServerProcess:
         pin = None if self.cpus is None else (lambda: os.sched_setaffinity(0, self.cpus))
         self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=self.env,
                                      preexec_fn=pin)
+        if not wait:
+            return self
         while time.time() - t0 < self.timeout:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"gsm-jax serve exited with {self.proc.returncode}: "

@@ -4,6 +4,12 @@ Latency histograms (TTFT, inter-token latency, e2e, queue time) carry the GSM
 arm, and the request / token counters the GSM version and arm, so a canary's
 latency and finish reasons can be compared live (`rate(...{gsm_arm="gsm"}[5m])`
 against `{gsm_arm="control"}`). Bucket edges are vLLM's.
+
+Two counters are read when scraped from `compile_events` (JAX's own compilation events,
+process-wide): `gsm_jax_compilations_total`, the XLA programs this process built
+(compiled or loaded from the persistent cache), and
+`gsm_jax_compilations_after_ready_total`, those built after the server said ready
+(issue 42: zero under any workload).
 """
 
 from __future__ import annotations
@@ -11,8 +17,10 @@ from __future__ import annotations
 import math
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from gsm_jax.serving import compile_events
 from gsm_jax.serving.engine import RequestRecord
 
 __all__ = ["CONTENT_TYPE_LATEST", "ServerMetrics"]
@@ -86,6 +94,18 @@ class ServerMetrics:
         self.scored_tokens = Counter("gsm_jax:logprobs_scored_tokens",
                                      "Tokens scored by those forwards.", ["model_name"],
                                      registry=r)
+        compile_events.install()
+        self.compiles_at_ready: int | None = None  # the count when the server said ready
+        r.register(_Compilations(self))
+
+    def mark_ready(self) -> None:
+        """From now on a program built counts in `compilations_after_ready`."""
+        self.compiles_at_ready = compile_events.count()
+
+    @property
+    def compilations_after_ready(self) -> int:
+        at = self.compiles_at_ready
+        return 0 if at is None else compile_events.count() - at
 
     def observe_token(self, rec: RequestRecord, arm: str) -> None:
         if rec.n_tokens >= 2:
@@ -133,3 +153,25 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _Compilations:
+    """The process's compilation counts, read when scraped (a custom collector: the count
+    lives in `compile_events`, process-wide, not in this registry)."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self.metrics = metrics
+
+    def collect(self):
+        m = self.metrics
+        total = CounterMetricFamily(
+            "gsm_jax_compilations", "XLA programs this process built (compiled, or loaded "
+            "from the persistent compilation cache); JAX's backend_compile events.",
+            labels=["model_name"])
+        total.add_metric([m.model_name], compile_events.count())
+        after = CounterMetricFamily(
+            "gsm_jax_compilations_after_ready", "Of those, the programs built after the "
+            "server said ready (0 while starting).", labels=["model_name"])
+        after.add_metric([m.model_name], m.compilations_after_ready)
+        yield total
+        yield after
