@@ -335,44 +335,76 @@ def _is_key(x: Any) -> bool:
     return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
-def _load_or_export(where: Path, key: str, fn: Callable, static: dict, treedef: Any,
-                    keyed: list, impls: list) -> Any:
-    """The jitted call of the saved program `key` (loaded, else traced from `fn` and saved),
-    taking `keyed` (the flat arguments, PRNG keys as key data; `impls`: their key impls);
-    None when it cannot be exported."""
+def exported_program(name: str, fn: Callable, args: tuple, static: dict) -> Any:
+    """The traced program of ``fn(*args, **static)`` as a ``jax.export.Exported`` taking the
+    flat leaves of `args` (arrays or ShapeDtypeStructs; no PRNG keys): loaded from
+    ``<cache>/exported/`` when a process with the same source, jax and argument types
+    saved it, else traced, exported and saved. None when the compilation cache is off,
+    for arguments on more than one device, or when it cannot be exported (said once).
+    The serving engine builds its programs through it (`serving/programs.py`), so a warm
+    start of the server does not trace the model."""
+    import jax
+
+    where = compilation_cache_dir()
+    leaves, treedef = jax.tree.flatten(args)
+    if where is None or any(len(getattr(x, "sharding", None).device_set) > 1
+                            for x in leaves if getattr(x, "sharding", None) is not None):
+        return None
+    key = _program_key(name, static, treedef, leaves)
+    if key is None:
+        return None
+    return _exported(where, key, fn, static, treedef, leaves, [None] * len(leaves))
+
+
+def _exported(where: Path, key: str, fn: Callable, static: dict, treedef: Any,
+              keyed: list, impls: list) -> Any:
+    """The saved program `key` (loaded, else traced from `fn` and saved), taking `keyed`
+    (the flat arguments, PRNG keys as key data; `impls`: their key impls); None when it
+    cannot be exported."""
     import jax
 
     path = where / EXPORT_SUBDIR / f"{key}.jaxexport"
-    exported = None
     if path.is_file():
         try:
-            exported = jax.export.deserialize(bytearray(path.read_bytes()))
+            return jax.export.deserialize(bytearray(path.read_bytes()))
         except Exception as e:  # a truncated or foreign file: traced again, rewritten
             _warn_once(f"bad {path}", f"ignoring the unreadable saved program {path} ({e})")
-    if exported is None:
-        def flat(*values):
-            values = [v if impl is None else jax.random.wrap_key_data(v, impl=impl)
-                      for v, impl in zip(values, impls, strict=True)]
-            return fn(*jax.tree.unflatten(treedef, values), **static)
 
-        flat.__name__ = flat.__qualname__ = f"trace_{key.split('-')[0]}"
-        avals = [jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=getattr(x, "weak_type", False))
-                 for x in keyed]
-        try:
-            exported = jax.export.export(jax.jit(flat))(*avals)
-            blob = exported.serialize()
-        except Exception as e:  # e.g. host callbacks, or flatbuffers missing
-            _warn_once(f"export {key.split('-')[0]}",
-                       f"{key.split('-')[0]}: traced on every run, not saved "
-                       f"({type(e).__name__}: {e})")
-            return None
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_bytes(blob)
-            os.replace(tmp, path)
-        except OSError as e:
-            _warn_once(f"write {path}", f"could not save {path} ({e})")
+    def flat(*values):
+        values = [v if impl is None else jax.random.wrap_key_data(v, impl=impl)
+                  for v, impl in zip(values, impls, strict=True)]
+        return fn(*jax.tree.unflatten(treedef, values), **static)
+
+    flat.__name__ = flat.__qualname__ = f"trace_{key.split('-')[0]}"
+    avals = [jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=getattr(x, "weak_type", False))
+             for x in keyed]
+    try:
+        exported = jax.export.export(jax.jit(flat))(*avals)
+        blob = exported.serialize()
+    except Exception as e:  # e.g. host callbacks, or flatbuffers missing
+        _warn_once(f"export {key.split('-')[0]}",
+                   f"{key.split('-')[0]}: traced on every run, not saved "
+                   f"({type(e).__name__}: {e})")
+        return None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_bytes(blob)
+        os.replace(tmp, path)
+    except OSError as e:
+        _warn_once(f"write {path}", f"could not save {path} ({e})")
+    return exported
+
+
+def _load_or_export(where: Path, key: str, fn: Callable, static: dict, treedef: Any,
+                    keyed: list, impls: list) -> Any:
+    """The jitted call of the saved program `key` (`_exported`); None when it cannot be
+    exported."""
+    import jax
+
+    exported = _exported(where, key, fn, static, treedef, keyed, impls)
+    if exported is None:
+        return None
 
     def call(*values):
         return exported.call(*values)

@@ -14,11 +14,12 @@ and its entry points are thin wrappers around `run_layers`:
 | `extend` | "extend" | a chunk continuing rows that hold `step.start` tokens |
 | `decode_step` | "decode" | one token per row (the decode attention is picked here) |
 
-Prefill and decode are the two special cases of `extend` that have faster programs (a
-prefill attends over its own chunk only, a decode step reads the cache with one query);
-the layer picks them from `step.mode`, which is static. `Step` also carries the hooks
-(`models/sites.py`): every GSM site and every projection goes through `step.site` and
-`step.linear`, and hooks hand values back with `step.sow`.
+Prefill and decode are the two special cases of `extend` (a prefill starts at slot 0, a
+decode step has one query per row); all three read the cache through `cache_attention`,
+whose loop over cache blocks runs as far as the rows' lengths (run-time data: one
+program for every context length). The layer sees `step.mode`, which is static. `Step`
+also carries the hooks (`models/sites.py`): every GSM site and every projection goes
+through `step.site` and `step.linear`, and hooks hand values back with `step.sow`.
 """
 
 from __future__ import annotations
@@ -54,8 +55,6 @@ class Step:
     n_new:     [B] real tokens of each row in this call.
     active:    [B] rows that advance (decode: finished rows compute but stay put).
     max_len:   the cache's slots (None without a cache).
-    attend:    extend / decode read only the cache's slots [0, attend) (None: all max_len);
-               the caller guarantees every row's positions are below it (`bound_reads`).
     rings:     the GSM rings, one [layers, B, W, C] array per site (a list the site hook
                reads and replaces), or None when the hooks keep no state.
     """
@@ -67,7 +66,6 @@ class Step:
     active: jax.Array
     sites: Sites
     max_len: int | None = None
-    attend: int | None = None
     rings: list | None = None
     _sown: dict | None = None
 
@@ -101,20 +99,11 @@ class Step:
     def rope_positions(self) -> jax.Array:
         return jnp.maximum(self.positions, 0)
 
-    @property
-    def slots(self) -> jax.Array:
-        """[S] the cache slots attention reads: [0, attend) when bounded, else all."""
-        return jnp.arange(self.max_len if self.attend is None else self.attend)
-
     def chunk_mask(self) -> jax.Array:
         """[B, T, T]: causal within the chunk, real keys of the same row (forward, prefill)."""
         t = self.positions.shape[1]
         steps = jnp.arange(t)
         return (steps[None, :, None] >= steps[None, None, :]) & self.valid[:, None, :]
-
-    def cache_mask(self) -> jax.Array:
-        """[B, T, S]: the cache slots each token sees (extend, decode): its own and earlier."""
-        return (self.slots[None, None, :] <= self.positions[:, :, None]) & self.valid[..., None]
 
 
 def forward_step(lengths: jax.Array, t: int, sites: Any = None) -> Step:
@@ -141,7 +130,7 @@ def extend_step(n_new: jax.Array, t: int, cache: Any, sites: Any = None) -> Step
     sites = as_sites(sites)
     return Step("extend", jnp.where(valid, start[:, None] + steps[None, :], -1), start,
                 n_new.astype(jnp.int32), jnp.ones((n_new.shape[0],), bool), sites,
-                max_len=cache.max_len, attend=_attend_of(cache), rings=_rings_in(cache, sites))
+                max_len=cache.max_len, rings=_rings_in(cache, sites))
 
 
 def decode_step_ctx(cache: Any, active: jax.Array | None, sites: Any = None) -> Step:
@@ -151,13 +140,7 @@ def decode_step_ctx(cache: Any, active: jax.Array | None, sites: Any = None) -> 
     slot = jnp.minimum(cache.lengths, cache.max_len - 1)
     sites = as_sites(sites)
     return Step("decode", slot[:, None], cache.lengths, active.astype(jnp.int32),
-                active, sites, max_len=cache.max_len, attend=_attend_of(cache),
-                rings=_rings_in(cache, sites))
-
-
-def _attend_of(cache: Any) -> int | None:
-    """The cache's read bound (`bound_reads`); None for caches without one."""
-    return getattr(cache, "attend", None) if isinstance(cache, KVCache) else None
+                active, sites, max_len=cache.max_len, rings=_rings_in(cache, sites))
 
 
 def _rings_in(cache: Any, sites: Sites) -> list | None:
@@ -301,8 +284,6 @@ class KVCache:
           are int8 / float8_e4m3fn), one [B, kv_heads, S, head_dim // 32] float32 array of
           block scales per layer: slot s of head h holds k[.., h, s, 32 j: 32 (j + 1)] *
           k_scale[.., h, s, j] (`kv_quantize`); None when float.
-    attend: static; the next extend / decode step attends over slots [0, attend) only
-          (`bound_reads`); the step's returned cache has None again.
     """
 
     k: tuple[jax.Array, ...]
@@ -311,7 +292,6 @@ class KVCache:
     rings: tuple[jax.Array, jax.Array] | None = None
     k_scale: tuple[jax.Array, ...] | None = None
     v_scale: tuple[jax.Array, ...] | None = None
-    attend: int | None = struct.field(pytree_node=False, default=None)
 
     @property
     def max_len(self) -> int:
@@ -442,25 +422,10 @@ def kv_dequantize(stored: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
     return (blocks * scale[..., None]).reshape(stored.shape).astype(dtype)
 
 
-def can_bound_reads(cache: Any) -> bool:
-    """True when `bound_reads` narrows what this cache's steps read (the dense families'
-    KVCache; DeepSeek-V4's window / compressed caches have their own sizes)."""
+def can_cut_rows(cache: Any) -> bool:
+    """True when a decode step can run over the first rows of this cache only
+    (`first_rows`): the dense families' KVCache; DeepSeek's caches step every row."""
     return isinstance(cache, KVCache)
-
-
-def bound_reads(cache: Any, n: int | None) -> Any:
-    """The cache whose next extend / decode step attends over slots [0, n) only, so the
-    step costs what the rows hold, not the allocated `max_len` (the serving engine
-    allocates `--max-len` slots and picks n = a power of two above its longest row).
-    Writes still go to the whole cache. The caller guarantees every row's positions in
-    that step are < n (the slots beyond are masked out anyway, so with that the result
-    equals the unbounded step's). `n=None`, `n >= max_len` or a cache that cannot be
-    bounded (`can_bound_reads`): the cache unchanged."""
-    if n is None or not can_bound_reads(cache) or int(n) >= cache.max_len:
-        return cache
-    if isinstance(n, bool) or int(n) < 1:
-        raise InvalidInputError(f"bound_reads: n must be an integer >= 1, got {n!r}")
-    return cache.replace(attend=int(n))
 
 
 def first_rows(cache: KVCache, rows: int) -> KVCache:
@@ -505,6 +470,31 @@ def insert_rows(cache: Any, rows: Any, slots: jax.Array) -> Any:
     return body.replace(lengths=cache.lengths.at[slots].set(rows.lengths), rings=rings)
 
 
+def _batch_axis(path: tuple) -> int:
+    """The batch axis of a cache leaf: 1 for the GSM rings ([layers, B, W, C]), else 0."""
+    return 1 if any(getattr(k, "name", None) == "rings" for k in path) else 0
+
+
+def take_row(cache: Any, slot: jax.Array) -> Any:
+    """Row `slot` (a traced int) of a cache as a one-row cache of the same structure:
+    the serving engine prefills a request in place, in its slot of the running cache.
+    For any cache laid out as `insert_rows` wants (batch first, GSM rings second)."""
+    def take(path, a):
+        return jax.lax.dynamic_slice_in_dim(a, slot, 1, axis=_batch_axis(path))
+
+    return jax.tree_util.tree_map_with_path(take, cache)
+
+
+def put_row(cache: Any, row: Any, slot: jax.Array) -> Any:
+    """`cache` with its row `slot` replaced by the one-row cache `row` (`take_row`'s
+    inverse; in place when `cache` is donated)."""
+    def put(path, big, small):
+        return jax.lax.dynamic_update_slice_in_dim(big, small.astype(big.dtype), slot,
+                                                   axis=_batch_axis(path))
+
+    return jax.tree_util.tree_map_with_path(put, cache, row)
+
+
 def kv_pieces(cache: KVCache) -> tuple:
     """Per layer (k, v), or (k, v, k_scale, v_scale) for a low-precision cache."""
     if cache.k_scale is None:
@@ -543,9 +533,10 @@ def kv_attention(q: jax.Array, k: jax.Array, v: jax.Array, kv_cache: tuple | Non
                  scale: float | None = None,
                  kv_dtype: str | None = None) -> tuple[jax.Array, tuple | None]:
     """Write this call's k, v [B, T, K, hd] into the layer's cache and attend, the way the
-    mode wants: over the chunk itself (forward, prefill), over the cache with one query
-    (decode), or over the cache (extend). `mask_fn(mask)` narrows the causal mask (Gemma's
-    sliding window). Returns the attention output [B, T, H * hd] and the new cache piece.
+    mode wants: over the chunk itself (forward, no cache), or over the cache in blocks up
+    to each row's position (prefill, extend, decode: `cache_attention`). `mask_fn(mask)`
+    narrows the causal mask (Gemma's sliding window). Returns the attention output [B, T, H * hd]
+    and the new cache piece.
 
     `kv_dtype` ("int8" / "fp8": the model config's `kv_cache_dtype`): the cache stores k
     and v rounded by `kv_quantize`, and every key and value any query sees, in every mode
@@ -556,7 +547,7 @@ def kv_attention(q: jax.Array, k: jax.Array, v: jax.Array, kv_cache: tuple | Non
     else:  # what the cache holds; every query sees its dequantized values
         (kq, ks), (vq, vs) = kv_quantize(k, kv_dtype), kv_quantize(v, kv_dtype)
         stored = (kq, vq, ks, vs)
-    if step.mode in ("forward", "prefill"):
+    if step.mode == "forward":
         if kv_dtype is not None:  # attending over the chunk itself: its rounded values
             k, v = kv_dequantize(kq, ks, k.dtype), kv_dequantize(vq, vs, v.dtype)
         mask = step.chunk_mask()
@@ -564,31 +555,89 @@ def kv_attention(q: jax.Array, k: jax.Array, v: jax.Array, kv_cache: tuple | Non
             t = q.shape[1]
             mask = mask_fn(mask, jnp.broadcast_to(jnp.arange(t), step.positions.shape))
         with jax.named_scope("attention"):
-            out = attention(q, k, v, mask, scale)
-        if step.mode == "forward":
-            return out, None
-        return out, tuple(write_kv(c, n, step) for c, n in zip(kv_cache, stored, strict=True))
-    # Write this call's k, v first, then read: reading before the scatter makes XLA keep
-    # (copy) the old cache alive.
+            return attention(q, k, v, mask, scale), None
+    # Prefill, extend, decode: write this call's k, v first, then read the cache
+    # (`cache_attention`, whose trip count follows the rows' lengths); reading before the
+    # scatter makes XLA keep (copy) the old cache alive. A prefill reads its own chunk
+    # back from the cache: the same blocks, in the same order, as an extend from slot 0,
+    # so the serving engine's prefill (an extend into a slot) equals `generate`'s.
     piece = tuple(write_kv(c, n, step) for c, n in zip(kv_cache, stored, strict=True))
-    mask = step.cache_mask()
-    if mask_fn is not None:
-        mask = mask_fn(mask, step.slots)
-    # Bounded reads (`bound_reads`): only the slots [0, attend) the rows can hold; and only
-    # the call's rows: a decode step over the first rows of a bigger cache (`first_rows`)
-    # reads those rows.
-    n = piece[0].shape[2] if step.attend is None else step.attend
-    b = q.shape[0]
-    kr, vr = piece[0][:b, :, :n], piece[1][:b, :, :n]
-    if kv_dtype is not None:
-        kr = kv_dequantize(kr, piece[2][:b, :, :n], q.dtype)
-        vr = kv_dequantize(vr, piece[3][:b, :, :n], q.dtype)
     with jax.named_scope("attention"):
-        if step.mode == "decode":
-            out = decode_attention(q[:, 0], kr, vr, mask[:, 0], scale)[:, None]
-        else:
-            out = attention(q, jnp.swapaxes(kr, 1, 2), jnp.swapaxes(vr, 1, 2), mask, scale)
+        out = cache_attention(q, piece, step.positions, mask_fn, scale)
     return out, piece
+
+
+# Cache slots per block of `cache_attention` (a multiple of nothing in particular: the
+# loop clamps its last block into the cache and masks what an earlier block covered).
+ATTN_BLOCK = 128
+
+
+def cache_attention(q: jax.Array, piece: tuple, positions: jax.Array,
+                    mask_fn: Callable | None = None, scale: float | None = None,
+                    block: int = ATTN_BLOCK) -> jax.Array:
+    """Attention of the queries q [B, T, H, hd] at `positions` [B, T] (-1: padding) over a
+    layer's cache `piece` (k, v [B', K, S, hd], B' >= B: rows [0, B) are read; or with
+    their block scales, `kv_quantize`), each query seeing the slots <= its position.
+
+    **The context length is run-time data.** The loop runs over blocks of `block` slots,
+    as many as the longest row needs (ceil((max position + 1) / block), a traced trip
+    count): a step reading a row of 64 tokens costs one block whatever the cache's size,
+    so one compiled program serves every length (vLLM's paged attention reads block
+    tables the same way). Online softmax (flash-decoding): per block the running max m,
+    denominator l and output are rescaled, in float32. A block past a row's length is
+    fully masked and leaves that row's numbers bit for bit unchanged (its weights are
+    exp(-1e30 - m) = 0 and the rescale exp(0) = 1), so a row's result does not depend on
+    the other rows, the trip count or the cache's size. `mask_fn(mask [B, T, blk],
+    slots [blk])` narrows the mask (Gemma's sliding window). Returns [B, T, H * hd]."""
+    b, t, h, hd = q.shape
+    k_all, v_all = piece[0], piece[1]
+    kh, s = k_all.shape[1], k_all.shape[2]
+    g = h // kh
+    blk = min(int(block), s)
+    scale = hd**-0.5 if scale is None else scale
+    # [B, K, G * T, hd]: per (row, kv head) the block's products are plain matrix products
+    # [G T, hd] x [hd, blk] and [G T, blk] x [blk, hd] reading the cache in place
+    qg = q.reshape(b, t, kh, g, hd).transpose(0, 2, 3, 1, 4).reshape(b, kh, g * t, hd)
+    valid = positions >= 0
+    n_blocks = (jnp.max(jnp.where(valid, positions, 0)) + blk) // blk
+    n_blocks = jnp.minimum(n_blocks, -(-s // blk)).astype(jnp.int32)
+
+    def read(a: jax.Array, start: jax.Array) -> jax.Array:
+        return jax.lax.dynamic_slice(a, (0, 0, start, 0), (b,) + a.shape[1:2] + (blk,)
+                                     + a.shape[3:])
+
+    def body(i, carry):
+        m, denom, acc = carry
+        first = i * blk
+        start = jnp.minimum(first, s - blk)  # the last block may overlap the one before
+        kb, vb = read(k_all, start), read(v_all, start)
+        if len(piece) == 4:
+            kb = kv_dequantize(kb, read(piece[2], start), q.dtype)
+            vb = kv_dequantize(vb, read(piece[3], start), q.dtype)
+        kb, vb = kb.astype(q.dtype), vb.astype(q.dtype)
+        slots = start + jnp.arange(blk)
+        mask = ((slots[None, None, :] <= positions[:, :, None]) & valid[..., None]
+                & (slots >= first)[None, None, :])
+        if mask_fn is not None:
+            mask = mask_fn(mask, slots)
+        mask = jnp.broadcast_to(mask[:, None, None], (b, kh, g, t, blk)).reshape(
+            b, kh, g * t, blk)
+        sc = jnp.einsum("bkqd,bksd->bkqs", qg, kb, preferred_element_type=jnp.float32)
+        sc = jnp.where(mask, sc * scale, MASK_VALUE)
+        m_new = jnp.maximum(m, jnp.max(sc, axis=-1))
+        p = jnp.exp(sc - m_new[..., None])
+        alpha = jnp.exp(m - m_new)
+        denom = denom * alpha + jnp.sum(p, axis=-1)
+        pv = jnp.einsum("bkqs,bksd->bkqd", p.astype(vb.dtype), vb,
+                        preferred_element_type=jnp.float32)
+        return m_new, denom, acc * alpha[..., None] + pv
+
+    init = (jnp.full((b, kh, g * t), MASK_VALUE, jnp.float32),
+            jnp.zeros((b, kh, g * t), jnp.float32),
+            jnp.zeros((b, kh, g * t, hd), jnp.float32))
+    _, denom, acc = jax.lax.fori_loop(0, n_blocks, body, init)
+    out = (acc / denom[..., None]).astype(q.dtype)
+    return out.reshape(b, kh, g, t, hd).transpose(0, 3, 1, 2, 4).reshape(b, t, h * hd)
 
 
 # ----------------------------------------------------------------------------- numerics
@@ -637,22 +686,6 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
     return out.reshape(b, t, h * hd)
-
-
-def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
-                     scale: float | None = None) -> jax.Array:
-    """One query per row against the cache. q [B,H,hd]; k, v [B,K,S,hd] (the cache's
-    layout); mask [B,S] -> [B,H*hd]. Per (row, kv head) both products are plain
-    [G, hd] x [hd, S] and [G, S] x [S, hd] matrix products reading the cache in place
-    (the generic `attention` einsums made XLA:CPU transpose; docs/performance_notes.md)."""
-    b, h, hd = q.shape
-    kv_heads = k.shape[1]
-    q = q.reshape(b, kv_heads, h // kv_heads, hd)
-    scores = jnp.einsum("bkgd,bksd->bkgs", q, k, preferred_element_type=jnp.float32)
-    scale = hd**-0.5 if scale is None else scale
-    scores = jnp.where(mask[:, None, None], scores * scale, MASK_VALUE)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    return jnp.einsum("bkgs,bksd->bkgd", probs, v).reshape(b, h * hd)
 
 
 def embed(weights: dict, tokens: jax.Array) -> jax.Array:

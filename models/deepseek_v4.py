@@ -1674,7 +1674,7 @@ def prefill(weights: dict, cfg: DeepseekV4Config, tokens: jax.Array, lengths: ja
 
 def extend(weights: dict, cfg: DeepseekV4Config, tokens: jax.Array, n_new: jax.Array,
            cache: DeepseekV4Cache, gsm: Sites | None = None, *,
-           all_logits: bool = False) -> tuple[jax.Array, DeepseekV4Cache]:
+           all_logits: bool = False, hidden: bool = False) -> tuple[jax.Array, DeepseekV4Cache]:
     """Append a chunk of prompt tokens [B, C] (the first `n_new` [B] of each row real) to
     rows already holding `cache.lengths` tokens: chunked prefill. Returns the logits of
     each row's last new token [B, V] (all_logits: of every chunk position, [B, C, V]) and
@@ -1683,6 +1683,8 @@ def extend(weights: dict, cfg: DeepseekV4Config, tokens: jax.Array, n_new: jax.A
     the window ring, itself and every compressed entry (`Attention._extend_keys`)."""
     step = common.extend_step(n_new, tokens.shape[1], cache, gsm)
     h, cache, _ = _run(weights, cfg, tokens, cache, step)
+    if hidden:  # what `logits` takes, every position: the serving engine's
+        return h, cache
     if all_logits:
         return logits(weights, cfg, h), cache
     return logits(weights, cfg, common.last_token(h, n_new)), cache

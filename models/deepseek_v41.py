@@ -1576,11 +1576,13 @@ def extend_with_features(weights: dict, cfg: DeepseekV41Config, tokens: jax.Arra
 
 def extend(weights: dict, cfg: DeepseekV41Config, tokens: jax.Array, n_new: jax.Array,
            cache: DeepseekV41Cache, gsm: Sites | None = None, *,
-           all_logits: bool = False) -> tuple[jax.Array, DeepseekV41Cache]:
+           all_logits: bool = False, hidden: bool = False) -> tuple[jax.Array, DeepseekV41Cache]:
     """A chunk [B, C] (the first n_new [B] real) after each row's cache.lengths tokens:
     chunked prefill; logits of each row's last new token [B, V] (all_logits: [B, C, V])."""
     step = common.extend_step(n_new, tokens.shape[1], cache, gsm)
     h, pre, _, cache, _ = _run(weights, cfg, tokens, step, cache)
+    if hidden:  # what `logits` takes, every position: the serving engine's
+        return weighted_streams(pre, h), cache
     if all_logits:
         return logits(weights, cfg, weighted_streams(pre, h)), cache
     last = weighted_streams(common.last_token(pre, n_new), common.last_token(h, n_new))

@@ -354,13 +354,15 @@ def prefill(weights: dict, cfg: Gemma3Config, tokens: jax.Array, lengths: jax.Ar
 
 def extend(weights: dict, cfg: Gemma3Config, tokens: jax.Array, n_new: jax.Array,
            cache: KVCache, gsm: Sites | None = None, *,
-           all_logits: bool = False) -> tuple[jax.Array, KVCache]:
+           all_logits: bool = False, hidden: bool = False) -> tuple[jax.Array, KVCache]:
     """Append a chunk of prompt tokens [B, C] (the first `n_new` [B] of each row real) to
     rows holding `cache.lengths` tokens (chunked prefill). Returns the logits of each
     row's last new token [B, V] (all_logits: of every chunk position, [B, C, V]) and the
     cache; equal to one prefill over the whole prompt, GSM windows included."""
     step = common.extend_step(n_new, tokens.shape[1], cache, gsm)
     x, cache, _ = _run(weights, cfg, tokens, cache, step)
+    if hidden:  # what `logits` takes, every position: the serving engine's
+        return x, cache
     if all_logits:
         return logits(weights, cfg, x), cache
     return logits(weights, cfg, common.last_token(x, n_new)), cache

@@ -33,7 +33,6 @@ from gsm_jax.models.common import (  # noqa: F401  (re-exported: the family's pu
     KVCache,
     apply_rope,
     attention,
-    decode_attention,
     is_per_layer,
     rms_norm,
     stack_layers,
@@ -401,7 +400,7 @@ def prefill(weights: dict, cfg: LlamaConfig, tokens: jax.Array, lengths: jax.Arr
 
 def extend(weights: dict, cfg: LlamaConfig, tokens: jax.Array, n_new: jax.Array,
            cache: KVCache, gsm: Sites | None = None, *,
-           all_logits: bool = False) -> tuple[jax.Array, KVCache]:
+           all_logits: bool = False, hidden: bool = False) -> tuple[jax.Array, KVCache]:
     """Append a chunk of prompt tokens [B, C] (the first `n_new` [B] of each row real) to
     rows already holding `cache.lengths` tokens: chunked prefill. Returns the logits of
     each row's last new token [B, V] (all_logits: of every chunk position, [B, C, V],
@@ -409,6 +408,8 @@ def extend(weights: dict, cfg: LlamaConfig, tokens: jax.Array, n_new: jax.Array,
     whole prompt (tested), GSM windows included."""
     step = common.extend_step(n_new, tokens.shape[1], cache, gsm)
     x, cache, _ = _run(weights, cfg, tokens, cache, step)
+    if hidden:  # what `logits` takes, every position: the serving engine's
+        return x, cache
     if all_logits:
         return logits(weights, cfg, x), cache
     return logits(weights, cfg, common.last_token(x, n_new)), cache

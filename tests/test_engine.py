@@ -11,7 +11,7 @@ import gsm_jax
 from gsm_jax.errors import GSMConfigError, InvalidInputError
 from gsm_jax.models import llama
 from gsm_jax.params import ModelParams
-from gsm_jax.serving import engine as engine_mod
+from gsm_jax.serving import compile_events
 from gsm_jax.serving.engine import Engine, Request
 
 MAX_LEN = 48
@@ -105,7 +105,8 @@ def test_closed_loop_and_timestamps(tiny, requests):
 def test_set_gsm_does_not_recompile(tiny, requests):
     eng = Engine(tiny, max_batch=2, max_len=MAX_LEN, gsm=GSM, eos_ids=[])
     eng.warmup([16])
-    before = (engine_mod._decode._cache_size(), engine_mod._prefill_insert._cache_size())
+    compile_events.install()
+    before = compile_events.count()
     base = eng.run(requests[:2])
     eng.set_gsm(GSM.replace(smooth_strength=0.1, window_size=6, short_request_tokens=0))
     assert eng.mode == "on"
@@ -113,7 +114,7 @@ def test_set_gsm_does_not_recompile(tiny, requests):
     eng.set_gsm(None)
     assert eng.mode == "zero"
     zero = eng.run(requests[:2])
-    assert (engine_mod._decode._cache_size(), engine_mod._prefill_insert._cache_size()) == before
+    assert compile_events.count() == before, compile_events.recent(3)
     assert not any(r.gsm for r in zero)
     # zero strength = the no-GSM model
     ref = Engine(tiny, max_batch=2, max_len=MAX_LEN, eos_ids=[]).run(requests[:2])
@@ -246,19 +247,27 @@ def test_seeded_sampling_does_not_depend_on_schedule(tiny):
     assert other_seed.tokens != alone
 
 
-def test_warmup_compiles_the_chunked_prefill(tiny):
-    """A server warmed with short lengths only still serves its first prompt longer than
-    a chunk without compiling (the whole-chunk prefill, extend and insert run at warm-up,
-    outside the prefix cache); its tokens are those of `generate_tokens`."""
+def test_warmup_compiles_every_program(tiny):
+    """`warmup` compiles the engine's whole, fixed set of programs (one decode per row
+    bound, one extend per chunk width, the penalty row, the prefix cache's snapshot and
+    restore), however long the cache: the first prompt longer than a chunk (chunks of 16,
+    16 and 8; its boundaries kept by the prefix cache) then compiles nothing, and its
+    tokens are those of `generate_tokens`."""
     eng = Engine(tiny, max_batch=2, max_len=96, eos_ids=[], prefill_chunk=16,
                  prefix_cache_bytes=1 << 20)
     out = eng.warmup([16])
-    assert out["chunked_s"] > 0
-    assert eng.prefix_cache.stats()["stored"] == 0 and eng.prefix_cache.stats()["entries"] == 0
-    before = engine_mod.compile_counts()
+    assert sorted(map(str, eng.programs.keys())) == sorted(map(str, [
+        ("decode", 1), ("decode", None), ("extend", 16), ("penalty_row", None),
+        ("snapshot", 16), ("restore", 16)]))
+    assert out["programs"] == 6 and len(out["compile_s"]) == 6
+    longer = Engine(tiny, max_batch=2, max_len=256, eos_ids=[], prefill_chunk=16,
+                    prefix_cache_bytes=1 << 20)
+    assert longer.programs.keys() == eng.programs.keys()  # not one more for 256 slots
+    compile_events.install()
+    before = compile_events.count()
     prompt = list(range(3, 43))  # 40 tokens: chunks of 16, 16 and 8
     rec = eng.run([Request(prompt, 5)])[0]
-    assert engine_mod.compile_counts() == before
+    assert compile_events.count() == before, compile_events.recent(3)
     ref = gsm_jax.generate_tokens(tiny, [prompt], max_new_tokens=5, eos_ids=[])[0]
     np.testing.assert_array_equal(np.asarray(rec.tokens), ref)
 
@@ -270,12 +279,13 @@ def test_per_request_configs_share_a_batch(tiny, requests):
     b = a.replace(smooth_strength=0.1, window_size=6, target_layers=[0])
     eng = Engine(tiny, max_batch=3, max_len=MAX_LEN, gsm=a, eos_ids=[])
     eng.warmup([16])
-    before = engine_mod.compile_counts()
+    compile_events.install()
+    before = compile_events.count()
     picks = [a, b, None, b, a, None]
     reqs = [Request(r.prompt, r.max_new_tokens, request_id=r.request_id, gsm=g)
             for r, g in zip(requests, picks, strict=True)]
     recs = eng.run(reqs)
-    assert engine_mod.compile_counts() == before
+    assert compile_events.count() == before, compile_events.recent(3)
     for req, rec, g in zip(requests, recs, picks, strict=True):
         ref = gsm_jax.generate_tokens(tiny, [req.prompt], max_new_tokens=req.max_new_tokens,
                                       eos_ids=[], gsm=g, request_ids=[req.request_id])[0]

@@ -1,14 +1,12 @@
-"""The serving engine's decode step reads what its rows hold, not the `max_len` it allocated
-(issue 24, item 4), checked on the compiled program rather than by timing; and the bounded
-reads give the tokens the whole-cache engine gives (which tests/test_engine.py checks
-against `generate_tokens` run on each request alone): Llama and Gemma 3 (sliding window),
-GSM off and on, rows crossing every bound, a chunked prefill. DeepSeek-V4's caches have
-their own sizes: not bounded."""
+"""Attention reads what the rows hold, not the `max_len` allocated, with the length as
+run-time data (issue 42): `cache_attention` against a float64 reference, a row's result
+independent of the other rows' lengths bit for bit, one decode program per row bound for
+every max_len (checked on the compiled program, not by timing), the same tokens at two
+cache sizes; and the row bounds (a step runs the first 1, 2, 4, ... slots)."""
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import re
 
 import jax
@@ -17,7 +15,6 @@ import numpy as np
 import pytest
 
 import gsm_jax
-from gsm_jax.errors import InvalidInputError
 from gsm_jax.params import ModelParams
 from gsm_jax.serving.engine import Engine, Request
 
@@ -61,14 +58,18 @@ def llama_params():
     return tiny_llama()
 
 
-def _attention_dims(hlo: str) -> list[tuple[int, ...]]:
+def _attention_dims(hlo: str, results: bool = False) -> list[tuple[int, ...]]:
     """The shapes of every instruction of the compiled program under the layers'
-    `attention` named scope (the decode attention's products, softmax and mask)."""
+    `attention` named scope (the decode attention's products, softmax and mask), operands
+    included (`results`: the instructions' own shapes only: a block read's operand is the
+    whole cache)."""
     dims = []
     for line in hlo.splitlines():
         if "/attention/" not in line:
             continue
         body = line.split("metadata=")[0]
+        if results:
+            body = body.split("=", 1)[-1].split("(", 1)[0]
         dims += [tuple(int(d) for d in m.split(",")) for m in SHAPE.findall(body)]
     return dims
 
@@ -97,110 +98,131 @@ def _big_ops(hlo: str) -> set[str]:
     return {roots.get(c, "?") if op == "fusion" else op for op, c in found}
 
 
-def test_decode_program_reads_only_what_rows_hold(llama_params):
-    """max_len 8192, one row holding 64 tokens: the compiled decode step's attention works
-    on 128 slots (the power of two above 64); the whole-cache program (min_attend=None)
-    on 8192. The donated cache itself stays whole: with per-layer weights and caches (how
-    `gsm_jax.load` gives them), nothing of the bounded program but the one-slot in-place
-    writes touches an 8192-slot array (no copy of the cache, no read past the bound)."""
+def _exact_attention(q, k, v, positions, window=None, scale=None):
+    """The plain reference: per row and query, softmax over the slots <= its position
+    (and within `window` of it), in float64. q [B, T, H, hd]; k, v [B, K, S, hd]."""
+    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+    b, t, h, hd = q.shape
+    kh, s = k.shape[1], k.shape[2]
+    out = np.zeros((b, t, h, hd))
+    for i in range(b):
+        for j in range(t):
+            p = positions[i, j]
+            if p < 0:
+                continue
+            seen = np.arange(s) <= p
+            if window is not None:
+                seen &= p - np.arange(s) < window
+            for head in range(h):
+                kv = head // (h // kh)
+                sc = (k[i, kv] @ q[i, j, head]) * (hd**-0.5 if scale is None else scale)
+                sc = np.where(seen, sc, -np.inf)
+                w = np.exp(sc - sc.max())
+                out[i, j, head] = (w / w.sum()) @ v[i, kv]
+    return out.reshape(b, t, h * hd)
+
+
+@pytest.mark.parametrize("s, block", [(64, 16), (100, 32), (40, 128)],
+                         ids=["blocks_fit", "last_block_overlaps", "one_block"])
+@pytest.mark.parametrize("kind", ["float", "int8"])
+def test_cache_attention_equals_exact_softmax(s, block, kind):
+    """`cache_attention` (blocks up to the longest row, online softmax) against a float64
+    loop: rows of different lengths (one inside the first block, one crossing blocks, one
+    at the last slot), padding queries, a chunk of queries (extend) and one (decode), a
+    sliding window, an int8 cache (its dequantized values are the reference's). float32
+    sums of <= 100 terms of magnitude <= 1: 2e-6 relative."""
+    from gsm_jax.models import common
+
+    rng = np.random.default_rng(s + block)
+    b, h, kh, hd = 3, 4, 2, 32
+    k = rng.standard_normal((b, kh, s, hd)).astype(np.float32)
+    v = rng.standard_normal((b, kh, s, hd)).astype(np.float32)
+    piece = (k, v)
+    if kind == "int8":
+        (kq, ks), (vq, vs) = (common.kv_quantize(jnp.asarray(a), "int8") for a in (k, v))
+        piece = (kq, vq, ks, vs)
+        k = np.asarray(common.kv_dequantize(kq, ks, jnp.float32))
+        v = np.asarray(common.kv_dequantize(vq, vs, jnp.float32))
+    for t, positions in ((1, np.array([[3], [block + 5], [s - 1]])),
+                         (4, np.array([[0, 1, 2, -1], [block - 2, block - 1, block, block + 1],
+                                       [s - 4, s - 3, s - 2, s - 1]]))):
+        positions = np.where(positions >= 0, np.minimum(positions, s - 1), -1)  # in the cache
+        q = rng.standard_normal((b, t, h, hd)).astype(np.float32)
+        for window in (None, 7):
+            narrow = None if window is None else (
+                lambda mask, slots, pos=positions, w=window:
+                mask & (pos[:, :, None] - slots[None, None, :] < w))
+            got = common.cache_attention(jnp.asarray(q), tuple(map(jnp.asarray, piece)),
+                                         jnp.asarray(positions), narrow, block=block)
+            want = _exact_attention(q, k, v, positions, window)
+            real = (positions >= 0)[..., None]
+            np.testing.assert_allclose(np.where(real, np.asarray(got), 0),
+                                       np.where(real, want, 0), rtol=2e-6, atol=2e-6)
+
+
+def test_other_rows_lengths_do_not_change_a_row_bit_for_bit():
+    """The trip count is the longest row's; the blocks past a row's length are fully
+    masked and leave its numbers exactly as they were: row 0's output is the same bits
+    whether row 1 holds 3 slots or 200 (and whatever the cache holds past row 0's
+    length)."""
+    from gsm_jax.models import common
+
+    rng = np.random.default_rng(0)
+    k = jnp.asarray(rng.standard_normal((2, 2, 256, 16)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((2, 2, 256, 16)), jnp.float32)
+    q = jnp.asarray(rng.standard_normal((2, 1, 4, 16)), jnp.float32)
+    outs = [np.asarray(common.cache_attention(q, (k, v), jnp.asarray([[40], [other]])))[0]
+            for other in (3, 200, 255)]
+    junk = (k.at[0, :, 41:].set(1e3), v.at[0, :, 41:].set(-7.0))
+    outs.append(np.asarray(common.cache_attention(q, junk, jnp.asarray([[40], [255]])))[0])
+    for o in outs[1:]:
+        np.testing.assert_array_equal(o, outs[0])
+
+
+def test_one_decode_program_for_every_max_len(llama_params):
+    """max_len 8192, one row holding 64 tokens: the engine's one decode program per row
+    bound loops over cache blocks (a `while` whose trip count is run-time data), and with
+    per-layer weights and caches (how `gsm_jax.load` gives them) nothing of it but the
+    one-slot in-place writes makes an 8192-slot array (no copy of the cache; the reads
+    are 128-slot blocks). The same engine at max_len 1024 plans the same programs."""
     from gsm_jax.models.common import unstack_layers
 
     params = dataclasses.replace(llama_params, weights=unstack_layers(llama_params.weights))
     prompt = np.random.default_rng(0).integers(4, 64, 63).tolist()
-    programs = {}
-    for min_attend in (128, None):
-        eng = Engine(params, max_batch=1, max_len=BIG, eos_ids=[], min_attend=min_attend,
-                     async_scheduling=False)  # the decode token is read back in `step`
-        rec = eng.submit(Request(prompt, 8))
-        eng.step()  # prefill (63 tokens) and one decode step: the row holds 64 tokens
-        assert rec.prompt_len + rec.n_tokens - 1 == 64
-        assert eng._cache.max_len == BIG
-        programs[min_attend] = eng.lower_decode().compile().as_text()
-        assert eng.attend_bound(64) == (128 if min_attend else None)
-    bounded, whole = _attention_dims(programs[128]), _attention_dims(programs[None])
-    assert bounded and whole, "no instruction under the attention scope: metadata changed?"
-    assert any(BIG in d for d in whole)  # the check sees the 8192 slots when they are read
-    assert not any(BIG in d for d in bounded), sorted({d for d in bounded if BIG in d})
-    assert any(128 in d for d in bounded)
-    assert _big_ops(programs[128]) <= IN_PLACE, _big_ops(programs[128])
-    assert not _big_ops(programs[None]) <= IN_PLACE  # the whole-cache reads are seen
+    eng = Engine(params, max_batch=1, max_len=BIG, eos_ids=[],
+                 async_scheduling=False)  # the decode token is read back in `step`
+    rec = eng.submit(Request(prompt, 8))
+    eng.step()  # prefill (63 tokens) and one decode step: the row holds 64 tokens
+    assert rec.prompt_len + rec.n_tokens - 1 == 64
+    assert eng._cache.max_len == BIG
+    hlo = eng.lower_decode().compile().as_text()
+    dims = _attention_dims(hlo, results=True)
+    assert dims, "no instruction under the attention scope: metadata changed?"
+    assert any(128 in d for d in dims) and not any(BIG in d for d in dims), sorted(set(dims))
+    assert " while(" in hlo or "while(" in hlo
+    assert _big_ops(hlo) <= IN_PLACE, _big_ops(hlo)
+    small = Engine(params, max_batch=1, max_len=1024, eos_ids=[])  # >= a chunk (512)
+    assert small.programs.keys() == eng.programs.keys()
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
-def test_bounded_reads_equal_whole_reads(llama_params, family, n=16):
-    """The model's steps on a cache bounded to n slots (`common.bound_reads`) equal them
-    on the whole cache (64 slots), at the edge (a row holding n - 1 tokens writes slot
-    n - 1, the last one read): decode logits and caches, and a chunk's extend. float32;
-    the two sides sum the same nonzero terms over 16 or 64 slots (the rest exp(-1e30)
-    = 0), so they agree to a few ulps of the logit scale."""
-    from gsm_jax.families import family_module
-    from gsm_jax.models import common
-
-    params = llama_params if family == "llama" else tiny_gemma3()
-    fam, cfg = family_module(family), params.config
-    rng = np.random.default_rng(5)
-    lengths = np.array([n - 1, 9], np.int32)
-    tokens = rng.integers(4, 64, (2, n)).astype(np.int32)
-    cache = fam.init_cache(cfg, 2, 64)
-    _, cache = jax.jit(fam.prefill, static_argnums=1)(params.weights, cfg, tokens, lengths,
-                                                      cache)
-
-    @functools.partial(jax.jit, static_argnums=(1, 2))
-    def decode(w, cfg, bound, toks, cache):
-        return fam.decode_step(w, cfg, toks, common.bound_reads(cache, bound))
-
-    @functools.partial(jax.jit, static_argnums=(1, 2))
-    def extend(w, cfg, bound, toks, cache):
-        return fam.extend(w, cfg, toks, jnp.asarray([8, 5]), common.bound_reads(cache, bound))
-
-    step = jnp.asarray([7, 11], jnp.int32)
-    (la, ca), (lb, cb) = (decode(params.weights, cfg, b, step, cache) for b in (n, None))
-    assert ca.attend is None and cb.attend is None
-    scale = float(np.abs(np.asarray(lb)).max())
-    np.testing.assert_allclose(np.asarray(la), np.asarray(lb), rtol=0, atol=2e-5 * scale)
-    for x, y in zip(jax.tree.leaves(ca), jax.tree.leaves(cb), strict=True):
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=0, atol=2e-5 * scale)
-    chunk = rng.integers(4, 64, (2, 8)).astype(np.int32)  # positions up to n + 6 < 2n
-    (ea, _), (eb, _) = (extend(params.weights, cfg, b, chunk, cache) for b in (2 * n, None))
-    np.testing.assert_allclose(np.asarray(ea), np.asarray(eb), rtol=0,
-                               atol=2e-5 * float(np.abs(np.asarray(eb)).max()))
-
-
-def test_attend_bounds_and_refusals(llama_params):
-    eng = Engine(llama_params, max_batch=1, max_len=1000, eos_ids=[], min_attend=64)
-    assert [eng.attend_bound(n) for n in (0, 63, 64, 200, 511, 512, 999)] == \
-        [64, 64, 128, 256, 512, None, None]
-    assert eng.attend_bounds() == [64, 128, 256, 512, None]
-    for bad in (0, 3, 100, True, 2.0):
-        with pytest.raises(InvalidInputError, match="min_attend"):
-            Engine(llama_params, max_batch=1, max_len=64, min_attend=bad)
-    from tiny_models import tiny_dsv4
-
-    dsv4 = Engine(tiny_dsv4(), max_batch=1, max_len=64, eos_ids=[])
-    assert dsv4.attend_bound(10) is None and dsv4.attend_bounds() == [None]
-
-
-@pytest.mark.parametrize("family", ["llama", "gemma3"])
-def test_bounded_engine_equals_whole_cache_engine(llama_params, family):
-    """Bounds from 16 up (max_len 64: 16, 32, then the whole cache): rows of different
-    lengths share steps and cross every bound; a 40-token prompt is prefilled in chunks
-    of 16 (its extends bounded too); GSM compiled in, requests smoothed and not in one
-    batch. Greedy tokens = the engine reading the whole cache every step (min_attend=None,
-    the engine before bounded reads, itself equal to `generate_tokens` alone:
-    tests/test_engine.py). Its whole-cache programs are the bounded engine's last bound's,
-    so the reference compiles nothing new."""
+def test_engine_tokens_do_not_depend_on_max_len(llama_params, family):
+    """Rows of different lengths share steps and cross cache blocks (128 slots, and a
+    200-token cache's last block overlaps the one before); a 40-token prompt is prefilled
+    in chunks of 16; GSM compiled in, requests smoothed and not in one batch; Gemma's
+    sliding window (5) inside and across blocks. Greedy tokens at max_len 200 = at 256
+    (the engine itself equals `generate_tokens` alone: tests/test_engine.py)."""
     params = llama_params if family == "llama" else tiny_gemma3()
     rng = np.random.default_rng(3)
-    shapes = [(5, 40, GSM), (40, 20, None), (12, 50, GSM)]
+    shapes = [(5, 130, GSM), (40, 20, None), (12, 140, GSM)]
     reqs = [Request(rng.integers(4, 64, n).tolist(), m, request_id=f"r{i}", gsm=g)
             for i, (n, m, g) in enumerate(shapes)]
     recs = {}
-    for min_attend in (16, None):
-        eng = Engine(params, max_batch=2, max_len=64, compile_gsm=True, eos_ids=[],
-                     min_attend=min_attend, prefill_chunk=16)
-        assert eng.attend_bounds() == ([16, 32, None] if min_attend else [None])
-        recs[min_attend] = eng.run(reqs)
-    for req, a, b in zip(reqs, recs[16], recs[None], strict=True):
+    for max_len in (200, 256):
+        eng = Engine(params, max_batch=2, max_len=max_len, compile_gsm=True, eos_ids=[],
+                     prefill_chunk=16)
+        recs[max_len] = eng.run(reqs)
+    for req, a, b in zip(reqs, recs[200], recs[256], strict=True):
         assert a.n_tokens == b.n_tokens == req.max_new_tokens
         assert a.gsm == b.gsm == (req.gsm is not None)
         assert a.tokens == b.tokens, req.request_id
@@ -217,16 +239,16 @@ def test_decode_program_runs_only_the_rows_in_use(llama_params):
     running slot,
     None at max_batch; refused on a DeepSeek cache (its caches are not cut)."""
     prompt = np.random.default_rng(1).integers(4, 64, 20).tolist()
-    vocab = llama_params.config.vocab_size
     for bound_rows, batch in ((True, 1), (False, 16)):  # 16: no other size of the model
         eng = Engine(llama_params, max_batch=16, max_len=256, eos_ids=[],
                      bound_rows=bound_rows)
         eng.submit(Request(prompt, 8))
         eng.step()
         lowered = eng.lower_decode()
-        assert lowered.out_info[0].shape == (batch, vocab)
-        dims = _attention_dims(lowered.compile().as_text())
-        assert dims and any(128 in d for d in dims)  # the slot bound, both ways
+        assert lowered.out_info[0].shape == (16,)  # the picks, padded: the next feed
+        assert lowered.out_info[1][0].shape == (batch,)  # a log-probability per row run
+        dims = _attention_dims(lowered.compile().as_text(), results=True)
+        assert dims and any(128 in d for d in dims)  # the cache blocks, both ways
         assert any(16 in d for d in dims) == (not bound_rows), dims
     from gsm_jax.serving.engine import ROW_BOUND_FACTOR as F
 

@@ -21,7 +21,7 @@ from gsm_jax.models import llama
 from gsm_jax.models.common import KVCache
 from gsm_jax.params import ModelParams
 from gsm_jax.serving.engine import Engine, Request
-from gsm_jax.serving.prefix_cache import PrefixCache, restore_rows, snapshot_rows
+from gsm_jax.serving.prefix_cache import PrefixCache
 
 CHUNK = 16
 GSM = gsm_jax.GSMConfig(target_layers="all", smooth_strength=0.3, window_size=5,
@@ -114,27 +114,31 @@ def test_gsm_config_and_protect_first_are_part_of_the_key(tiny):
     assert st["hits_tokens"] == 32 * len(configs)  # only the second prompt of each config
 
 
-def test_snapshot_restore_is_the_row_bit_for_bit(tiny):
-    """A kept dense state is the row's first slots (a quarter of a 64-slot row at 16), and
-    restoring it gives back the row exactly; the kept copy survives the row being donated."""
-    from gsm_jax.serving import engine as engine_mod
-
-    eng = Engine(tiny, max_batch=1, max_len=64, gsm=GSM, eos_ids=[], prefill_chunk=CHUNK)
-    prompt = np.arange(4, 4 + CHUNK, dtype=np.int32)[None]
-    _, rows = engine_mod._prefill(tiny.weights, prompt, np.array([CHUNK], np.int32),
-                                  eng._one_row_gsm(GSM), config=tiny.config, max_len=64)
-    kept = snapshot_rows(rows, CHUNK)
+def test_snapshot_restore_is_the_block_bit_for_bit(tiny):
+    """A kept dense state is one chunk's slots (a quarter of a 64-slot row at 16) and the
+    GSM rings after it; restoring it into another slot gives that slot the same first 16
+    slots, rings and length, exactly; the kept copy survives the running cache being
+    donated to the next calls."""
+    eng = Engine(tiny, max_batch=2, max_len=64, gsm=GSM, eos_ids=[], prefill_chunk=CHUNK,
+                 prefix_cache_bytes=1 << 24)
+    prompt = list(range(4, 4 + 2 * CHUNK + 3))
+    eng.run([Request(prompt, 2)])  # slot 0; keeps the blocks of boundaries 16 and 32
+    kept = eng._call("snapshot", CHUNK, eng._cache, np.int32(0), np.int32(0))
     assert isinstance(kept, KVCache) and kept.max_len == CHUNK and kept.rings is not None
-    full = sum(a.nbytes for a in jax.tree.leaves(rows.k + rows.v))
-    assert sum(a.nbytes for a in jax.tree.leaves(kept.k + kept.v)) == full // 4
-    back = restore_rows(kept, 64)
-    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(rows), strict=True):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    # the engine's extend donates the row it is given: the kept state must not share it
-    engine_mod._extend(tiny.weights, prompt, np.array([CHUNK], np.int32), back,
-                       eng._one_row_gsm(GSM), config=tiny.config)
-    np.asarray(restore_rows(kept, 64).k[0])  # still readable
+    row = sum(a[0].nbytes for a in jax.tree.leaves(eng._cache.k + eng._cache.v))
+    assert sum(a.nbytes for a in jax.tree.leaves(kept.k + kept.v)) == row // 4
+    before = [np.asarray(a) for a in jax.tree.leaves(kept)]
+    eng._cache = eng._call("restore", CHUNK, eng._cache, kept, np.int32(1), np.int32(0))
+    c = eng._cache
+    for a, b in zip(c.k + c.v, c.k + c.v, strict=True):
+        np.testing.assert_array_equal(np.asarray(a)[1, :, :CHUNK], np.asarray(b)[0, :, :CHUNK])
+    for r, k in zip(c.rings, kept.rings, strict=True):
+        np.testing.assert_array_equal(np.asarray(r)[:, 1], np.asarray(k)[:, 0])
+    assert int(c.lengths[1]) == CHUNK
+    eng.run([Request(prompt[:5], 2)])  # more calls donate the running cache
     assert all(not a.is_deleted() for a in jax.tree.leaves(kept))
+    for a, b in zip(jax.tree.leaves(kept), before, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), b)
 
 
 def test_other_families_keep_whole_rows_and_equal_caching_off():
@@ -157,11 +161,12 @@ def test_lru_within_the_byte_bound():
     assert cache.keys(np.arange(8), b"ctx")[-1][0] == 4  # 8 tokens: the last chunk runs
     assert cache.keys(np.arange(9), b"other")[0][1] != a[0][1]  # the context is in the key
     assert cache.keys(np.arange(9), b"ctx") == a  # deterministic
-    assert cache.store(a[0][1], 4, rows(100)) and cache.store(a[1][1], 8, rows(100))
+    assert cache.store(a[0][1], 4, rows(100)) and cache.store(a[1][1], 8, rows(100), start=4)
     assert cache.store(b[0][1], 4, rows(100))
-    assert cache.lookup(a, 9)[0] == 8  # a's two entries become the most recent
+    # not KV blocks (whole rows): the longest boundary alone is the state
+    assert [s for s, _ in cache.lookup_chain(a, 9)] == [4]  # a's entries become the newest
     assert cache.store(c[0][1], 4, rows(100))  # evicts b's, the least recently used
-    assert cache.lookup(b, 9) == (0, None) and cache.lookup(c, 9)[0] == 4
+    assert cache.lookup_chain(b, 9) == [] and [s for s, _ in cache.lookup_chain(c, 9)] == [0]
     assert not cache.store(c[1][1], 8, rows(301))  # larger than the bound: not kept
     st = cache.stats()
     assert (st["entries"], st["bytes"], st["evictions"]) == (3, 300, 1), st

@@ -331,9 +331,7 @@ def test_issue42_acceptance_no_compilation_after_ready(served):
     echo (completions), streamed and not, prompts from 1 token to max_len - 1 (chunked
     prefill), concurrent rows, a repeated long prompt (prefix-cache hit), a GSM config
     change (PUT /admin/gsm), a canary (rollout 0.5, both arms at once) and a rollback.
-
-    Expected to fail until the engine compiles everything it can run at start-up (issue
-    42); the failure lists, per part of the workload, the programs that compiled."""
+    A failure lists, per part of the workload, the programs that compiled."""
     url, server = served
     http = httpx.Client(base_url=url, timeout=300)
 

@@ -17,13 +17,14 @@ version and arm (`gsm_state`), which every response names in `x-gsm-version` /
 
 Log-probabilities (`logprobs` on completions, `logprobs` / `top_logprobs` on chat,
 `echo` with the prompt's on completions; `max_tokens: 0` with `echo` scores the
-prompt alone, what lm-evaluation-harness's `local-completions` sends) come from one
-teacher-forced forward of the model over prompt + output after the tokens are
-known, with the request's GSM config applied exactly as to its generation (its arm:
-smoothed or not). So they score the tokens actually produced, greedy or sampled,
-and equal `jax.nn.log_softmax(gsm_jax.forward(...))` there. Streams score what has
-arrived whenever the previous scoring finished, so each chunk carries the
-log-probabilities of its tokens. Forwards run one at a time on their own thread.
+prompt alone, what lm-evaluation-harness's `local-completions` sends) are the engine's
+own: each output token's from the decode step that picked it, the prompt's from its
+prefill (`Request.logprobs` / `prompt_logprobs`), log-softmax and top-k computed on the
+device inside those steps, as vLLM does, under the request's GSM config (its arm). So
+they score the tokens actually produced, greedy or sampled, equal
+`jax.nn.log_softmax(gsm_jax.forward(...))` there to float rounding, and a stream's
+chunks cost work linear in the tokens sent. `max_tokens: 0` runs a one-token request
+whose token is not returned.
 
 Start-up: status "loading" (the model), "warming" (`Engine.warmup`, each stage logged as
 "warming n/N" and shown by /health), then "ready"; every API request before that gets
@@ -50,27 +51,20 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-import jax
-import jax.numpy as jnp
-import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gsm_jax.errors import GSMConfigError, GSMJaxError, InvalidInputError
-from gsm_jax.families import family_module
-from gsm_jax.generation import MIN_PROMPT_BUCKET, bucket, on_mesh
 from gsm_jax.serving import compile_events
 from gsm_jax.serving.engine import Engine
 from gsm_jax.serving.engine import Request as EngineRequest
 from gsm_jax.serving.gsm_state import GSMVersion, LiveGSM
 from gsm_jax.serving.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from gsm_jax.serving.protocol import (
-    MAX_LOGPROBS,
     ChatRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -115,7 +109,6 @@ class ServerOptions:
     seed: int = 0
     mesh: tuple[int, int] | None = None  # (data, model): weights sharded, JAX SPMD
     gsm_ring: int | None = None  # GSM ring rows; default: what `gsm` needs, else 16
-    min_attend: int | None = 128  # smallest decode read bound (power of two); None: all
     kv_cache_dtype: str | None = None  # the KV cache's format (with_kv_cache_dtype); None: own
     # automatic prefix caching (vLLM's --enable-prefix-caching, on by default as in vLLM
     # V1): the states at prefill-chunk boundaries within this many bytes; 0: off
@@ -199,29 +192,6 @@ FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
 # ----------------------------------------------------------------------------- log-probabilities
 
 
-@functools.partial(jax.jit, static_argnames=("config", "k"))
-def _score(weights, tokens, lengths, targets, gsm, *, config, k: int):
-    """Teacher-forced log-probabilities: at each position of `tokens` [1, T], log p of
-    `targets` (the next token) and the top `k` (log p, id); one program per prompt
-    bucket, whatever k the request asks (k is the server's maximum)."""
-    logits = family_module(config.family).forward(weights, config, tokens, lengths, gsm)
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    chosen = jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
-    top_v, top_i = jax.lax.top_k(logp, k)
-    return chosen, top_v, top_i
-
-
-@dataclass
-class Scores:
-    """Log-probabilities of the tokens `ids[1:]` of one sequence, one row per token:
-    `chosen[j]` = log p(ids[j+1] | ids[:j+1]); `top_ids[j]` / `top[j]` the most likely
-    tokens there, best first."""
-
-    chosen: np.ndarray  # [n]
-    top: np.ndarray  # [n, K]
-    top_ids: np.ndarray  # [n, K]
-
-
 def _finite(x: float) -> float:
     """A log-probability JSON can carry: -inf (and below) as vLLM's -9999."""
     x = float(x)
@@ -264,8 +234,6 @@ class GSMServer:
         self.name = options.served_model_name or options.model
         self.metrics = ServerMetrics(self.name)
         self.started = int(time.time())
-        # teacher-forced forwards for log-probabilities: one at a time, off the event loop
-        self._scorer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gsm-jax-score")
         self._token_text: Any = None
 
     # ---------------------------------------------------------------- lifecycle
@@ -297,7 +265,7 @@ class GSMServer:
                 self.params, max_batch=o.max_batch, max_len=o.max_len, compile_gsm=compile_gsm,
                 gsm=initial, seed=o.seed, prefill_chunk=o.prefill_chunk,
                 gsm_ring=o.gsm_ring or (None if initial is not None else 16),
-                min_attend=o.min_attend, kv_cache_dtype=o.kv_cache_dtype,
+                kv_cache_dtype=o.kv_cache_dtype,
                 prefix_cache_bytes=o.prefix_cache_bytes if o.prefill_chunk else 0,
                 async_scheduling=o.async_scheduling)
             self.params = engine.params  # the KV-cache format is part of the model config
@@ -383,53 +351,8 @@ class GSMServer:
             self.watcher.stop()
         if self.loop is not None:
             self.loop.stop()
-        self._scorer.shutdown(wait=False, cancel_futures=True)
 
     # ---------------------------------------------------------------- log-probabilities
-
-    def scoring_gsm(self, version: GSMVersion, arm: str) -> Any:
-        """The GSMConfig that smoothed a request's generation (None: not smoothed): the
-        version's config on the "gsm" arm, with its rollout and short-request rules
-        already decided (`live.assign` did), as the engine runs it."""
-        cfg = version.config
-        if arm != "gsm" or cfg is None or not cfg.enable:
-            return None
-        return cfg.replace(rollout_fraction=1.0, short_request_tokens=0)
-
-    def score(self, ids: list[int], gsm: Any) -> Scores:
-        """Teacher-forced log-probabilities of `ids[1:]` (blocking; see `Scores`), with
-        `gsm` (a GSMConfig or None) applied as `gsm_jax.forward` applies it."""
-        cfg = self.params.config
-        n = len(ids) - 1
-        if n < 1:
-            empty = np.zeros((0, 0), np.float32)
-            return Scores(np.zeros((0,), np.float32), empty, empty.astype(np.int32))
-        k = min(MAX_LOGPROBS, cfg.vocab_size)
-        padded = min(bucket(n, MIN_PROMPT_BUCKET), max(n, cfg.max_position_embeddings))
-        tokens = np.zeros((1, padded), np.int32)
-        targets = np.zeros((1, padded), np.int32)
-        tokens[0, :n] = ids[:-1]
-        targets[0, :n] = ids[1:]
-        gsm_inputs = None
-        if gsm is not None:
-            from gsm_jax.gsm_runtime import gsm_inputs_for_batch
-
-            gsm_inputs = gsm_inputs_for_batch(gsm, cfg.num_layers, 1, [n], None, fit_ring=True)
-        from gsm_jax.sharding import mesh_of
-
-        t = time.perf_counter()
-        with on_mesh(mesh_of(self.params.weights)):
-            chosen, top, top_ids = _score(
-                self.params.weights, jnp.asarray(tokens), jnp.asarray([n], jnp.int32),
-                jnp.asarray(targets), gsm_inputs, config=cfg, k=k)
-        out = Scores(np.asarray(chosen)[0, :n], np.asarray(top)[0, :n],
-                     np.asarray(top_ids)[0, :n])
-        self.metrics.observe_scoring(n, time.perf_counter() - t)
-        return out
-
-    async def score_async(self, ids: list[int], gsm: Any) -> Scores:
-        return await asyncio.get_running_loop().run_in_executor(self._scorer, self.score,
-                                                                list(ids), gsm)
 
     def token_text(self, token: int) -> str:
         """One token as text (special tokens spelled out), cached."""
@@ -624,20 +547,34 @@ class GSMServer:
             bias = body.logit_bias_ids()
         except ValueError as e:
             raise HTTPError(400, str(e), param="logit_bias") from e
+        # log-probabilities come from the engine's own steps, on device (`Request.logprobs`,
+        # `prompt_logprobs` for echo): the decode step's logits, the prefill's for the prompt
+        k = body.top_logprobs_k()
+        echo = kind == "completion" and body.echo
         specs = []
         for pi, (ids, limit) in enumerate(zip(prompts, limits, strict=True)):
             for j in range(body.n):
-                if limit == 0:  # echo alone: nothing to generate
+                if limit == 0 and k is None:  # echo alone, no scores: nothing to run
                     specs.append((pi * body.n + j, None))
                     continue
+                if limit == 0 and len(ids) >= self.engine.max_len:
+                    raise HTTPError(400, f"scoring a prompt of {len(ids)} tokens needs "
+                                    f"--max-len > {len(ids)} (the server's is "
+                                    f"{self.engine.max_len})", param="prompt",
+                                    code="context_length_exceeded")
                 seed = None if base_seed is None else base_seed + j
-                req = EngineRequest(ids, limit, request_id=rid, temperature=body.temperature,
+                # echo alone with scores: a one-token run whose prefill scores the prompt
+                # (its token is not returned)
+                req = EngineRequest(ids, max(limit, 1), request_id=rid,
+                                    temperature=body.temperature,
                                     top_k=top_k, top_p=body.top_p, seed=seed, gsm=cfg,
                                     ignore_eos=body.ignore_eos,
                                     frequency_penalty=body.frequency_penalty,
                                     presence_penalty=body.presence_penalty,
                                     repetition_penalty=body.repetition_penalty,
-                                    logit_bias=bias)
+                                    logit_bias=bias, logprobs=None if limit == 0 else k,
+                                    prompt_logprobs=k if echo else None,
+                                    tag="score" if limit == 0 else "")
                 try:
                     self.engine.check_request(req)
                 except GSMJaxError as e:
@@ -691,24 +628,25 @@ class _Call:
         self.choice_ids = [i for i, _ in specs]
         self.tickets: list[Ticket] = []
         self.ticket_of: dict[int, Ticket] = {}
+        self.score_only: set[int] = set()  # echo with max_tokens 0: the prompt's scores only
         for i, req in specs:
-            if req is None:  # echo with max_tokens 0: nothing to generate
+            if req is None:  # echo with max_tokens 0 and no scores: nothing to run
                 continue
             t = Ticket(req, on_token=self._token, on_finish=self._finish, meta={"choice": i})
             self.tickets.append(t)
             self.ticket_of[i] = t
+            if req.tag == "score":
+                self.score_only.add(i)
         self.open = len(self.tickets)
         self.lock = threading.Lock()
         self.n = body.n
         self.prompts = prompts
         self.prompt_tokens = sum(len(p) for p in prompts)
-        # log-probabilities: the top-k asked (None: off), echo, the config that smoothed it
+        # log-probabilities: the top-k asked (None: off), echo
         self.k = body.top_logprobs_k()
         self.echo = kind == "completion" and body.echo
-        self.gsm_cfg = server.scoring_gsm(version, arm) if self.k is not None else None
-        self.lp_sent = {i: 0 for i in self.choice_ids}  # output tokens already scored out
+        self.lp_sent = {i: 0 for i in self.choice_ids}  # output tokens whose scores went out
         self.lp_offset = {i: 0 for i in self.choice_ids}  # next `text_offset`
-        self._scored: dict[tuple[int, ...], Scores] = {}
 
     def submit(self) -> None:
         loop = self.server.loop
@@ -726,6 +664,8 @@ class _Call:
 
     # engine thread
     def _token(self, ticket: Ticket, token: int) -> str | None:
+        if ticket.meta["choice"] in self.score_only:  # its one token is not an output
+            return None
         stream = self.texts[ticket.meta["choice"]]
         stopped = stream.add(token)
         self.server.metrics.observe_token(ticket.record, self.arm)
@@ -745,15 +685,16 @@ class _Call:
                 self.server.loop.abort(t, "abort")
 
     def _finish_reason(self, ticket: Ticket | None) -> str:
-        if ticket is None:  # echo alone: the prompt is the whole (max_tokens 0) answer
-            return "length"
+        if ticket is None or ticket.meta["choice"] in self.score_only:
+            return "length"  # echo alone: the prompt is the whole (max_tokens 0) answer
         rec = ticket.record
         if rec is None:
             return "abort"
         return FINISH_REASONS.get(rec.finish_reason, "abort")
 
     def _usage(self) -> dict[str, int]:
-        done = sum(t.record.n_tokens for t in self.tickets if t.record is not None)
+        done = sum(t.record.n_tokens for i, t in self.ticket_of.items()
+                   if t.record is not None and i not in self.score_only)
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": done,
                 "total_tokens": self.prompt_tokens + done}
 
@@ -775,7 +716,7 @@ class _Call:
     def _tokens(self, i: int) -> list[int]:
         """The output tokens of choice `i` so far (EOS included), a snapshot."""
         t = self.ticket_of.get(i)
-        if t is None or t.record is None:
+        if t is None or t.record is None or i in self.score_only:
             return []
         return [int(x) for x in list(t.record.tokens)]
 
@@ -791,20 +732,18 @@ class _Call:
     async def _logprobs(self, i: int, tokens: list[int], start: int, end: int, *,
                         with_prompt: bool) -> dict[str, Any]:
         """The log-probabilities of output tokens [start, end) of choice `i` (and first of
-        its prompt's tokens if `with_prompt`), in the endpoint's OpenAI format."""
+        its prompt's tokens if `with_prompt`), in the endpoint's OpenAI format: what the
+        engine's steps recorded (`RequestRecord.logprobs`, `.prompt_logprobs`), each
+        token's once, so a stream costs work linear in the tokens it sends."""
         prompt = self.prompts[i // self.n]
-        seq = prompt + tokens[:end]
-        rows: list[tuple[int, int | None]] = []  # (token, its row in the scores or None)
+        t = self.ticket_of.get(i)
+        rec = None if t is None else t.record
+        rows: list[tuple[int, tuple | None]] = []  # (token, (log p, top values, top ids))
         if with_prompt:
+            scored = [] if rec is None else rec.prompt_logprobs
             rows.append((prompt[0], None))
-            rows += [(prompt[j], j - 1) for j in range(1, len(prompt))]
-        rows += [(seq[len(prompt) + g], len(prompt) + g - 1) for g in range(start, end)]
-        scores = None
-        if any(r is not None for _, r in rows):
-            key = tuple(seq)
-            scores = self._scored.get(key)
-            if scores is None:
-                scores = self._scored[key] = await self.server.score_async(seq, self.gsm_cfg)
+            rows += [(prompt[j], scored[j - 1]) for j in range(1, len(prompt))]
+        rows += [(tokens[g], rec.logprobs[g]) for g in range(start, end)]
         text = self.server.token_text
         k = self.k
         if self.kind == "chat":
@@ -812,10 +751,10 @@ class _Call:
             for token, r in rows:
                 s = text(token)
                 content.append({
-                    "token": s, "logprob": _finite(scores.chosen[r]), "bytes": list(s.encode()),
+                    "token": s, "logprob": _finite(r[0]), "bytes": list(s.encode()),
                     "top_logprobs": [
                         {"token": text(t), "logprob": _finite(v), "bytes": list(text(t).encode())}
-                        for v, t in zip(scores.top[r, :k], scores.top_ids[r, :k], strict=True)],
+                        for v, t in zip(r[1][:k], r[2][:k], strict=True)],
                 })
             return {"content": content, "refusal": None}
         out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
@@ -830,10 +769,10 @@ class _Call:
                 out["token_logprobs"].append(None)
                 out["top_logprobs"].append(None)
                 continue
-            lp = _finite(scores.chosen[r])
+            lp = _finite(r[0])
             out["token_logprobs"].append(lp)
             top = {s: lp}  # the chosen token, then the k most likely (vLLM's)
-            for v, t in zip(scores.top[r, :k], scores.top_ids[r, :k], strict=True):
+            for v, t in zip(r[1][:k], r[2][:k], strict=True):
                 top.setdefault(text(t), _finite(v))
             out["top_logprobs"].append(top)
         self.lp_offset[i] = offset
@@ -1207,11 +1146,10 @@ def build_app(server: GSMServer, *, load_in_background: bool = True) -> FastAPI:
     @app.get("/admin/stats")
     async def stats(http: Request) -> JSONResponse:
         admin(http)
-        from gsm_jax.serving.engine import compile_counts
-
         eng = server.engine
         return JSONResponse({
-            "compiles": {**compile_counts(), "logprobs": _score._cache_size()},
+            # the engine's programs (`serving/programs.py`): how many it plans and has built
+            "programs": {"planned": len(eng.programs), "compiled": eng.programs.compiled},
             # XLA programs this process built (JAX's events), and those since ready
             "compilations": {"total": compile_events.count(),
                              "after_ready": server.metrics.compilations_after_ready},

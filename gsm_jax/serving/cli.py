@@ -23,10 +23,6 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000, help="TCP port")
     p.add_argument("--max-batch", type=int, default=16, help="decode slots")
     p.add_argument("--max-len", type=int, default=2048, help="tokens per slot (prompt + new)")
-    p.add_argument("--min-attend", default="128",
-                   help="smallest read bound of a decode step, a power of two: each step "
-                   "attends over the power of two above its longest row, at least this "
-                   "('none': every step reads all --max-len slots, one decode program)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_KINDS),
                    help="the KV cache's format (vLLM's flag of the same name): 'auto' the "
                    "model's own; 'float' the activation dtype; 'int8' / 'fp8' (e4m3, "
@@ -83,15 +79,6 @@ def run_serve(args: argparse.Namespace) -> int:
         warm = tuple(int(x) for x in str(args.warmup_lengths).split(",") if x.strip())
     except ValueError as e:
         raise InvalidInputError(f"--warmup-lengths must be integers: {e}") from e
-    # checked here, before the model loads (the engine is made after it)
-    from gsm_jax.serving.engine import check_min_attend
-
-    text = str(args.min_attend).strip()
-    try:
-        value = None if text.lower() == "none" else int(text)
-    except ValueError:
-        value = text  # refused by check_min_attend, which names it
-    min_attend = check_min_attend(value, "--min-attend")
     if not args.prefix_cache_gb >= 0:
         raise InvalidInputError(f"--prefix-cache-gb must be >= 0, got {args.prefix_cache_gb}")
     prefix_bytes = int(args.prefix_cache_gb * 1e9) if args.enable_prefix_caching else 0
@@ -106,7 +93,7 @@ def run_serve(args: argparse.Namespace) -> int:
         compile_gsm=not args.no_gsm, admin_token=args.admin_token,
         shutdown_timeout=args.shutdown_timeout, warmup_lengths=warm,
         served_model_name=args.served_model_name, seed=args.seed, mesh=mesh,
-        gsm_ring=args.gsm_ring, min_attend=min_attend,
+        gsm_ring=args.gsm_ring,
         kv_cache_dtype=None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype,
         prefix_cache_bytes=prefix_bytes, async_scheduling=args.async_scheduling)
     serve(options, host=args.host, port=args.port, log_level=args.log_level)

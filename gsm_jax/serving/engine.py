@@ -1,45 +1,35 @@
 """Continuous batching over fixed slots: requests join and leave between decode steps.
 
 The engine owns `max_batch` slots and one running KV cache
-(`family.init_cache(cfg, max_batch, max_len)`), and three compiled functions with
-fixed shapes, JetStream's split:
+(`family.init_cache(cfg, max_batch, max_len)`), and runs a fixed, small set of compiled
+programs (`serving/programs.py`), JetStream's split, built by `warmup` before a server
+says ready, none after (tested by counting JAX's compilation events):
 
-- **prefill** a prompt into a fresh one-row cache (prompt padded to a power of two
-  >= 16, the buckets of `gsm_jax.generate_tokens`, so compilations stay bounded).
-  A prompt longer than `prefill_chunk` is prefilled in chunks: the first chunk by
-  the prefill, each further chunk by the family's `extend` (attention over the
-  row's cache so far, GSM continuing from the row's ring), one chunk per engine
-  step, so a long prompt delays the running decodes by one chunk at a time,
-  not by its whole prefill (the last chunk is padded to its own bucket). With
-  prefix caching (`prefix_cache_bytes`, `serving/prefix_cache.py`) the state at
-  each chunk boundary is kept, and a prompt starting with the same chunks resumes
-  from the longest one kept, bit for bit as if it had prefilled them;
-- **insert** the finished row into a free slot of the running cache
-  (`family.cache_insert`, running cache donated); the prefill's logits give the
-  request's first token (its time to first token);
-- **generate**: one `decode_step` over the slots up to the row bound (below; cache
-  donated; free slots among them are inactive rows), one token per active slot handed to
-  the host.
+- **extend** (one program per chunk width 16, 32, ... `prefill_chunk`): a prompt's
+  tokens into its slot of the running cache, in place (no one-row cache, no insert),
+  `prefill_chunk` tokens per engine step, so a long prompt delays the running decodes
+  by one chunk at a time (the last chunk is padded to its own width). The last chunk's
+  pick is the request's first token (its time to first token). With prefix caching
+  (`prefix_cache_bytes`, `serving/prefix_cache.py`) each chunk's KV block is kept, and
+  a prompt starting with the same chunks restores them and prefills only the rest, bit
+  for bit as if it had prefilled them;
+- **decode** (one program per row bound): one `decode_step` over the first r slots
+  (cache donated; free slots among them are inactive rows), with the token feed, the
+  penalties, the pick and the log-probabilities inside, one token per active slot.
 
-Reads bounded by what rows hold. The running cache has `max_len` slots, but a decode
-step attends over slots [0, n) only, n = the power of two >= the longest active row + 1
-(at least `min_attend`, at most max_len; `models.common.bound_reads`): a step costs the
-same whether max_len is 256 or 8192 while the rows hold 64 tokens. Each n is its own
-compiled program (a handful: 128, 256, ... max_len; `warmup` compiles them up front,
-else a row compiles one when it first reaches it); the donated cache stays
-whole and the slots past n are masked out anyway, so the tokens are those of a read of
-the whole cache. A chunked prefill's `extend` is bounded the same way. Families whose
-caches have their own sizes (DeepSeek-V4's sliding window and compressed entries) are
-not bounded (one program).
+**The context length is run-time data.** Attention loops over 128-slot cache blocks up
+to the longest row's length (`models.common.cache_attention`): a step costs what the
+rows hold (the same at max_len 256 or 8192 while they hold 64 tokens), and `--max-len`
+adds no program. Families whose caches have their own sizes (DeepSeek's window and
+compressed entries) read those.
 
-Rows bounded by what is running (`bound_rows`, on by default). A decode step runs the
-first r slots only, r = the power of 2 >= the highest running slot + 1
+**Rows bounded by what is running** (`bound_rows`, on by default). A decode step runs
+the first r slots only, r = the power of 2 >= the highest running slot + 1
 (`ROW_BOUND_FACTOR`; new requests take the lowest free slot, so the running ones stay
 low): one stream costs a one-row step, not a `max_batch` one (vLLM pads its batches to a
-few captured sizes the same way). Each (n, r) pair is one compiled program, all compiled
-by `warmup`; the slots past r are left as they are (`models.common.first_rows`). The
-dense families' caches on one device; DeepSeek caches and a mesh (its data axis splits
-the slots) step every slot.
+few captured sizes the same way): log2(max_batch) + 1 decode programs. The slots past r
+are left as they are (`models.common.first_rows`). The dense families' caches on one
+device; DeepSeek caches and a mesh (its data axis splits the slots) step every slot.
 
 A request finishes at EOS (kept in its output, like `generate_tokens`), at its
 `max_new_tokens`, or when the caller aborts it (`abort`: a client that went away,
@@ -65,9 +55,12 @@ Sampling per request: temperature, top-k, top-p and a seed; a request's k-th
 token draws from key `fold_in(key(seed), k)`, so a seeded sampled output does not
 depend on the schedule. Greedy outputs equal `gsm_jax.generate_tokens` run on each
 request alone (tested). Penalties (OpenAI's frequency / presence, vLLM's repetition,
-`logit_bias`) adjust a row's logits before it picks (`penalize`); the engine counts each
-penalized row's output tokens on the host, and a batch without penalties runs the same
-programs as before (the penalized pick is its own small program).
+`logit_bias`) adjust a row's logits before it picks (`programs.penalize`); their counters
+live on the device ([max_batch, vocab], counted inside the steps), so a penalized batch
+needs no round trip. Sampling, filtering, penalties and log-probabilities are run-time
+flags of the same programs: a greedy batch runs no sampler. Log-probabilities
+(`Request.logprobs`, `prompt_logprobs`) are the model's raw ones, log-softmax and the
+top 20 computed on the device inside the step that produced the token.
 
 Per request the engine records: arrival (given by the caller), admission (prefill
 start), the time of every output token (right after it reached the host) and the
@@ -79,9 +72,10 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -93,324 +87,59 @@ from gsm_jax.errors import GSMConfigError, InvalidInputError
 from gsm_jax.families import family_module
 from gsm_jax.generation import (
     MIN_PROMPT_BUCKET,
-    bucket,
     check_refused_tokens,
     on_mesh,
-    sample_tokens,
     with_kv_cache_dtype,
 )
 from gsm_jax.models import common
 from gsm_jax.models.gsm_sites import GSMInputs
 from gsm_jax.params import ModelParams
-from gsm_jax.serving.prefix_cache import (
-    PrefixCache,
-    check_capacity,
-    restore_rows,
-    snapshot_rows,
+from gsm_jax.serving import programs
+from gsm_jax.serving.prefix_cache import PrefixCache, check_capacity
+from gsm_jax.serving.programs import ProgramMissing, ProgramSet, abstract
+from gsm_jax.serving.requests import (
+    DEFAULT,
+    MAX_LOGPROBS,
+    Request,
+    RequestRecord,
+    Sampling,
+    clock,
 )
+from gsm_jax.serving.slots import SlotState, pick_flags
 from gsm_jax.sharding import mesh_of
 
-__all__ = ["DEFAULT", "Engine", "Request", "RequestRecord"]
+__all__ = ["DEFAULT", "Engine", "Request", "RequestRecord", "clock"]
 
-clock = time.perf_counter
 STEP_LOG = 65536  # engine calls kept in `Engine.step_times` outside `run`
-
-
-class _EngineDefault:
-    def __repr__(self) -> str:
-        return "DEFAULT"
-
-
-DEFAULT: Any = _EngineDefault()  # a request's gsm: the engine's config and rules
-
-
-# ----------------------------------------------------------------------------- requests
-
-
-@dataclass
-class Request:
-    """One generation request: token ids in, up to `max_new_tokens` token ids out."""
-
-    prompt: Sequence[int] | np.ndarray
-    max_new_tokens: int
-    request_id: Any = None  # used for GSM rollout; default: the engine's submission counter
-    temperature: float = 0.0
-    top_k: int = 0  # 0: off
-    top_p: float = 1.0  # 1: off
-    seed: int | None = None  # None: derived from the engine's seed and submission counter
-    tag: str = ""  # free label carried into the record (the benchmark uses "short"/"long")
-    gsm: Any = DEFAULT  # DEFAULT | None (not smoothed) | a GSMConfig smoothing this request
-    ignore_eos: bool = False  # run to max_new_tokens (load tests: equal work per request)
-    # OpenAI's penalties on the tokens generated so far: logit - frequency x count
-    # - presence x (count > 0); vLLM's repetition penalty on the tokens of the prompt and
-    # the output (logit / p where positive, logit x p where not); logit_bias: token id ->
-    # added to its logit. Applied in that order (bias, repetition, frequency / presence)
-    # before temperature / top-k / top-p, as vLLM; log-probabilities stay the model's.
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: Mapping[int, float] | None = None
-
-
-@dataclass
-class RequestRecord:
-    """What happened to one request; times are `time.perf_counter()` seconds."""
-
-    index: int
-    request_id: Any
-    tag: str
-    prompt_len: int
-    max_new_tokens: int
-    arrival: float
-    gsm: bool = False  # was this request's row smoothed
-    slot: int = -1
-    admitted: float = math.nan
-    first_token: float = math.nan
-    finish: float = math.nan
-    finish_reason: str = ""  # "eos" | "length" | what `abort` was given ("abort", "stop")
-    tokens: list[int] = field(default_factory=list)
-    token_times: list[float] = field(default_factory=list)
-    meta: dict[str, Any] = field(default_factory=dict)  # the caller's (a server's) fields
-    ignore_eos: bool = False
-
-    @property
-    def n_tokens(self) -> int:
-        return len(self.tokens)
-
-    @property
-    def done(self) -> bool:
-        return bool(self.finish_reason)
-
-    @property
-    def e2e(self) -> float:
-        """End-to-end latency: arrival to last token."""
-        return self.finish - self.arrival
-
-    @property
-    def ttft(self) -> float:
-        """Time to first token, from arrival (so it includes queueing and prefill)."""
-        return self.first_token - self.arrival
-
-    @property
-    def tpot(self) -> float:
-        """Time per output token after the first: (finish - first token) / (n - 1)."""
-        if self.n_tokens < 2:
-            return math.nan
-        return (self.finish - self.first_token) / (self.n_tokens - 1)
-
-    @property
-    def queue(self) -> float:
-        """Waiting time before the prefill started."""
-        return self.admitted - self.arrival
-
-    def to_dict(self, t0: float = 0.0, *, with_tokens: bool = True) -> dict[str, Any]:
-        """JSON-ready; absolute times become seconds since `t0`."""
-
-        def rel(t: float) -> float | None:
-            return None if math.isnan(t) else round(t - t0, 6)
-
-        def num(v: float) -> float | None:
-            return None if math.isnan(v) else round(v, 6)
-
-        out = {
-            "index": self.index, "request_id": self.request_id, "tag": self.tag,
-            "prompt_len": self.prompt_len, "max_new_tokens": self.max_new_tokens,
-            "n_tokens": self.n_tokens, "gsm": self.gsm, "slot": self.slot,
-            "finish_reason": self.finish_reason,
-            "arrival": rel(self.arrival), "admitted": rel(self.admitted),
-            "first_token": rel(self.first_token), "finish": rel(self.finish),
-            "e2e_s": num(self.e2e), "ttft_s": num(self.ttft), "tpot_s": num(self.tpot),
-            "queue_s": num(self.queue),
-            "token_times": [rel(t) for t in self.token_times],
-        }
-        if with_tokens:
-            out["tokens"] = [int(t) for t in self.tokens]
-        return out
-
-
-# ----------------------------------------------------------------------------- jitted steps
-
-
-def penalize(logits, penalties):
-    """`Request`'s penalties on logits [B, V]: penalties = (frequency [B], presence [B],
-    repetition [B], output token counts [B, V], prompt tokens seen [B, V] bool,
-    logit bias [B, V]); neutral rows (0, 0, 1, ..., 0) come out unchanged."""
-    freq, pres, rep, counts, seen, bias = penalties
-    logits = logits.astype(jnp.float32) + bias
-    r = rep[:, None]
-    logits = jnp.where(seen | (counts > 0), jnp.where(logits > 0, logits / r, logits * r),
-                       logits)
-    return logits - freq[:, None] * counts - pres[:, None] * (counts > 0)
-
-
-@functools.partial(jax.jit, static_argnames=("sample", "filtered"))
-def _pick(logits, sampling, penalties=None, *, sample: bool, filtered: bool):
-    """Next token per row: greedy, or sampled from key fold_in(key(seed), count) per row,
-    after `penalize` when some row has penalties (None: none has).
-
-    Its own (small) program: the model's programs return logits, so each compiles once
-    per shape, not once per sampling mode (greedy / sampled / top-k-top-p)."""
-    temperature, top_k, top_p, seeds, counts = sampling
-    if penalties is not None:
-        logits = penalize(logits, penalties)
-    if not sample:  # greedy: the same argmax generate_tokens takes at temperature 0
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-
-    def one(row_logits, seed, count, t, k, p):
-        key = jax.random.fold_in(jax.random.key(seed), count)
-        return sample_tokens(row_logits[None], key, t[None], k[None], p[None],
-                             filtered=filtered)[0]
-
-    return jax.vmap(one)(logits, seeds, counts, temperature, top_k, top_p)
-
-
-@functools.partial(jax.jit, static_argnames=("config", "max_len"))
-def _prefill(weights, tokens, lengths, gsm, *, config, max_len: int):
-    """Prefill `tokens` [1, T] into a fresh one-row cache of `max_len` slots."""
-    family = family_module(config.family)
-    rows = family.init_cache(
-        config, tokens.shape[0], max_len, dtype=jax.tree.leaves(weights)[0].dtype,
-        gsm_max_window=None if gsm is None else gsm.max_window,
-    )
-    return family.prefill(weights, config, tokens, lengths, rows, gsm)
-
-
-def _unbound(cache):
-    """The cache with no read bound (what the engine keeps: one pytree structure)."""
-    return cache.replace(attend=None) if common.can_bound_reads(cache) else cache
-
-
-@functools.partial(jax.jit, static_argnames=("config", "attend"), donate_argnames=("rows",))
-def _extend(weights, tokens, n_new, rows, gsm, *, config, attend: int | None = None):
-    """Append the next chunk `tokens` [1, C] (n_new real) of a prompt to its one-row cache,
-    attending over its first `attend` slots (None: all)."""
-    logits, rows = family_module(config.family).extend(
-        weights, config, tokens, n_new, common.bound_reads(rows, attend), gsm)
-    return logits, _unbound(rows)
-
-
-@functools.partial(jax.jit, donate_argnames=("cache",), static_argnames=("config",))
-def _insert(cache, rows, slots, *, config):
-    """Copy the one-row cache `rows` into the running cache at `slots`."""
-    return family_module(config.family).cache_insert(cache, rows, slots)
-
-
-@functools.partial(jax.jit, static_argnames=("config", "max_len"), donate_argnames=("cache",))
-def _prefill_insert(weights, tokens, lengths, cache, slots, gsm, *, config, max_len: int):
-    """Prefill and insert in one call: a prompt that fits one chunk."""
-    family = family_module(config.family)
-    rows = family.init_cache(
-        config, tokens.shape[0], max_len, dtype=jax.tree.leaves(weights)[0].dtype,
-        gsm_max_window=None if gsm is None else gsm.max_window,
-    )
-    logits, rows = family.prefill(weights, config, tokens, lengths, rows, gsm)
-    return logits, family.cache_insert(cache, rows, slots)
-
-
-@functools.partial(jax.jit, static_argnames=("config", "attend", "rows"),
-                   donate_argnames=("cache",))
-def _decode(weights, tokens, cache, gsm, active, *, config, attend: int | None = None,
-            rows: int | None = None):
-    """One decode step over every slot, attending over the first `attend` cache slots
-    (None: all; every active row must hold fewer tokens); returns the logits per slot and
-    the cache (whole: the writes go to all `max_len` slots).
-
-    `rows` (the row bound, `Engine.rows_bound`): only the first `rows` slots step, so the
-    step costs the rows in use, not `max_batch`; tokens, gsm and active are given for
-    those rows and the logits come back for them; the other slots are left as they are
-    (`common.first_rows`). None: every slot."""
-    family = family_module(config.family)
-    if rows is None:
-        logits, cache = family.decode_step(
-            weights, config, tokens, common.bound_reads(cache, attend), gsm, active)
-        return logits, _unbound(cache)
-    logits, part = family.decode_step(
-        weights, config, tokens, common.bound_reads(common.first_rows(cache, rows), attend),
-        gsm, active)
-    return logits, common.put_first_rows(cache, _unbound(part))
-
-
-@jax.jit
-def _feed(prev, host, use_prev):
-    """The tokens a decode step feeds its rows when the step before it is still running
-    (async scheduling): `prev` [r'] (that step's picks, on device, r' its row bound),
-    where `use_prev` [r]; the host's `host` [r] (a just-admitted row's first token)
-    elsewhere. r' and r may differ: `prev` is cut or padded to r rows."""
-    n, r = prev.shape[0], host.shape[0]
-    prev = prev[:r] if n >= r else jnp.pad(prev, (0, r - n))
-    return jnp.where(use_prev, prev, host)
 
 
 # Row bounds grow by this factor (1, 2, 4, ...). Measured (docs/performance_notes.md,
 # "Serving engine: row bounds are powers of two"): a SmolLM2 step of 2 rows costs 1.52x
-# one row, 4 rows 1.77x, 8 rows 2.14x, 16 rows 2.86x, so a coarser factor (4: 15 programs
-# instead of 25 at the default --max-batch 16 --max-len 2048) would run 5-8 streams at 1.34x
-# the cost; the extra programs cost start-up time once (the compilation cache keeps them).
+# one row, 4 rows 1.77x, 8 rows 2.14x, 16 rows 2.86x; each bound is one decode program.
 ROW_BOUND_FACTOR = 2
-
-COMPILED = {"pick": _pick, "prefill": _prefill, "extend": _extend, "insert": _insert,
-            "prefill_insert": _prefill_insert, "decode": _decode, "feed": _feed}
-
-
-def check_min_attend(value: Any, name: str = "min_attend") -> int | None:
-    """`Engine(min_attend=)`: a power of two >= 1, or None (every step reads all slots).
-    `name` is what the error calls it (the server's CLI: "--min-attend")."""
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int | np.integer)
-                              or value < 1 or value & (value - 1)):
-        raise InvalidInputError(f"{name} must be a power of two >= 1 or None, got {value!r}")
-    return None if value is None else int(value)
-
-
-def compile_counts() -> dict[str, int]:
-    """How many programs each compiled function holds (process-wide): a config change
-    that recompiled would show up here."""
-    return {name: fn._cache_size() for name, fn in COMPILED.items()}
 
 
 # ----------------------------------------------------------------------------- engine
 
 
 @dataclass
-class _Sampling:
-    temperature: float
-    top_k: int
-    top_p: float
-    seed: int
-    frequency: float = 0.0
-    presence: float = 0.0
-    repetition: float = 1.0
-    bias: tuple[tuple[int, float], ...] = ()
-
-    @property
-    def penalized(self) -> bool:
-        return bool(self.frequency or self.presence or self.repetition != 1.0 or self.bias)
-
-    @property
-    def sample(self) -> bool:
-        return self.temperature > 0
-
-    @property
-    def filtered(self) -> bool:
-        return self.sample and (self.top_k > 0 or self.top_p < 1.0)
-
-
-@dataclass
 class _Waiting:
     record: RequestRecord
     prompt: np.ndarray
-    sampling: _Sampling
+    sampling: Sampling
     gsm: Any  # DEFAULT | None | GSMConfig
+    logprobs: int | None = None  # Request.logprobs
+    prompt_logprobs: int | None = None
 
 
 @dataclass
 class _Prefilling:
-    """A long prompt between its chunks: its one-row cache and how far it got."""
+    """A prompt being prefilled, in place in its slot, one chunk per step."""
 
     item: _Waiting
     slot: int
     cfg: Any  # the GSMConfig smoothing it, or None
-    rows: Any
-    done: int  # prompt tokens already in `rows`
+    done: int  # prompt tokens already in the slot's row
     keys: dict[int, bytes] = field(default_factory=dict)  # prefix-cache key per boundary
 
 
@@ -418,7 +147,8 @@ class _Prefilling:
 class _InFlight:
     """A decode step dispatched and not yet read back (async scheduling)."""
 
-    tokens: Any  # its picks, a device array [its row bound]
+    tokens: Any  # its picks, a device array [max_batch]
+    lp: Any  # its log-probabilities (device arrays [row bound, ...])
     active: np.ndarray  # [max_batch] bool: the slots it steps
     owners: list  # the record in each slot when it was dispatched
     start: float  # when it was dispatched
@@ -434,12 +164,10 @@ class Engine:
     to ignore EOS. `prefill_chunk`: longest prompt prefilled in one step (a power
     of two >= 16; longer prompts go in chunks of it; None: never chunk). `gsm_ring`:
     rows of the GSM ring buffers (default: what the config's windows need up to
-    max_len, e.g. 8 for window 8; a live config needing more is refused). `min_attend`:
-    the smallest read bound of a decode step (a power of two; each step attends over
-    the power of two >= its longest row + 1, at least this, at most max_len; None: every
-    step reads all max_len slots, one decode program). `kv_cache_dtype`: the KV cache's
-    format (`gsm_jax.with_kv_cache_dtype`: "float", "int8" / "fp8", V4.1's "released";
-    None / "auto": the model's own). `prefix_cache_bytes` > 0: automatic prefix caching
+    max_len, e.g. 8 for window 8; a live config needing more is refused).
+    `kv_cache_dtype`: the KV cache's format (`gsm_jax.with_kv_cache_dtype`: "float",
+    "int8" / "fp8", V4.1's "released"; None / "auto": the model's own). `prefix_cache_bytes` > 0:
+    automatic prefix caching
     within that many bytes (`serving/prefix_cache.py`: the states at prefill-chunk
     boundaries, GSM rings included, reused by later prompts that start with the same
     chunks; outputs are bit for bit those with caching off; needs `prefill_chunk`).
@@ -458,7 +186,7 @@ class Engine:
                  gsm: Any = None, compile_gsm: bool = False,
                  eos_ids: Sequence[int] | None = None, seed: int = 0,
                  prefill_chunk: int | None = 512, gsm_ring: int | None = None,
-                 min_attend: int | None = 128, kv_cache_dtype: str | None = None,
+                 kv_cache_dtype: str | None = None,
                  prefix_cache_bytes: int = 0, bound_rows: bool = True,
                  async_scheduling: bool = True) -> None:
         if not isinstance(params, ModelParams):
@@ -473,10 +201,10 @@ class Engine:
         self._mesh = mesh_of(params.weights)  # sharded params: the mesh, for expert parallelism
         self.config = params.config
         self.family = family_module(self.config.family)
-        if not hasattr(self.family, "cache_insert"):
+        if not hasattr(self.family, "extend"):
             raise InvalidInputError(
-                f"model family {self.config.family!r} has no cache_insert: it cannot join a "
-                "running batch"
+                f"model family {self.config.family!r} has no extend: the engine prefills "
+                "prompts in place, in their slots of the running cache"
             )
         context = self.config.max_position_embeddings
         if not 1 <= int(max_len) <= context:
@@ -489,36 +217,31 @@ class Engine:
             if chunk < MIN_PROMPT_BUCKET or chunk & (chunk - 1):
                 raise InvalidInputError(f"prefill_chunk must be a power of two >= "
                                         f"{MIN_PROMPT_BUCKET}, got {prefill_chunk!r}")
-            if not hasattr(self.family, "extend"):
-                chunk = None  # this family prefills whole prompts only
             prefill_chunk = chunk
         self.prefill_chunk = prefill_chunk
         capacity = check_capacity(prefix_cache_bytes)
         if capacity and prefill_chunk is None:
             raise InvalidInputError(
                 "prefix caching needs chunked prefill (its blocks are the prefill chunks): "
-                "give prefill_chunk, or prefix_cache_bytes=0"
-                + ("" if hasattr(self.family, "extend") else
-                   f"; the {self.config.family} family has no extend"))
+                "give prefill_chunk, or prefix_cache_bytes=0")
         self.prefix_cache = PrefixCache(capacity, prefill_chunk) if capacity else None
         if gsm_ring is not None and (isinstance(gsm_ring, bool) or int(gsm_ring) < 1):
             raise InvalidInputError(f"gsm_ring must be an integer >= 1, got {gsm_ring!r}")
         self._ring_request = None if gsm_ring is None else int(gsm_ring)
-        self.min_attend = check_min_attend(min_attend)
         self.bound_rows = bool(bound_rows)
         self.async_scheduling = bool(async_scheduling)
         self._ahead: _InFlight | None = None  # the decode step in flight (async scheduling)
         self._read_at = 0.0  # when the last decode step's tokens reached the host
-        # the token feed's `prev` when no step is in flight (every row's token is the host's)
-        self._no_prev = jnp.zeros((self.max_batch,), jnp.int32)
+        # the last decode step's picks [max_batch], on device: the next step's token feed
+        self._prev = jnp.zeros((self.max_batch,), jnp.int32)
         if eos_ids is None:
             tok = params.tokenizer
             eos_ids = tok.eos_ids if tok is not None else self.config.eos_token_ids
         self.eos_ids = frozenset(int(e) for e in eos_ids)
         self._seed = int(seed)
         self._submitted = 0
-        # (kind, size, seconds) of every jitted call, host sync included: ("prefill",
-        # prompt bucket, s), ("extend", chunk, s) and ("decode", active slots, s). A
+        # (kind, size, seconds) of every compiled call, host sync included: ("extend",
+        # chunk width, s), ("restore", tokens, s) and ("decode", active slots, s). A
         # server steps the engine for days: the last `STEP_LOG` calls are kept (the
         # server's `/admin/steps`); `run` starts a fresh list of its own calls.
         self.step_times: deque[tuple[str, int, float]] | list[tuple[str, int, float]] = (
@@ -531,28 +254,16 @@ class Engine:
         self._row_params_cache: dict[Any, tuple[np.ndarray, int]] = {}
         self._protect = 0  # the batch's protect_first
         self._cache = None
-        self.slots: list[RequestRecord | None] = [None] * self.max_batch
         self.waiting: deque[_Waiting] = deque()
         self._prefilling: _Prefilling | None = None
         b, n_layers = self.max_batch, self.config.num_layers
-        self._last = np.zeros((b,), np.int32)
-        self._rows = np.zeros((b,), np.float32)
-        self._strength = np.zeros((b, n_layers, 2), np.float32)
-        self._window = np.zeros((b,), np.int32)
-        self._temps = np.zeros((b,), np.float32)
-        self._top_k = np.zeros((b,), np.int32)
-        self._top_p = np.ones((b,), np.float32)
-        self._seeds = np.zeros((b,), np.int32)
-        self._filtered = np.zeros((b,), bool)
-        # penalties (`Request`): per slot, and the tokens they count
+        # who holds each slot and what its next decode step needs (`serving/slots.py`)
+        self._state = SlotState(b, n_layers)
+        self.slots: list[RequestRecord | None] = self._state.records
         v = self.config.vocab_size
-        self._penalized = np.zeros((b,), bool)
-        self._freq = np.zeros((b,), np.float32)
-        self._pres = np.zeros((b,), np.float32)
-        self._rep = np.ones((b,), np.float32)
-        self._out_counts = np.zeros((b, v), np.int32)
-        self._seen = np.zeros((b, v), bool)
-        self._bias = np.zeros((b, v), np.float32)
+        self._pen = (jnp.zeros((b, v), jnp.int32), jnp.zeros((b, v), bool),
+                     jnp.zeros((b, v), jnp.float32))
+        self.programs = ProgramSet()
         if self.gsm_compiled:
             self.set_gsm(gsm)
         else:
@@ -672,27 +383,7 @@ class Engine:
             self.config, self.max_batch, self.max_len, dtype=self.params.dtype,
             gsm_max_window=window,
         )
-
-    def attend_bound(self, tokens: int) -> int | None:
-        """The read bound of a step whose longest row holds `tokens` before it (its new
-        token goes to slot `tokens`): the power of two >= tokens + 1, at least
-        `min_attend`; None (read all) when that reaches max_len, when bounding is off, or
-        for a family whose cache cannot be bounded."""
-        if self.min_attend is None or not common.can_bound_reads(self._cache):
-            return None
-        n = bucket(int(tokens) + 1, self.min_attend)
-        return None if n >= self.max_len else n
-
-    def attend_bounds(self) -> list[int | None]:
-        """Every read bound a decode step of this engine can use (`warmup(all_attend=True)`
-        compiles one program each)."""
-        out: list[int | None] = []
-        if self.min_attend is not None and common.can_bound_reads(self._cache):
-            n = self.min_attend
-            while n < self.max_len:
-                out.append(n)
-                n *= 2
-        return out + [None]
+        self._plan()  # the programs for this cache's structure
 
     def _row_params(self, cfg: Any) -> tuple[np.ndarray, int]:
         """(strength [layers, 2], window) of one smoothed row under `cfg`."""
@@ -815,6 +506,12 @@ class Engine:
                     or not -100.0 <= value <= 100.0:
                 raise InvalidInputError(f"logit_bias[{token}] must be a number in "
                                         f"[-100, 100], got {value!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(req, name)
+            if k is not None and (isinstance(k, bool) or not isinstance(k, int | np.integer)
+                                  or not 0 <= k <= MAX_LOGPROBS):
+                raise InvalidInputError(f"{name} must be None or an integer in "
+                                        f"[0, {MAX_LOGPROBS}], got {k!r}")
         if req.gsm is not DEFAULT and req.gsm is not None:
             self.check_gsm(req.gsm)
         return prompt.astype(np.int32)
@@ -832,7 +529,7 @@ class Engine:
         )
         seed = request.seed if request.seed is not None else self._seed * 1_000_003 + \
             self._submitted
-        sampling = _Sampling(float(request.temperature), int(request.top_k),
+        sampling = Sampling(float(request.temperature), int(request.top_k),
                              float(request.top_p), int(seed) & 0x7FFFFFFF,
                              float(request.frequency_penalty), float(request.presence_penalty),
                              float(request.repetition_penalty),
@@ -842,7 +539,8 @@ class Engine:
         if gsm is not DEFAULT and gsm is not None:
             gsm = self.check_gsm(gsm)
         self._submitted += 1
-        self.waiting.append(_Waiting(record, prompt, sampling, gsm))
+        self.waiting.append(_Waiting(record, prompt, sampling, gsm, request.logprobs,
+                                     request.prompt_logprobs))
         return record
 
     def abort(self, record: RequestRecord, reason: str = "abort") -> bool:
@@ -870,22 +568,17 @@ class Engine:
             self.on_finish(rec)
 
     def _free(self, slot: int) -> None:
-        self.slots[slot] = None
-        self._rows[slot] = 0.0
-        self._strength[slot] = 0.0
-        self._temps[slot] = 0.0
-        self._filtered[slot] = False
-        self._last[slot] = 0
-        if self._penalized[slot]:
-            self._penalized[slot] = False
-            self._freq[slot], self._pres[slot], self._rep[slot] = 0.0, 0.0, 1.0
-            self._out_counts[slot], self._seen[slot], self._bias[slot] = 0, False, 0.0
+        self._state.free(slot)
 
-    def _emit(self, slot: int, rec: RequestRecord, token: int, t: float) -> bool:
-        """Record one output token; True if the request is finished."""
+    def _emit(self, slot: int, rec: RequestRecord, token: int, t: float,
+              lp: tuple | None = None) -> bool:
+        """Record one output token (and its log-probabilities `lp` = (chosen, top values,
+        top ids), when the request asked); True if the request is finished. The scores
+        go in first: a reader that sees the token (another thread) finds its scores."""
+        k = self._state.logprobs[slot]
+        if k is not None and lp is not None:
+            rec.logprobs.append((float(lp[0]), np.array(lp[1][:k]), np.array(lp[2][:k])))
         rec.tokens.append(token)
-        if self._penalized[slot]:
-            self._out_counts[slot, token] += 1
         rec.token_times.append(t)
         if len(rec.tokens) == 1:
             rec.first_token = t
@@ -896,33 +589,11 @@ class Engine:
         reason = ("eos" if token in self.eos_ids and not rec.ignore_eos
                   else "length" if len(rec.tokens) >= rec.max_new_tokens else "")
         if not reason:
-            self._last[slot] = token
+            self._state.last[slot] = token
             return False
         self._free(slot)
         self._finish(rec, reason, t)
         return True
-
-    def _sampling_args(self, items: Sequence[_Sampling], counts: Sequence[int]):
-        # numpy, as `_decode_once` passes them (one signature: no second program entry)
-        return (np.asarray([s.temperature for s in items], np.float32),
-                np.asarray([s.top_k for s in items], np.int32),
-                np.asarray([s.top_p for s in items], np.float32),
-                np.asarray([s.seed for s in items], np.int32),
-                np.asarray(counts, np.int32))
-
-    def _one_row_penalties(self, item: _Waiting) -> tuple | None:
-        """`_pick`'s penalties for a request's first token (nothing generated yet)."""
-        s = item.sampling
-        if not s.penalized:
-            return None
-        v = self.config.vocab_size
-        seen = np.zeros((1, v), bool)
-        seen[0, item.prompt] = True
-        bias = np.zeros((1, v), np.float32)
-        for token, value in s.bias:
-            bias[0, token] = value
-        return (np.asarray([s.frequency], np.float32), np.asarray([s.presence], np.float32),
-                np.asarray([s.repetition], np.float32), np.zeros((1, v), np.int32), seen, bias)
 
     def _one_row_gsm(self, cfg: Any) -> GSMInputs | None:
         if not self.gsm_compiled:
@@ -934,114 +605,19 @@ class Engine:
         return self._gsm_inputs(np.ones((1,), np.float32), strength[None],
                                 np.asarray([window], np.int32))
 
-    def _occupy(self, slot: int, item: _Waiting, cfg: Any, token: int) -> bool:
-        """The request's row is in the running cache: it decodes from the next step on."""
-        rec = item.record
-        self.slots[slot] = rec
-        self._rows[slot] = float(cfg is not None)
-        if cfg is not None:
-            self._strength[slot], self._window[slot] = self._row_params(cfg)
-        s = item.sampling
-        self._temps[slot], self._top_k[slot], self._top_p[slot] = s.temperature, s.top_k, s.top_p
-        self._seeds[slot], self._filtered[slot] = s.seed, s.filtered
-        if s.penalized:
-            self._penalized[slot] = True
-            self._freq[slot], self._pres[slot], self._rep[slot] = (s.frequency, s.presence,
-                                                                   s.repetition)
-            self._out_counts[slot] = 0
-            self._seen[slot] = False
-            self._seen[slot, item.prompt] = True
-            self._bias[slot] = 0.0
-            for t, value in s.bias:
-                self._bias[slot, t] = value
-        return self._emit(slot, rec, token, clock())
-
     def _can_admit(self, cfg: Any) -> bool:
         """protect_first is one value per batch: a smoothed request whose config changes it
         waits until no smoothed row of the previous value is running."""
         if cfg is None or cfg.protect_first == self._protect:
             return True
-        smoothed = any(r is not None and self._rows[i] > 0 for i, r in enumerate(self.slots))
+        smoothed = any(r is not None and self._state.smoothed[i] > 0
+                       for i, r in enumerate(self.slots))
         if self._prefilling is not None and self._prefilling.cfg is not None:
             smoothed = True
         if smoothed:
             return False
         self._protect = cfg.protect_first
         return True
-
-    def _admit(self, slot: int, item: _Waiting, cfg: Any) -> bool:
-        """Prefill a request (its first chunk if long) for `slot`; True if it finished."""
-        rec, prompt, s = item.record, item.prompt, item.sampling
-        rec.slot = slot
-        rec.gsm = cfg is not None
-        rec.admitted = clock()
-        first = prompt.size if self.prefill_chunk is None else min(prompt.size,
-                                                                    self.prefill_chunk)
-        padded = min(bucket(first, MIN_PROMPT_BUCKET), self.max_len)
-        tokens = np.zeros((1, padded), np.int32)
-        tokens[0, :first] = prompt[:first]
-        keys = self._prefix_keys(item, cfg)
-        if self.prefix_cache is not None:
-            done, kept = self.prefix_cache.lookup(list(keys.items()), prompt.size)
-            if kept is not None:  # resume at the longest cached boundary: its next chunk now
-                with on_mesh(self._mesh):
-                    rows = restore_rows(kept, self.max_len)
-                self.step_times.append(("restore", done, clock() - rec.admitted))
-                self._prefilling = _Prefilling(item, slot, cfg, rows, done, keys)
-                return self._advance_prefill()
-        gsm = self._one_row_gsm(cfg)
-        sampling = self._sampling_args([s], [0])
-        kw = dict(config=self.config, max_len=self.max_len)
-        with on_mesh(self._mesh):
-            if first == prompt.size:
-                logits, self._cache = _prefill_insert(
-                    self.params.weights, jnp.asarray(tokens), jnp.asarray([first], jnp.int32),
-                    self._cache, jnp.asarray([slot], jnp.int32), gsm, **kw)
-                tok = _pick(logits, sampling, self._one_row_penalties(item),
-                            sample=s.sample, filtered=s.filtered)
-            else:
-                _, rows = _prefill(self.params.weights, jnp.asarray(tokens),
-                                   jnp.asarray([first], jnp.int32), gsm, **kw)
-                self._keep(keys, first, rows)
-                jax.block_until_ready(rows)
-        self.step_times.append(("prefill", padded, clock() - rec.admitted))
-        if first < prompt.size:
-            self._prefilling = _Prefilling(item, slot, cfg, rows, first, keys)
-            return False
-        return self._occupy(slot, item, cfg, int(np.asarray(tok)[0]))
-
-    def _advance_prefill(self) -> bool:
-        """One more chunk of the prompt being prefilled; True if its request finished."""
-        p = self._prefilling
-        item, s = p.item, p.item.sampling
-        prompt, chunk = item.prompt, self.prefill_chunk
-        n = min(chunk, prompt.size - p.done)
-        # the last chunk is padded to its own prompt bucket, not to a whole chunk (a
-        # 1030-token prompt's last 6 tokens cost a 16-wide call, not a 512-wide one)
-        width = chunk if n == chunk else min(bucket(n, MIN_PROMPT_BUCKET), chunk)
-        tokens = np.zeros((1, width), np.int32)
-        tokens[0, :n] = prompt[p.done: p.done + n]
-        t = clock()
-        with on_mesh(self._mesh):
-            # the chunk's slots are [done, done + width): bound the reads there
-            logits, rows = _extend(self.params.weights, jnp.asarray(tokens),
-                                   jnp.asarray([n], jnp.int32), p.rows,
-                                   self._one_row_gsm(p.cfg), config=self.config,
-                                   attend=self.attend_bound(p.done + width - 1))
-            p.rows, p.done = rows, p.done + n
-            if p.done < prompt.size:
-                self._keep(p.keys, p.done, rows)
-                jax.block_until_ready(rows)
-                self.step_times.append(("extend", width, clock() - t))
-                return False
-            self._cache = _insert(self._cache, rows, jnp.asarray([p.slot], jnp.int32),
-                                  config=self.config)
-            tok = _pick(logits, self._sampling_args([s], [0]), self._one_row_penalties(item),
-                        sample=s.sample, filtered=s.filtered)
-        token = int(np.asarray(tok)[0])
-        self.step_times.append(("extend", width, clock() - t))
-        self._prefilling = None
-        return self._occupy(p.slot, item, p.cfg, token)
 
     # ------------------------------------------------------------------ prefix caching
 
@@ -1060,13 +636,6 @@ class Engine:
         context = repr((self._gsm_static, self._protect, self.max_len)).encode() + b"|" + gsm
         return dict(self.prefix_cache.keys(item.prompt, context))
 
-    def _keep(self, keys: dict[int, bytes], tokens: int, rows: Any) -> None:
-        """Keep the state a prefill reached at chunk boundary `tokens` (a copy: the next
-        `extend` donates `rows`), unless it is cached already."""
-        key = keys.get(tokens)
-        if key is not None and self.prefix_cache.wants(key):
-            self.prefix_cache.store(key, tokens, snapshot_rows(rows, tokens))
-
     def reset_prefix_cache(self) -> bool:
         """Drop every cached prefix state (vLLM's `reset_prefix_cache`); running rows keep
         their own caches (a cached state is a copy), so this is safe between steps. False
@@ -1079,152 +648,6 @@ class Engine:
     def prefix_cache_stats(self) -> dict[str, Any] | None:
         """The prefix cache's counters (`PrefixCache.stats`), None when caching is off."""
         return None if self.prefix_cache is None else self.prefix_cache.stats()
-
-    def rows_bound(self, active: np.ndarray) -> int | None:
-        """The row bound of a decode step whose running slots are `active` [max_batch]: the
-        power of `ROW_BOUND_FACTOR` (2) >= the highest running slot + 1; None (every slot)
-        when that reaches max_batch, when bounding is off, on a mesh (the data axis splits
-        the slots), or for a cache `common.first_rows` cannot cut (DeepSeek's)."""
-        used = np.flatnonzero(active)
-        top = int(used[-1]) + 1 if used.size else 1
-        return next(b for b in self.rows_bounds() if b is None or b >= top)
-
-    def rows_bounds(self) -> list[int | None]:
-        """Every row bound a decode step can take (1, 2, 4, ... below max_batch, then None:
-        all); one each when bounding is off."""
-        if (not self.bound_rows or self._mesh is not None
-                or not common.can_bound_reads(self._cache)):
-            return [None]
-        out, n = [], 1
-        while n < self.max_batch:
-            out.append(n)
-            n *= ROW_BOUND_FACTOR
-        return out + [None]
-
-    def _decode_args(self, active: np.ndarray | None = None, attend: Any = "held",
-                     rows: Any = "active", pending: np.ndarray | None = None,
-                     copy: bool = False) -> tuple[np.ndarray, tuple, dict[str, Any]]:
-        """(active slots, arguments, static keywords) of the next decode step's `_decode`;
-        the per-slot arguments are cut to its row bound. `active` / `attend` / `rows`
-        override what the slots say (the warm-up compiles every bound on idle slots).
-        `pending` [max_batch]: 1 where a step in flight (async scheduling) holds one more
-        token of the slot's request. `copy`: the arguments are copies of the host arrays
-        (a step that runs while the host changes them), not views."""
-        if active is None:
-            active = np.array([s is not None for s in self.slots])
-        if attend == "held":
-            # an active row holds its prompt and every output token but the last (this
-            # step writes that one at slot `held`)
-            held = max((r.prompt_len + r.n_tokens - 1 + (0 if pending is None else
-                                                          int(pending[i]))
-                        for i, r in enumerate(self.slots) if r is not None and active[i]),
-                       default=0)
-            attend = self.attend_bound(held)
-        if rows == "active":
-            rows = self.rows_bound(active)
-        cut = slice(rows)  # rows None: every slot
-        own = functools.partial(np.array, copy=copy)  # copy=False: the view itself
-        gsm = self._gsm_inputs((self._rows * active)[cut], own(self._strength[cut]),
-                               own(self._window[cut]))
-        # without `copy`, numpy views: the step's tokens are read back before the host
-        # arrays change
-        args = (self.params.weights, own(self._last[cut]), self._cache, gsm,
-                np.asarray(active[cut], bool))
-        return active, args, {"config": self.config, "attend": attend, "rows": rows}
-
-    def lower_decode(self) -> Any:
-        """The decode step the engine would run next, lowered but not run (a
-        `jax.stages.Lowered`): for inspecting its program, e.g.
-        `.compile().as_text()` (the tests check what its attention reads); a step in
-        flight (async scheduling) counts the token it holds."""
-        pending = self._pending(self._ahead)
-        _, args, kw = self._decode_args(self._next_active(pending), pending=pending)
-        with on_mesh(self._mesh):
-            return _decode.lower(*args, **kw)
-
-    def _pending(self, step: _InFlight | None) -> np.ndarray:
-        """[max_batch] int32: 1 where `step` (in flight) holds a token of the request
-        still in that slot (not one that finished or was aborted since)."""
-        out = np.zeros((self.max_batch,), np.int32)
-        if step is not None:
-            for slot in np.flatnonzero(step.active):
-                rec = step.owners[slot]
-                out[slot] = self.slots[slot] is rec and rec is not None and not rec.done
-        return out
-
-    def _next_active(self, pending: np.ndarray) -> np.ndarray:
-        """[max_batch] bool: the rows the next decode step runs: running, and not finished
-        by their token in flight (`pending`)."""
-        return np.array([r is not None and r.n_tokens + int(pending[i]) < r.max_new_tokens
-                         for i, r in enumerate(self.slots)])
-
-    def _sync(self, active: np.ndarray) -> bool:
-        """Whether a step over `active` is read back before the next one is dispatched:
-        async scheduling off, or a penalized row (its penalties count the tokens read)."""
-        return not self.async_scheduling or bool(self._penalized[active].any())
-
-    def _decode_once(self) -> list[RequestRecord]:
-        """Dispatch one decode step; read back the one before it (async scheduling: the
-        new step was dispatched first, so the host's bookkeeping overlaps it) or this one
-        (synchronous: async scheduling off, or a penalized row, whose penalties count
-        the tokens read back). Returns the requests that finished."""
-        prev, self._ahead = self._ahead, None
-        pending = self._pending(prev)
-        # the rows of the new step: running, and not finished by their token in flight
-        # (a row at its max_new_tokens is; one at EOS or a stop string is found out when
-        # that token is read back, and its extra token is dropped)
-        active = self._next_active(pending)
-        done: list[RequestRecord] = []
-        if prev is not None and (self._sync(active) or not active.any()):
-            done = self._read(prev)
-            prev, pending = None, self._pending(None)
-            active = self._next_active(pending)
-        sync = self._sync(active)
-        if not active.any():
-            return done
-        active, args, kw = self._decode_args(active, pending=pending, copy=not sync)
-        cut = slice(kw["rows"])
-        counts = np.array([0 if r is None else r.n_tokens for r in self.slots], np.int32)
-        counts = counts + pending  # the index of the token each row draws
-        sampling = (*(np.array(a[cut], copy=not sync) for a in (
-            self._temps, self._top_k, self._top_p, self._seeds)), counts[cut])
-        sample = bool((self._temps[active] > 0).any())
-        penalties = None
-        if self._penalized[active].any():
-            penalties = tuple(a[cut] for a in (
-                self._freq, self._pres, self._rep, self._out_counts, self._seen, self._bias))
-        t = clock()
-        with on_mesh(self._mesh):
-            # rows still running take their token from the step in flight, on device;
-            # the others (just admitted) the host's
-            use = (pending[cut] > 0) & active[cut]
-            args = (args[0], _feed(self._no_prev if prev is None else prev.tokens, args[1],
-                                   use), *args[2:])
-            logits, self._cache = _decode(*args, **kw)
-            tok = _pick(logits, sampling, penalties, sample=sample,
-                        filtered=sample and bool(self._filtered[active].any()))
-        step = _InFlight(tok, active, list(self.slots), t)
-        if sync:
-            return done + self._read(step)
-        self._ahead = step
-        return done + ([] if prev is None else self._read(prev))
-
-    def _read(self, step: _InFlight) -> list[RequestRecord]:
-        """Bring a decode step's tokens to the host and emit them (a slot whose request
-        finished or was aborted since the step was dispatched drops its token); logs the
-        step's time from its dispatch, or from the previous read if later."""
-        tokens = np.asarray(step.tokens)
-        t = clock()
-        self.step_times.append(("decode", int(step.active.sum()),
-                                t - max(step.start, self._read_at)))
-        self._read_at = t
-        done = []
-        for slot in np.flatnonzero(step.active):
-            rec = step.owners[slot]
-            if (rec is not None and self.slots[slot] is rec and not rec.done
-                    and self._emit(int(slot), rec, int(tokens[slot]), t)):
-                done.append(rec)
-        return done
 
     def step(self) -> list[RequestRecord]:
         """Advance a chunked prefill by one chunk, or admit what fits (prefill each); then
@@ -1257,97 +680,307 @@ class Engine:
 
     # ------------------------------------------------------------------ warm-up
 
-    def warmup(self, prompt_lengths: Sequence[int] = (16,), *,
-               sample: bool = False, all_attend: bool = True) -> dict[str, Any]:
-        """Compile and run, through the normal request path, the prefill of each prompt
-        bucket the given lengths fall in, and the decode step (greedy; also sampled
-        with `sample=True`), and (`all_attend`, default) the decode program of every
-        read bound (`attend_bounds`: 128, 256, ... max_len), so no row compiles one
-        mid-stream when it grows past a power of two.
+    # ------------------------------------------------------------------ programs
 
-        When no given length exceeds `prefill_chunk` but `max_len` does, a prompt of a
-        chunk plus 16 tokens also runs (uncached), so the chunked-prefill programs (the
-        whole-chunk prefill, an extend, the insert) are compiled too ("chunked_s").
+    def _plan(self) -> None:
+        """The programs this engine runs (`serving/programs.py`), for the cache it has:
+        one decode per row bound, one extend per chunk width, the penalty row, and with
+        prefix caching the snapshot / restore of a chunk. Compiled by `warmup`, else
+        each the first time it is called."""
+        ps = ProgramSet(export=self._mesh is None, aot=self._mesh is None)
+        for rows in self.rows_bounds():
+            ps.add("decode", rows, programs.decode, self._decode_example(rows),
+                   {"config": self.config, "rows": rows}, donate=(1, 2))
+        for w in self.widths():
+            ps.add("extend", w, programs.extend, self._extend_example(w),
+                   {"config": self.config}, donate=(1, 2))
+        v = self.config.vocab_size
+        ps.add("penalty_row", None, programs.penalty_row,
+               (abstract(self._pen), np.int32(0), np.zeros((v,), bool),
+                np.zeros((v,), np.float32)), donate=(0,))
+        if self.prefix_cache is not None and self.prefill_chunk < self.max_len:
+            block = self.prefill_chunk  # (a chunk >= max_len: no prompt has a boundary)
+            ps.add("snapshot", block, programs.snapshot,
+                   (abstract(self._cache), np.int32(0), np.int32(0)), {"block": block})
+            saved = jax.eval_shape(functools.partial(programs.snapshot, block=block),
+                                   self._cache, np.int32(0), np.int32(0))
+            ps.add("restore", block, programs.restore,
+                   (abstract(self._cache), saved, np.int32(0), np.int32(0)), donate=(0,))
+        self.programs = ps
 
-        Returns seconds per prompt bucket (a dummy request's prefill + one decode
-        step, compilation included), per read bound with `all_attend` ("attend_s"), for
-        the token feed between row bounds ("feed_s", with `all_attend`) and in total. The
-        engine is left idle; its cache holds junk rows, which the next admissions
-        overwrite.
-        """
+    def _call(self, name: str, bucket: Any, *args: Any) -> Any:
+        """Run a compiled program (compiling it first if `warmup` did not)."""
+        if not self.programs.has(name, bucket):
+            raise ProgramMissing(f"no {name!r} program planned for {bucket!r}")
+        if (name, bucket) not in self.programs._compiled:
+            self.programs.compile(mesh=self._mesh, threads=1)
+        with on_mesh(self._mesh):
+            return self.programs.call(name, bucket, *args)
+
+    def widths(self) -> list[int]:
+        """The chunk widths a prompt is prefilled in: powers of two from 16 to
+        `prefill_chunk`, or to max_len when that is smaller or prompts are not chunked."""
+        top = min(self.prefill_chunk or self.max_len, self.max_len)
+        return programs.width_buckets(min(MIN_PROMPT_BUCKET, top), top)
+
+    def width_of(self, n: int) -> int:
+        """The extend width of a chunk of n real tokens: the smallest bucket >= n."""
+        return next(w for w in self.widths() if w >= n)
+
+    def _decode_example(self, rows: int | None) -> tuple:
+        """A decode call's arguments for row bound `rows` (the cache and counters as their
+        shapes): what the program is planned from."""
+        args = self._decode_call_args(np.zeros((self.max_batch,), bool), rows,
+                                      np.zeros((self.max_batch,), np.int32), False)
+        return (args[0], abstract(args[1]), abstract(args[2])) + args[3:]
+
+    def _extend_example(self, w: int) -> tuple:
+        """An extend call's arguments for chunk width `w`."""
+        args = self._extend_call_args(np.zeros((1, w), np.int32), 1, 0, 0,
+                                      np.zeros((1, w), np.int32), None, Sampling(0.0, 0, 1.0, 0),
+                                      None, False)
+        return (args[0], abstract(args[1]), abstract(args[2])) + args[3:]
+
+    def _decode_call_args(self, active: np.ndarray, rows: int | None, counts: np.ndarray,
+                          copy: bool) -> tuple:
+        d = self._state.decode_inputs(active, rows, counts, copy)
+        gsm = self._gsm_inputs(d["smoothed"], d["strength"], d["window"])
+        return (self.params.weights, self._cache, self._pen, self._prev, d["host"],
+                d["use_prev"], d["active"], gsm, d["sampling"], d["fpr"], d["flags"])
+
+    def _extend_call_args(self, tokens: np.ndarray, n: int, start: int, slot: int,
+                          targets: np.ndarray, cfg: Any, s: Sampling, lp: int | None,
+                          prompt_lp: bool, last: bool = True) -> tuple:
+        gsm = self._one_row_gsm(cfg)
+        sampling = (np.asarray([s.temperature], np.float32), np.asarray([s.top_k], np.int32),
+                    np.asarray([s.top_p], np.float32), np.asarray([s.seed], np.int32),
+                    np.zeros((1,), np.int32))
+        fpr = (np.asarray([s.frequency], np.float32), np.asarray([s.presence], np.float32),
+               np.asarray([s.repetition], np.float32))
+        return (self.params.weights, self._cache, self._pen, tokens,
+                np.asarray([n], np.int32), np.int32(start), np.int32(slot), targets, gsm,
+                sampling, fpr, pick_flags([(s, lp)]), np.bool_(prompt_lp), np.bool_(last))
+
+    # ------------------------------------------------------------------ admission
+
+    def _occupy(self, slot: int, item: _Waiting, cfg: Any, token: int,
+                lp: tuple | None) -> bool:
+        """The request's row is in the running cache: it decodes from the next step on."""
+        rec = item.record
+        self._state.occupy(slot, rec, item.sampling, item.logprobs,
+                           None if cfg is None else self._row_params(cfg))
+        return self._emit(slot, rec, token, clock(), lp)
+
+    def _admit(self, slot: int, item: _Waiting, cfg: Any) -> bool:
+        """Start prefilling a request into `slot` (from the longest cached prefix, if
+        any); its first chunk runs now. True if it finished."""
+        rec, s = item.record, item.sampling
+        rec.slot = slot
+        rec.gsm = cfg is not None
+        rec.admitted = clock()
+        if s.penalized:  # its counters, prompt tokens and bias, before its first pick
+            v = self.config.vocab_size
+            seen = np.zeros((v,), bool)
+            seen[item.prompt] = True
+            bias = np.zeros((v,), np.float32)
+            for token, value in s.bias:
+                bias[token] = value
+            self._pen = self._call("penalty_row", None, self._pen, np.int32(slot), seen, bias)
+        keys = self._prefix_keys(item, cfg)
+        done = 0
+        # prompt log-probabilities need every chunk's logits: such a prompt is prefilled
+        # whole (and still keeps its blocks for later prompts), as vLLM does
+        if self.prefix_cache is not None and keys and item.prompt_logprobs is None:
+            chain = self.prefix_cache.lookup_chain(list(keys.items()), item.prompt.size)
+            for start, saved in chain:  # the blocks in order: the last one's rings stay
+                self._cache = self._call("restore", self.prefill_chunk, self._cache, saved,
+                                         np.int32(slot), np.int32(start))
+                done = start + self.prefill_chunk
+            if chain:
+                self.step_times.append(("restore", done, clock() - rec.admitted))
+        self._prefilling = _Prefilling(item, slot, cfg, done, keys)
+        return self._advance_prefill()
+
+    def _advance_prefill(self) -> bool:
+        """One more chunk of the prompt being prefilled; True if its request finished."""
+        p = self._prefilling
+        item, s = p.item, p.item.sampling
+        prompt = item.prompt
+        chunk = self.prefill_chunk or self.max_len
+        n = min(chunk, prompt.size - p.done)
+        # the last chunk is padded to its own width, not to a whole chunk (a 1030-token
+        # prompt's last 6 tokens cost a 16-wide call, not a 512-wide one)
+        width = self.width_of(n)
+        tokens = np.zeros((1, width), np.int32)
+        tokens[0, :n] = prompt[p.done: p.done + n]
+        want = item.prompt_logprobs is not None
+        targets = np.zeros((1, width), np.int32)
+        if want:  # each position's next prompt token (the last one's is the first output)
+            nxt = prompt[p.done + 1: p.done + n + 1]
+            targets[0, :nxt.size] = nxt
+        t = clock()
+        last = p.done + n >= prompt.size
+        args = self._extend_call_args(tokens, n, p.done, p.slot, targets, p.cfg, s,
+                                      item.logprobs if last else None, want, last)
+        tok, lp, plp, self._cache, self._pen = self._call("extend", width, *args)
+        if want:
+            chosen, vals, ids = (np.asarray(a) for a in plp)
+            k = item.prompt_logprobs
+            rows = min(n, prompt.size - 1 - p.done)
+            p.item.record.prompt_logprobs.extend(
+                (float(chosen[i]), vals[i, :k], ids[i, :k]) for i in range(rows))
+        start, p.done = p.done, p.done + n
+        kind = "prefill" if start == 0 else "extend"  # a prompt's first chunk, or a later one
+        if not last:
+            self._keep(p, start)
+            jax.block_until_ready(self._cache)
+            self.step_times.append((kind, width, clock() - t))
+            return False
+        token = int(np.asarray(tok)[0])
+        lp = None if item.logprobs is None else tuple(np.asarray(a)[0] for a in lp)
+        self.step_times.append((kind, width, clock() - t))
+        self._prefilling = None
+        return self._occupy(p.slot, item, p.cfg, token, lp)
+
+    def _keep(self, p: _Prefilling, start: int) -> None:
+        """Keep the chunk a prefill just wrote (slots [start, start + chunk) and the GSM
+        rings after it) under its boundary's key, unless it is cached already."""
+        key = p.keys.get(start + self.prefill_chunk)
+        if key is not None and self.prefix_cache.wants(key):
+            saved = self._call("snapshot", self.prefill_chunk, self._cache,
+                               np.int32(p.slot), np.int32(start))
+            self.prefix_cache.store(key, start + self.prefill_chunk, saved, start=start)
+
+    # ------------------------------------------------------------------ decoding
+
+    def rows_bound(self, active: np.ndarray) -> int | None:
+        """The row bound of a decode step whose running slots are `active` [max_batch]: the
+        power of `ROW_BOUND_FACTOR` (2) >= the highest running slot + 1; None (every slot)
+        when that reaches max_batch, when bounding is off, on a mesh (the data axis splits
+        the slots), or for a cache whose rows cannot be cut (DeepSeek's)."""
+        used = np.flatnonzero(active)
+        top = int(used[-1]) + 1 if used.size else 1
+        return next(b for b in self.rows_bounds() if b is None or b >= top)
+
+    def rows_bounds(self) -> list[int | None]:
+        """Every row bound a decode step can take (1, 2, 4, ... below max_batch, then None:
+        all); one when bounding is off."""
+        if (not self.bound_rows or self._mesh is not None
+                or not common.can_cut_rows(self._cache)):
+            return [None]
+        return programs.row_buckets(self.max_batch, ROW_BOUND_FACTOR)
+
+    def lower_decode(self) -> Any:
+        """The decode step the engine would run next, lowered but not run (a
+        `jax.stages.Lowered`): for inspecting its program (`.compile().as_text()`)."""
+        pending = self._pending(self._ahead)
+        active = self._next_active(pending)
+        rows = self.rows_bound(active)
+        args = self._decode_call_args(active, rows, self._counts(pending), False)
+        with on_mesh(self._mesh):
+            return programs.decode.lower(*args, config=self.config, rows=rows)
+
+    def _pending(self, step: _InFlight | None) -> np.ndarray:
+        """[max_batch] int32: 1 where `step` (in flight) holds a token of the request
+        still in that slot (not one that finished or was aborted since)."""
+        out = np.zeros((self.max_batch,), np.int32)
+        if step is not None:
+            for slot in np.flatnonzero(step.active):
+                rec = step.owners[slot]
+                out[slot] = self.slots[slot] is rec and rec is not None and not rec.done
+        return out
+
+    def _next_active(self, pending: np.ndarray) -> np.ndarray:
+        """[max_batch] bool: the rows the next decode step runs: running, and not finished
+        by their token in flight (`pending`)."""
+        return np.array([r is not None and r.n_tokens + int(pending[i]) < r.max_new_tokens
+                         for i, r in enumerate(self.slots)])
+
+    def _counts(self, pending: np.ndarray) -> np.ndarray:
+        """[max_batch] the index of the token each row draws next."""
+        counts = np.array([0 if r is None else r.n_tokens for r in self.slots], np.int32)
+        return counts + pending
+
+    def _decode_once(self) -> list[RequestRecord]:
+        """Dispatch one decode step; read back the one before it (async scheduling: the
+        new step was dispatched first, so the host's bookkeeping overlaps it) or this one
+        (async scheduling off). Returns the requests that finished."""
+        prev, self._ahead = self._ahead, None
+        pending = self._pending(prev)
+        # the rows of the new step: running, and not finished by their token in flight
+        # (a row at its max_new_tokens is; one at EOS or a stop string is found out when
+        # that token is read back, and its extra token is dropped)
+        active = self._next_active(pending)
+        done: list[RequestRecord] = []
+        if prev is not None and (not self.async_scheduling or not active.any()):
+            done = self._read(prev)
+            prev, pending = None, self._pending(None)
+            active = self._next_active(pending)
+        if not active.any():
+            return done
+        sync = not self.async_scheduling
+        # rows still running take their token from the step in flight, on device; the
+        # others (just admitted) the host's
+        self._state.use_prev[:] = (pending > 0) & active
+        rows = self.rows_bound(active)
+        t = clock()
+        args = self._decode_call_args(active, rows, self._counts(pending), copy=not sync)
+        self._prev, lp, self._cache, self._pen = self._call("decode", rows, *args)
+        step = _InFlight(self._prev, lp, active, list(self.slots), t)
+        if sync:
+            return done + self._read(step)
+        self._ahead = step
+        return done + ([] if prev is None else self._read(prev))
+
+    def _read(self, step: _InFlight) -> list[RequestRecord]:
+        """Bring a decode step's tokens (and log-probabilities, when a row asked) to the
+        host and emit them (a slot whose request finished or was aborted since the step
+        was dispatched drops its token); logs the step's time from its dispatch, or from
+        the previous read if later."""
+        tokens = np.asarray(step.tokens)
+        want = any(self._state.logprobs[i] is not None for i in np.flatnonzero(step.active)
+                   if step.owners[i] is not None)
+        lp = tuple(np.asarray(a) for a in step.lp) if want else None
+        t = clock()
+        self.step_times.append(("decode", int(step.active.sum()),
+                                t - max(step.start, self._read_at)))
+        self._read_at = t
+        done = []
+        for slot in np.flatnonzero(step.active):
+            rec = step.owners[slot]
+            if (rec is not None and self.slots[slot] is rec and not rec.done
+                    and self._emit(int(slot), rec, int(tokens[slot]), t,
+                                   None if lp is None else tuple(a[slot] for a in lp))):
+                done.append(rec)
+        return done
+
+    # ------------------------------------------------------------------ warm-up
+
+    def warmup(self, prompt_lengths: Sequence[int] = (16,), *, sample: bool = False,
+               threads: int | None = None,
+               progress: Callable[[int, int, str], None] | None = None) -> dict[str, Any]:
+        """Compile every program the engine can run (`programs`: one decode per row bound,
+        one extend per chunk width, ...: a number that does not depend on max_len), in
+        `threads` compiler threads (default: the CPUs, at most 4), calling
+        `progress(done, total, what)` after each; then serve one short request per
+        given prompt length (greedy; also sampled with `sample=True`) through the normal
+        path, which compiles nothing more. Returns {"programs": count, "compile_s":
+        seconds per program, "requests_s": the requests' seconds, "total_s"}. The engine
+        is left idle; its cache holds junk rows, which the next admissions overwrite."""
         if self.has_work:
             raise InvalidInputError("warmup needs an idle engine")
-        by_bucket: dict[int, int] = {}
-        for n in sorted(int(n) for n in prompt_lengths):
-            n = max(1, min(n, self.max_len - 1))
-            by_bucket.setdefault(min(bucket(n, MIN_PROMPT_BUCKET), self.max_len), n)
-        out: dict[str, Any] = {"prefill_s": {}}
         start = clock()
-        for padded, n in by_bucket.items():
-            t = clock()
+        n_threads = threads if threads is not None else min(4, os.cpu_count() or 1)
+        compile_s = self.programs.compile(progress, threads=n_threads, mesh=self._mesh)
+        t = clock()
+        for n in sorted({max(1, min(int(n), self.max_len - 1)) for n in prompt_lengths}):
             for temperature in ([0.0, 1.0] if sample else [0.0]):
                 self.submit(Request([0] * n, min(2, self.max_len - n), request_id="warmup",
                                     temperature=temperature))
                 while self.has_work:
                     self.step()
-            out["prefill_s"][padded] = clock() - t
-        if all(n >= self.max_len - 1 for n in by_bucket.values()):  # decode not reached yet
-            self.submit(Request([0], 2, request_id="warmup"))
-            while self.has_work:
-                self.step()
-        chunk = self.prefill_chunk
-        if (chunk is not None and self.max_len > chunk + MIN_PROMPT_BUCKET
-                and all(n <= chunk for n in by_bucket.values())):
-            # the chunked path (a whole-chunk prefill, an extend, the insert): without it
-            # the first prompt longer than a chunk compiled those mid-serving (seconds)
-            t, kept, self.prefix_cache = clock(), self.prefix_cache, None  # not cached
-            try:
-                self.submit(Request([0] * (chunk + MIN_PROMPT_BUCKET), 2,
-                                    request_id="warmup"))
-                while self.has_work:
-                    self.step()
-            finally:
-                self.prefix_cache = kept
-            out["chunked_s"] = clock() - t
-        if all_attend:
-            out["attend_s"] = self._warm_attend()
-            out["feed_s"] = self._warm_feed()
-        out["total_s"] = clock() - start
-        return out
-
-    def _warm_attend(self) -> dict[str, float]:
-        """Compile and run the decode program of every read bound and row bound (and the
-        greedy pick of each row bound) on the idle cache, every row inactive (no row
-        advances; the junk rows' slots it writes are overwritten by the next admissions)."""
-        inactive = np.zeros((self.max_batch,), bool)
-        out: dict[str, float] = {}
-        for n in self.attend_bounds():
-            t = clock()
-            for rows in self.rows_bounds():
-                _, args, kw = self._decode_args(inactive, attend=n, rows=rows)
-                with on_mesh(self._mesh):
-                    use = np.zeros(args[1].shape, bool)  # tokens as `_decode_once` feeds them
-                    args = (args[0], _feed(self._no_prev, args[1], use), *args[2:])
-                    logits, self._cache = _decode(*args, **kw)
-                    jax.block_until_ready(_pick(logits, tuple(
-                        np.zeros(logits.shape[:1], d) for d in (
-                            np.float32, np.int32, np.float32, np.int32, np.int32)),
-                        None, sample=False, filtered=False))  # as `_decode_once` calls it
-            out[str(n or self.max_len)] = clock() - t
-        return out
-
-    def _warm_feed(self) -> float:
-        """Compile the token feed (`_feed`) from every row bound's picks (a step in
-        flight, async scheduling) to every row bound; returns the seconds it took."""
-        t = clock()
-        for before in self.rows_bounds():
-            prev = jnp.zeros((before or self.max_batch,), jnp.int32)
-            for rows in self.rows_bounds():
-                r = rows or self.max_batch
-                with on_mesh(self._mesh):
-                    jax.block_until_ready(_feed(prev, np.zeros((r,), np.int32),
-                                                np.zeros((r,), bool)))
-        return clock() - t
+        return {"programs": len(self.programs), "compile_s": compile_s,
+                "requests_s": clock() - t, "total_s": clock() - start}
 
     # ------------------------------------------------------------------ driver
 

@@ -88,12 +88,6 @@ class ServerMetrics:
         self.refusals = Counter("gsm_jax:unsupported_field_refusals",
                                 "Requests refused (400) for a field the server does not "
                                 "implement.", ["model_name", "field"], registry=r)
-        self.scoring = Histogram("gsm_jax:logprobs_forward_seconds",
-                                 "Teacher-forced forwards computing log-probabilities.",
-                                 ["model_name"], buckets=TTFT_BUCKETS, registry=r)
-        self.scored_tokens = Counter("gsm_jax:logprobs_scored_tokens",
-                                     "Tokens scored by those forwards.", ["model_name"],
-                                     registry=r)
         compile_events.install()
         self.compiles_at_ready: int | None = None  # the count when the server said ready
         r.register(_Compilations(self))
@@ -146,10 +140,6 @@ class ServerMetrics:
 
     def refuse(self, field: str) -> None:
         self.refusals.labels(self.model_name, field).inc()
-
-    def observe_scoring(self, tokens: int, seconds: float) -> None:
-        self.scoring.labels(self.model_name).observe(seconds)
-        self.scored_tokens.labels(self.model_name).inc(tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

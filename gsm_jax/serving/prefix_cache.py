@@ -1,15 +1,15 @@
 """Automatic prefix caching for the serving engine (vLLM's APC, JetStream's prefix cache).
 
-A long prompt is prefilled in chunks of `prefill_chunk` tokens (the first by the family's
-`prefill`, the rest by its `extend`; `serving/engine.py`). With prefix caching on, the
-engine keeps the one-row cache each chunk boundary reached, keyed by a hash chain of the
-token ids before it: key_k = sha256(key_{k-1} + the k-th chunk's ids), key_0 = a hash of
+A long prompt is prefilled in chunks of `prefill_chunk` tokens, in place in its slot of
+the running cache (the family's `extend`; `serving/engine.py`). With prefix caching on,
+the engine keeps what each chunk added, keyed by a hash chain of the token ids up to its
+end: key_k = sha256(key_{k-1} + the k-th chunk's ids), key_0 = a hash of
 what else decides that state (below). A later request whose prompt starts with the same
 k chunks restores the state at boundary k x chunk and prefills only the rest, one chunk
 per engine step as before.
 
 **Exact, not approximately equal.** A hit runs the very calls a cold prefill runs after
-that boundary (same chunk shapes, same read bounds), from a bit-identical state, so its
+that boundary (same chunk shapes), from a bit-identical state, so its
 tokens and logits are those of the engine with caching off, bit for bit (tested). Hence
 the block is the prefill chunk (a finer block would change how a cold prompt is cut, and
 so its rounding), and only boundaries strictly inside the prompt are cached: the last
@@ -24,18 +24,22 @@ the tokens; key_0 hashes it all: the row's GSM strengths [layers, sites] and win
 and the chunk size. Same numbers under another config version share entries (the state is
 the same); any difference is another key.
 
-**Memory**: a dense family's KV cache (`models.common.KVCache`) is stored trimmed to the
-boundary's slots (a 512-token state of a 2048-slot row costs a quarter of the row) and
-padded back with zeros when restored (a cold row holds zeros there too: bit for bit the
-same); other families' rows are stored whole (their caches have their own, smaller
-sizes). Entries are evicted least recently used first to stay within `capacity_bytes`;
-one larger than that is not stored. `stats()` counts queried and hit prompt tokens
-(vLLM's `prefix_cache_queries` / `prefix_cache_hits`), entries, bytes and evictions.
+**Memory**: a dense family's KV cache (`models.common.KVCache`) is kept as blocks, as
+vLLM's paged blocks: the entry of boundary k holds the chunk's own slots [(k-1) C, k C)
+and the GSM rings at k C, and a hit restores the blocks 1..k in order (one compiled
+`restore` program, whatever k: `serving/programs.py`), so a prompt's states cost one
+row's worth of slots however many boundaries it has; a hit needs every block from the
+first (`lookup_chain`). Slots past the restored length hold whatever the slot held
+before: attention never reads them (`cache_attention` masks past each row's length, to
+exactly zero weight). Other families' rows are kept whole at each boundary (their
+caches have their own, smaller sizes). Entries are evicted least recently used first to
+stay within `capacity_bytes`; one larger than that is not stored. `stats()` counts
+queried and hit prompt tokens (vLLM's `prefix_cache_queries` / `prefix_cache_hits`), entries, bytes
+and evictions.
 """
 
 from __future__ import annotations
 
-import functools
 import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -43,13 +47,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from gsm_jax.errors import InvalidInputError
 from gsm_jax.models.common import KVCache
 
-__all__ = ["PrefixCache", "check_capacity", "restore_rows", "snapshot_rows"]
+__all__ = ["PrefixCache", "check_capacity"]
 
 
 def check_capacity(value: Any, name: str = "prefix_cache_bytes") -> int:
@@ -60,54 +63,6 @@ def check_capacity(value: Any, name: str = "prefix_cache_bytes") -> int:
     return int(value)
 
 
-# ----------------------------------------------------------------------------- states
-
-def _own(tree: Any) -> Any:
-    """A copy of every array of `tree` in buffers of its own. (Not a jitted identity: JAX
-    forwards a jitted function's unchanged inputs as its outputs, and the engine's `extend`
-    donates what it is given, which would delete a kept state.)"""
-    return jax.tree.map(lambda a: jnp.array(a, copy=True), tree)
-
-
-def _kv_leaves(rows: KVCache) -> tuple:
-    return rows.k, rows.v, rows.k_scale, rows.v_scale  # each [B, K, S, ...] (scales: hd // 32)
-
-
-def _with_kv(rows: KVCache, kv: tuple) -> KVCache:
-    k, v, k_scale, v_scale = kv
-    return rows.replace(k=k, v=v, k_scale=k_scale, v_scale=v_scale,
-                        lengths=_own(rows.lengths), rings=_own(rows.rings))
-
-
-@functools.partial(jax.jit, static_argnames=("n",))
-def _trim(kv: tuple, *, n: int) -> tuple:
-    return jax.tree.map(lambda a: a[:, :, :n], kv)
-
-
-@functools.partial(jax.jit, static_argnames=("max_len",))
-def _pad(kv: tuple, *, max_len: int) -> tuple:
-    def pad(a):
-        return jnp.pad(a, [(0, 0), (0, 0), (0, max_len - a.shape[2])] + [(0, 0)] * (a.ndim - 3))
-
-    return jax.tree.map(pad, kv)
-
-
-def snapshot_rows(rows: Any, tokens: int) -> Any:
-    """A copy of the one-row cache `rows` holding `tokens` tokens, for keeping: a dense KV
-    cache trimmed to its first `tokens` slots, any other cache whole."""
-    if isinstance(rows, KVCache) and tokens < rows.max_len:
-        return _with_kv(rows, _trim(_kv_leaves(rows), n=int(tokens)))
-    return _own(rows)
-
-
-def restore_rows(snapshot: Any, max_len: int) -> Any:
-    """A fresh one-row cache (its own buffers: the engine's `extend` donates it) equal to
-    the row `snapshot_rows` was given."""
-    if isinstance(snapshot, KVCache) and snapshot.max_len < max_len:
-        return _with_kv(snapshot, _pad(_kv_leaves(snapshot), max_len=int(max_len)))
-    return _own(snapshot)
-
-
 def tree_bytes(tree: Any) -> int:
     return int(sum(a.nbytes for a in jax.tree.leaves(tree)))
 
@@ -116,7 +71,8 @@ def tree_bytes(tree: Any) -> int:
 
 @dataclass
 class _Entry:
-    tokens: int
+    tokens: int  # the boundary: the state after this many prompt tokens
+    start: int  # where the kept block starts (tokens - block for a KV block)
     rows: Any
     nbytes: int
 
@@ -150,28 +106,36 @@ class PrefixCache:
             out.append((end, h))
         return out
 
-    def lookup(self, keys: Sequence[tuple[int, bytes]], prompt_len: int) -> tuple[int, Any]:
-        """The longest cached boundary among `keys`: (tokens, stored rows), or (0, None).
-        Counts the query; a hit becomes the most recently used entry, with its ancestors."""
+    def lookup_chain(self, keys: Sequence[tuple[int, bytes]],
+                     prompt_len: int) -> list[tuple[int, Any]]:
+        """The kept blocks of the longest run of boundaries cached from the first one:
+        [(start, kept)] in order (empty: a miss). Counts the query; the blocks become the
+        most recently used entries."""
         self.queries += int(prompt_len)
-        for i in range(len(keys) - 1, -1, -1):
-            entry = self._entries.get(keys[i][1])
-            if entry is not None:
-                for _, k in keys[: i + 1]:
-                    if k in self._entries:
-                        self._entries.move_to_end(k)
-                self.hits += entry.tokens
-                return entry.tokens, entry.rows
-        return 0, None
+        chain = []
+        for _, k in keys:
+            entry = self._entries.get(k)
+            if entry is None:
+                break
+            chain.append((k, entry))
+        if not chain:
+            return []
+        for k, _ in chain:
+            self._entries.move_to_end(k)
+        if not isinstance(chain[-1][1].rows, KVCache):
+            chain = chain[-1:]  # a whole row: the last one alone is the state
+        self.hits += chain[-1][1].tokens
+        return [(e.start, e.rows) for _, e in chain]
 
     def wants(self, key: bytes) -> bool:
         """True when `store` would keep something new under `key` (so the engine skips the
         copy for a boundary already cached, or when caching is off)."""
         return self.capacity > 0 and key not in self._entries
 
-    def store(self, key: bytes, tokens: int, rows: Any) -> bool:
-        """Keep `rows` (already a snapshot: `snapshot_rows`) as the state at `tokens`;
-        evicts least recently used entries to fit. False if it is larger than the budget."""
+    def store(self, key: bytes, tokens: int, rows: Any, *, start: int = 0) -> bool:
+        """Keep `rows` (the engine's snapshot: a KV block from `start`, or a whole row) as
+        the state at `tokens`; evicts least recently used entries to fit. False if it is
+        larger than the budget."""
         nbytes = tree_bytes(rows)
         if nbytes > self.capacity or key in self._entries:
             return False
@@ -179,7 +143,7 @@ class PrefixCache:
             _, old = self._entries.popitem(last=False)
             self.nbytes -= old.nbytes
             self.evictions += 1
-        self._entries[key] = _Entry(int(tokens), rows, nbytes)
+        self._entries[key] = _Entry(int(tokens), int(start), rows, nbytes)
         self.nbytes += nbytes
         self.stored += 1
         return True
