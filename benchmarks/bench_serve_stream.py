@@ -98,6 +98,9 @@ def main() -> None:
                          "average to fall below 1 (start-up compiles raise it)")
     ap.add_argument("--sync-peer", action=argparse.BooleanOptionalAction, default=True,
                     help="also measure a server started with --no-async-scheduling")
+    ap.add_argument("--server-args", default="",
+                    help="extra flags for both servers, e.g. '--max-len 8192' (issue 42: "
+                    "one stream at --max-len 8192 >= 0.9x generate)")
     ap.add_argument("--quick", action="store_true",
                     help="smoke run: 16 new tokens, 2 repeats (not a measurement)")
     args = ap.parse_args()
@@ -121,13 +124,15 @@ def main() -> None:
     def gen(k: int):
         return gsm_jax.generate_tokens(params, [prompt], max_new_tokens=k, eos_ids=[])
 
-    server = ServerProcess(["--model", args.model, "--log-level", "warning"],
+    extra = args.server_args.split()
+    server = ServerProcess(["--model", args.model, "--log-level", "warning", *extra],
                            log_path=out_dir / "server.log")
     sync = (ServerProcess(["--model", args.model, "--log-level", "warning",
-                           "--no-async-scheduling"], log_path=out_dir / "server_sync.log")
+                           "--no-async-scheduling", *extra],
+                          log_path=out_dir / "server_sync.log")
             if args.sync_peer else None)
-    print(f"[serve-stream] starting gsm-jax serve --model {args.model} (default flags)",
-          flush=True)
+    print(f"[serve-stream] starting gsm-jax serve --model {args.model} "
+          f"{' '.join(extra) or '(default flags)'}", flush=True)
     server.start()
     try:
         if sync is not None:
@@ -175,7 +180,7 @@ def main() -> None:
     comparable = max((load_before or [0])[0], (load_after or [0])[0]) <= 1.5
     result = {
         "machine": info, "args": vars(args), "startup_s": server.startup_s,
-        "server_command": f"gsm-jax serve --model {args.model}",
+        "server_command": " ".join(["gsm-jax serve --model", args.model, *extra]),
         "prompt_tokens": len(prompt), "new_tokens": n,
         "server_decode_tok_s": common.summarize(served),
         "generate_decode_tok_s": common.summarize(generated),

@@ -433,7 +433,7 @@ def first_rows(cache: KVCache, rows: int) -> KVCache:
     row bound: a step costs the rows it runs, not `max_batch`): lengths and GSM rings cut
     to those rows; k and v (and their scales) stay whole, the step writes its rows' new
     slots in place and reads rows [0, rows) of them (`kv_attention`). `put_first_rows`
-    puts the step's result back. For the dense families' KVCache (`can_bound_reads`)."""
+    puts the step's result back. For the dense families' KVCache (`can_cut_rows`)."""
     if not isinstance(rows, int) or isinstance(rows, bool) or not 1 <= rows <= len(
             cache.lengths):
         raise InvalidInputError(f"first_rows: rows must be in [1, {len(cache.lengths)}], "

@@ -40,7 +40,9 @@ Checks (`result["checks"]`, all must hold; `result["ok"]`):
 - at the end every slot and queue entry is free (`/admin/stats`: nothing running or
   waiting, KV usage 0); the prefix cache holds no references (its states are copies,
   each evictable at any time), its bytes are reported;
-- the disconnected requests were aborted (their `finished_reason="abort"` count grew).
+- the disconnected requests were aborted (their `finished_reason="abort"` count grew);
+- nothing compiled during the soak (`gsm_jax_compilations_after_ready_total` on /metrics
+  did not move: issue 42).
 
 Outputs in `--out`: results.json (every request's record too) and results.png (arrivals
 and latencies over time, admin changes marked).
@@ -359,8 +361,11 @@ def run_soak(url: str, *, admin_token: str, pid: int | None, params: Any, minute
     dropped = sum(r["drop"] for r in recs)
     growth = None if rss0 is None or rss1 is None else (rss1 - rss0) / rss0
     net = None if growth is None else (rss1 - rss0 - (pc1 - pc0)) / rss0
+    compiled = _metric_sum(m1, "gsm_jax_compilations_after_ready_total") - \
+        _metric_sum(m0, "gsm_jax_compilations_after_ready_total")
     checks = {
         "no_unexpected_errors": not errors and not drop_errors and not admin.errors,
+        "nothing_compiled_during_the_soak": compiled == 0,
         "answers_equal_solo": not mismatches,
         "rss_growth_net_of_prefix_cache": net is None or net <= rss_growth,
         "all_free_at_end": end["running"] == 0 and end["waiting"] == 0
@@ -376,6 +381,7 @@ def run_soak(url: str, *, admin_token: str, pid: int | None, params: Any, minute
         "minutes": minutes, "soak_s": soak_s, "capacity_rps": capacity, "rate_rps": rate,
         "load": load, "requests": len(recs), "completed": len(kept) - len(errors),
         "dropped": dropped, "aborted_by_server": aborted, "arms": arms,
+        "compilations_during_soak": compiled,
         "versions_seen": sorted({r["version"] for r in kept if r.get("version")}),
         "admin_events": admin.events, "admin_errors": admin.errors,
         "errors": errors[:20], "drop_errors": drop_errors[:20], "mismatches": mismatches[:20],

@@ -80,7 +80,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from gsm_jax.errors import GSMConfigError, InvalidInputError
@@ -233,7 +232,8 @@ class Engine:
         self._ahead: _InFlight | None = None  # the decode step in flight (async scheduling)
         self._read_at = 0.0  # when the last decode step's tokens reached the host
         # the last decode step's picks [max_batch], on device: the next step's token feed
-        self._prev = jnp.zeros((self.max_batch,), jnp.int32)
+        # (made with the cache: `_new_cache`)
+        self._prev = None
         if eos_ids is None:
             tok = params.tokenizer
             eos_ids = tok.eos_ids if tok is not None else self.config.eos_token_ids
@@ -260,9 +260,7 @@ class Engine:
         # who holds each slot and what its next decode step needs (`serving/slots.py`)
         self._state = SlotState(b, n_layers)
         self.slots: list[RequestRecord | None] = self._state.records
-        v = self.config.vocab_size
-        self._pen = (jnp.zeros((b, v), jnp.int32), jnp.zeros((b, v), bool),
-                     jnp.zeros((b, v), jnp.float32))
+        self._pen = None  # penalty counters [max_batch, V] (made with the cache)
         self.programs = ProgramSet()
         if self.gsm_compiled:
             self.set_gsm(gsm)
@@ -379,10 +377,10 @@ class Engine:
         window = self._gsm_static[0] if self.gsm_compiled else None
         if self.prefix_cache is not None:  # its states have the old cache's structure
             self.prefix_cache.clear()
-        self._cache = self.family.init_cache(
-            self.config, self.max_batch, self.max_len, dtype=self.params.dtype,
-            gsm_max_window=window,
-        )
+        # one program makes the running cache, the penalty counters and the token feed
+        # (eager zeros would be a little program per shape: ten more at start-up)
+        self._cache, self._pen, self._prev = programs.fresh_state(
+            self.config, self.max_batch, self.max_len, np.dtype(self.params.dtype), window)
         self._plan()  # the programs for this cache's structure
 
     def _row_params(self, cfg: Any) -> tuple[np.ndarray, int]:

@@ -205,6 +205,18 @@ def extend(weights, cache, pen, tokens, n_new, start, slot, targets, gsm, sampli
     return tok, lp, plp, cache, pen
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
+def fresh_state(config, max_batch: int, max_len: int, dtype, gsm_window: int | None):
+    """An engine's empty state: the running cache (`family.init_cache`), the penalty
+    counters (counts, seen, bias) [max_batch, V], and the token feed [max_batch]."""
+    cache = family_module(config.family).init_cache(config, max_batch, max_len, dtype=dtype,
+                                                    gsm_max_window=gsm_window)
+    v = config.vocab_size
+    pen = (jnp.zeros((max_batch, v), jnp.int32), jnp.zeros((max_batch, v), bool),
+           jnp.zeros((max_batch, v), jnp.float32))
+    return cache, pen, jnp.zeros((max_batch,), jnp.int32)
+
+
 @functools.partial(jax.jit, donate_argnames=("pen",))
 def penalty_row(pen, slot, seen_row, bias_row):
     """A penalized request's slot: its counters zeroed, its prompt tokens seen [V] and its
