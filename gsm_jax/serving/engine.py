@@ -710,8 +710,9 @@ class Engine:
         """Run a compiled program (compiling it first if `warmup` did not)."""
         if not self.programs.has(name, bucket):
             raise ProgramMissing(f"no {name!r} program planned for {bucket!r}")
-        if (name, bucket) not in self.programs._compiled:
-            self.programs.compile(mesh=self._mesh, threads=1)
+        if self.programs.aot and (name, bucket) not in self.programs._compiled:
+            # not warmed up: this one only
+            self.programs.compile(mesh=self._mesh, threads=1, keys=[(name, bucket)])
         with on_mesh(self._mesh):
             return self.programs.call(name, bucket, *args)
 

@@ -311,16 +311,18 @@ class ProgramSet:
         return (name, bucket) in self._plan
 
     def compile(self, progress: Callable[[int, int, str], None] | None = None,
-                threads: int = 2, mesh: Any = None) -> dict[str, float]:
+                threads: int = 2, mesh: Any = None,
+                keys: Sequence[tuple[str, Any]] | None = None) -> dict[str, float]:
         """Lower every planned program not built yet (tracing: one at a time, on this
         thread) and compile them, `threads` at a time (XLA compiles outside the GIL);
         `progress(done, total, label)` is called on this thread after each. An exception
         from `progress` (a cancelled warm-up) stops the work: programs not started are
-        dropped. Returns seconds per program label (from its lowering to its build)."""
+        dropped. `keys`: only those programs (default: every planned one). Returns seconds
+        per program label (from its lowering to its build)."""
         from gsm_jax.generation import on_mesh
         from gsm_jax.serving.requests import clock
 
-        todo = [k for k in self._plan if k not in self._compiled]
+        todo = [k for k in (self._plan if keys is None else keys) if k not in self._compiled]
         total, done = len(todo), 0
         pending: dict[Future, tuple[Any, float, Any]] = {}
 
