@@ -171,11 +171,45 @@ def _unpermute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
     )
 
 
-def _open_reader(path: str) -> Any:
+def _fast_reader_class() -> Any:
+    """`gguf.GGUFReader` whose metadata arrays (the tokenizer's ~50k token strings and
+    merges, its token types) are read in one pass each: the stock reader makes a numpy
+    view per element, ~5 s of SmolLM2's load. Each string is still its own part and a
+    scalar array one part, so `ReaderField.contents()` returns what the stock reader's
+    does (tests/test_gguf_reader.py compares them field by field)."""
     import gguf
+    from gguf.gguf_reader import GGUFValueType
 
+    class FastReader(gguf.GGUFReader):
+        def _get_field_parts(self, orig_offs: int, raw_type: int):
+            if GGUFValueType(raw_type) != GGUFValueType.ARRAY:
+                return super()._get_field_parts(orig_offs, raw_type)
+            raw_itype = self._get(orig_offs, np.uint32)
+            alen = self._get(orig_offs + 4, np.uint64)
+            itype, n, offs = GGUFValueType(int(raw_itype[0])), int(alen[0]), orig_offs + 12
+            types = [GGUFValueType.ARRAY, itype]
+            if itype == GGUFValueType.STRING and self.byte_order == "I":
+                # a plain ndarray over the map: slices without memmap's per-view hooks
+                parts, raw = [raw_itype, alen], self.data.view(np.ndarray)
+                lens = memoryview(raw)  # the file's bytes, no numpy view per element
+                for _ in range(n):
+                    length = int.from_bytes(lens[offs:offs + 8], "little")
+                    parts.append(raw[offs:offs + 8].view(np.uint64))
+                    parts.append(raw[offs + 8:offs + 8 + length])
+                    offs += 8 + length
+                return offs - orig_offs, parts, list(range(3, 2 + 2 * n + 1, 2)), types
+            nptype = self.gguf_scalar_to_np.get(itype)
+            if nptype is not None:
+                values = self._get(offs, nptype, n)
+                return 12 + int(values.nbytes), [raw_itype, alen, values], [2], types
+            return super()._get_field_parts(orig_offs, raw_type)
+
+    return FastReader
+
+
+def _open_reader(path: str) -> Any:
     try:
-        reader = gguf.GGUFReader(path, "r")
+        reader = _fast_reader_class()(path, "r")
     except (ValueError, IndexError, TypeError, KeyError, OverflowError, UnicodeDecodeError,
             OSError, MemoryError) as exc:
         # GGUFReader parses with bare numpy slicing, so a truncated or corrupt header surfaces

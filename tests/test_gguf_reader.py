@@ -259,3 +259,31 @@ def test_directory_instead_of_file(tmp_path):
     with pytest.raises(ModelNotFoundError):
         read_gguf(tmp_path)
 
+
+
+def test_fast_metadata_reader_equals_gguf_reader(smollm2_gguf_path, tmp_path):
+    """The reader's one-pass metadata arrays (`_fast_reader_class`) give every field of
+    the real file exactly as gguf's own reader does (names, types, contents: the ~49k
+    token strings and merges, the token types), and the same tensors; and of a small file
+    with arrays of every kind written by gguf's own writer (strings, ints, floats,
+    bools, an empty array)."""
+    writer = gguf.GGUFWriter(str(tmp_path / "a.gguf"), "llama")
+    writer.add_array("t.strings", ["a", "", "héllo", "x" * 300])
+    writer.add_array("t.ints", [1, -2, 3])
+    writer.add_array("t.floats", [0.5, -1.25])
+    writer.add_array("t.bools", [True, False])
+    writer.add_array("t.empty", [])
+    writer.add_tensor("w", np.arange(6, dtype=np.float32).reshape(2, 3))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    for path in (smollm2_gguf_path, str(tmp_path / "a.gguf")):
+        stock, fast = gguf.GGUFReader(path, "r"), gguf_reader._fast_reader_class()(path, "r")
+        assert list(stock.fields) == list(fast.fields)
+        for name, field in stock.fields.items():
+            assert fast.fields[name].types == field.types, name
+            assert fast.fields[name].contents() == field.contents(), name
+        assert [t.name for t in fast.tensors] == [t.name for t in stock.tensors]
+        for a, b in zip(stock.tensors, fast.tensors, strict=True):
+            np.testing.assert_array_equal(a.data, b.data)
