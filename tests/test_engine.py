@@ -343,6 +343,21 @@ def _penalized_reference(params, prompt, n, freq=0.0, pres=0.0, rep=1.0, bias=No
     return tokens
 
 
+def test_a_slot_forgets_its_previous_requests_penalties(tiny, requests):
+    """The penalty counters live on the device, one row per slot: a plain request admitted
+    into the slot a biased request left decodes as plain greedy, even beside a penalized
+    row (whose presence turns the penalty step on for the whole batch)."""
+    base = requests[2]
+    eng = Engine(tiny, max_batch=2, max_len=MAX_LEN, eos_ids=[])
+    biased = eng.run([Request(base.prompt, 4, logit_bias={7: 50.0})])[0]
+    assert biased.tokens == [7] * 4 and biased.slot == 0
+    plain, other = eng.run([Request(base.prompt, 10), Request(base.prompt, 10,
+                                                              frequency_penalty=0.5)])
+    assert plain.slot == 0
+    assert plain.tokens == _penalized_reference(tiny, base.prompt, 10)
+    assert other.tokens == _penalized_reference(tiny, base.prompt, 10, freq=0.5)
+
+
 def test_penalties_and_logit_bias_equal_the_reference(tiny, requests):
     """Rows with different penalties and an unpenalized row share a batch: each equals its
     own numpy reference, the plain row equals plain greedy; a -100 bias bans a token."""

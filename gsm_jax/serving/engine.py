@@ -261,6 +261,7 @@ class Engine:
         self._state = SlotState(b, n_layers)
         self.slots: list[RequestRecord | None] = self._state.records
         self._pen = None  # penalty counters [max_batch, V] (made with the cache)
+        self._pen_dirty = np.zeros((b,), bool)  # a penalized request's values still there
         self.programs = ProgramSet()
         if self.gsm_compiled:
             self.set_gsm(gsm)
@@ -381,6 +382,7 @@ class Engine:
         # (eager zeros would be a little program per shape: ten more at start-up)
         self._cache, self._pen, self._prev = programs.fresh_state(
             self.config, self.max_batch, self.max_len, np.dtype(self.params.dtype), window)
+        self._pen_dirty[:] = False
         self._plan()  # the programs for this cache's structure
 
     def _row_params(self, cfg: Any) -> tuple[np.ndarray, int]:
@@ -777,14 +779,19 @@ class Engine:
         rec.slot = slot
         rec.gsm = cfg is not None
         rec.admitted = clock()
-        if s.penalized:  # its counters, prompt tokens and bias, before its first pick
+        if s.penalized or self._pen_dirty[slot]:
+            # its counters, prompt tokens and bias, before its first pick; a slot a penalized
+            # request held is cleared for the next (its logit bias would apply again whenever
+            # the batch has a penalized row)
             v = self.config.vocab_size
             seen = np.zeros((v,), bool)
-            seen[item.prompt] = True
             bias = np.zeros((v,), np.float32)
-            for token, value in s.bias:
-                bias[token] = value
+            if s.penalized:
+                seen[item.prompt] = True
+                for token, value in s.bias:
+                    bias[token] = value
             self._pen = self._call("penalty_row", None, self._pen, np.int32(slot), seen, bias)
+            self._pen_dirty[slot] = s.penalized
         keys = self._prefix_keys(item, cfg)
         done = 0
         # prompt log-probabilities need every chunk's logits: such a prompt is prefilled
