@@ -688,16 +688,20 @@ class Engine:
         prefix caching the snapshot / restore of a chunk. Compiled by `warmup`, else
         each the first time it is called."""
         ps = ProgramSet(export=self._mesh is None, aot=self._mesh is None)
+        # the outputs' tree structures, known without tracing the model (a warm start
+        # builds each program from its saved form and never traces it)
+        lp, pen = (0, 0, 0), (0, 0, 0)
         for rows in self.rows_bounds():
             ps.add("decode", rows, programs.decode, self._decode_example(rows),
-                   {"config": self.config, "rows": rows}, donate=(1, 2))
+                   {"config": self.config, "rows": rows}, donate=(1, 2),
+                   out=(0, lp, self._cache, pen))
         for w in self.widths():
             ps.add("extend", w, programs.extend, self._extend_example(w),
-                   {"config": self.config}, donate=(1, 2))
+                   {"config": self.config}, donate=(1, 2), out=(0, lp, lp, self._cache, pen))
         v = self.config.vocab_size
         ps.add("penalty_row", None, programs.penalty_row,
                (abstract(self._pen), np.int32(0), np.zeros((v,), bool),
-                np.zeros((v,), np.float32)), donate=(0,))
+                np.zeros((v,), np.float32)), donate=(0,), out=pen)
         if self.prefix_cache is not None and self.prefill_chunk < self.max_len:
             block = self.prefill_chunk  # (a chunk >= max_len: no prompt has a boundary)
             ps.add("snapshot", block, programs.snapshot,
@@ -705,7 +709,8 @@ class Engine:
             saved = jax.eval_shape(functools.partial(programs.snapshot, block=block),
                                    self._cache, np.int32(0), np.int32(0))
             ps.add("restore", block, programs.restore,
-                   (abstract(self._cache), saved, np.int32(0), np.int32(0)), donate=(0,))
+                   (abstract(self._cache), saved, np.int32(0), np.int32(0)), donate=(0,),
+                   out=self._cache)
         self.programs = ps
 
     def _call(self, name: str, bucket: Any, *args: Any) -> Any:

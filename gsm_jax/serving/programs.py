@@ -280,6 +280,7 @@ class ProgramSet:
     def __init__(self, export: bool = True, aot: bool = True) -> None:
         self._plan: dict[tuple[str, Any], tuple[Callable, tuple, dict, tuple]] = {}
         self._compiled: dict[tuple[str, Any], tuple[Any, bool]] = {}  # (executable, flat)
+        self._out: dict[tuple[str, Any], Any] = {}
         # build through saved traced programs (`compile_cache.exported_program`) when the
         # compilation cache is on: a warm start neither traces nor compiles
         self.export = bool(export)
@@ -301,11 +302,14 @@ class ProgramSet:
         return len(self._compiled)
 
     def add(self, name: str, bucket: Any, fn: Callable, args: Sequence[Any],
-            static: dict[str, Any] | None = None, donate: Sequence[int] = ()) -> None:
+            static: dict[str, Any] | None = None, donate: Sequence[int] = (),
+            out: Any = None) -> None:
         """Plan `fn(*args, **static)` as program (name, bucket); `donate`: the positions
         of the arguments it donates (as `fn`'s own jit says: kept when built from a
-        saved program)."""
+        saved program); `out`: anything with the tree structure of its outputs (None:
+        found by tracing it), so that a program built from its saved form is not traced."""
         self._plan[(name, bucket)] = (fn, tuple(args), dict(static or {}), tuple(donate))
+        self._out[(name, bucket)] = out
 
     def has(self, name: str, bucket: Any) -> bool:
         return (name, bucket) in self._plan
@@ -377,8 +381,10 @@ class ProgramSet:
         exported = None
         if self.export:  # exported with flat outputs: the caches' pytree types need no
             # serialization of their own (the output tree is rebuilt here)
-            out_tree = jax.tree.structure(jax.eval_shape(functools.partial(fn, **static),
-                                                         *args))
+            out = self._out.get(key)
+            out_tree = jax.tree.structure(
+                jax.eval_shape(functools.partial(fn, **static), *args) if out is None
+                else out)
             exported = exported_program(f"serve_{key[0]}", _leaves_of(fn), args, static)
         if exported is None:
             return fn.lower(*args, **static), False
