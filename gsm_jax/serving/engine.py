@@ -262,7 +262,6 @@ class Engine:
         self.slots: list[RequestRecord | None] = self._state.records
         self._pen = None  # penalty counters [max_batch, V] (made with the cache)
         self._pen_dirty = np.zeros((b,), bool)  # a penalized request's values still there
-        self.programs = ProgramSet()
         if self.gsm_compiled:
             self.set_gsm(gsm)
         else:

@@ -479,7 +479,3 @@ def width_buckets(smallest: int, largest: int) -> list[int]:
         out.append(n)
         n *= 2
     return out + [int(largest)]
-
-
-def as_np(x: Any, dtype: Any) -> np.ndarray:
-    return np.asarray(x, dtype)
