@@ -225,12 +225,16 @@ def _decode_xla_stacked(x, rings, layer, position, window, strength, lo, *, prec
 
     def window_sum(rows: int) -> Callable[[jax.Array], jax.Array]:
         def f(flat: jax.Array) -> jax.Array:
+            # One gather of every row back in the window, then unrolled adds (they fuse into
+            # one loop). A gather per row back compiled ~2x slower; a reduce over the
+            # gathered block ran slower (docs/performance_notes.md, "GSM decode window sum").
+            back = jnp.arange(1, rows, dtype=jnp.int32)  # rows 1 .. rows-1 back
+            idx = base[:, None] + jnp.mod(n[:, None] - back, W)  # [B, rows-1]
+            got = flat.at[idx].get(mode="promise_in_bounds")
+            keep = mask[:, None] & (back < count[:, None])
             total = x.astype(jnp.float32)
-            # Unrolled adds fuse into one loop (docs/performance_notes.md, "GSM
-            # decode window sum: unrolled adds, not a reduce").
-            for d in range(1, rows):
-                got = flat[base + jnp.mod(n - d, W)].astype(jnp.float32)  # row gather
-                total = total + jnp.where((mask & (d < count))[:, None], got, 0.0)
+            for j in range(rows - 1):
+                total = total + jnp.where(keep[:, j, None], got[:, j].astype(jnp.float32), 0.0)
             return total
 
         return f
