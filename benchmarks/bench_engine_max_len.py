@@ -73,7 +73,7 @@ MAX_COMPARABLE_LOAD = 1.5
 STEP_CHUNK = 64  # prefill_chunk of the step engines: the 64-token prompt in one chunk
 # the server's engine (gsm_jax/serving/cli.py and app.py defaults)
 SERVER = {"max_batch": 16, "prefill_chunk": 512, "gsm_ring": 16,
-          "prefix_cache_bytes": 10**9, "warmup_lengths": (16, 32, 64, 128)}
+          "prefix_cache_bytes": 10**9, "warmup_lengths": (16,)}
 
 
 def _comparable(before, after) -> bool:

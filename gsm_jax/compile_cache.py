@@ -22,6 +22,9 @@ trusted code: do not point it at a folder others can write.
 `cached_call` saves a traced program (``jax.export``) in ``<cache>/exported/`` beside the
 compiled ones, keyed by the source of gsm_jax, the jax version, the static arguments and
 the argument types: `generate` goes through it, so a second process skips tracing too.
+`save_executable` / `load_executable` keep whole compiled programs in
+``<cache>/executables/`` (keyed as above and by the CPU, devices and ``XLA_FLAGS``): the
+serving engine's programs load from there without tracing, lowering or compiling.
 
 `announce_compilation` prints one line on stderr when a compilation has run for
 `ANNOUNCE_AFTER_S` seconds (``GSM_JAX_COMPILE_NOTICE_S`` changes it; once per process), so a
@@ -411,3 +414,68 @@ def _load_or_export(where: Path, key: str, fn: Callable, static: dict, treedef: 
 
     call.__name__ = call.__qualname__ = key.split("-")[0]  # the name in JAX's logs
     return jax.jit(call)
+
+
+EXECUTABLE_SUBDIR = "executables"
+
+
+def _machine_text() -> str:
+    """What a compiled executable depends on beyond its program: the CPU (`host_fingerprint`:
+    a user-given cache folder may be shared between machines), the devices and XLA's flags."""
+    import jax
+
+    devices = jax.devices()
+    return (f"host {host_fingerprint()} devices {len(devices)} {devices[0].device_kind} "
+            f"XLA_FLAGS {os.environ.get('XLA_FLAGS', '')}")
+
+
+def executable_path(name: str, args: tuple, static: dict) -> Path | None:
+    """Where the compiled executable of ``fn(*args, **static)`` (program `name`, taking the
+    flat leaves of `args`: ShapeDtypeStructs or arrays on one device) is saved: beside the
+    traced programs, keyed like them (`exported_program`) and by `_machine_text`. None when
+    the compilation cache is off or the arguments cannot be keyed."""
+    import jax
+
+    where = compilation_cache_dir()
+    leaves, treedef = jax.tree.flatten(args)
+    if where is None or any(len(getattr(x, "sharding", None).device_set) > 1
+                            for x in leaves if getattr(x, "sharding", None) is not None):
+        return None
+    key = _program_key(name, static, treedef, leaves, _machine_text())
+    return None if key is None else where / EXECUTABLE_SUBDIR / f"{key}.jaxexec"
+
+
+def load_executable(path: Path | None, n_args: int, out_tree: Any) -> Any:
+    """The executable `save_executable` wrote at `path` (taking `n_args` flat arguments and
+    returning `out_tree`), loaded without tracing, lowering or compiling; None when there is
+    none or it cannot be read (said once: it is then built again and rewritten)."""
+    if path is None or not path.is_file():
+        return None
+    import jax
+    from jax.experimental import serialize_executable
+
+    try:
+        in_tree = jax.tree.structure((tuple(range(n_args)), {}))
+        return serialize_executable.deserialize_and_load(path.read_bytes(), in_tree, out_tree)
+    except Exception as e:  # truncated, foreign or stale: built again
+        _warn_once(f"bad {path}", f"ignoring the unreadable saved executable {path} "
+                   f"({type(e).__name__}: {e})")
+        return None
+
+
+def save_executable(path: Path | None, compiled: Any) -> None:
+    """Write a compiled executable (`jax.stages.Compiled` of a function of flat arguments) at
+    `path` for `load_executable`; a failure is said once and otherwise ignored."""
+    if path is None:
+        return
+    from jax.experimental import serialize_executable
+
+    try:
+        blob = serialize_executable.serialize(compiled)[0]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}.{threading.get_ident()}")
+        tmp.write_bytes(blob)
+        os.replace(tmp, path)
+    except Exception as e:  # an executable that cannot be serialized, a read-only folder
+        _warn_once(f"save {path.parent}", f"compiled programs are not saved in {path.parent} "
+                   f"({type(e).__name__}: {e})")

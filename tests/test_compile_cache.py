@@ -141,3 +141,47 @@ def test_generate_through_a_saved_program_equals_generate(cache_on, monkeypatch)
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
         for a, b in zip(got[0], want[0], strict=True):
             np.testing.assert_array_equal(a, b)
+
+
+def test_engine_programs_saved_as_executables_load_without_lowering(cache_on, monkeypatch,
+                                                                     capsys):
+    """The serving engine's programs are saved compiled (`save_executable`) and a later
+    process loads them without tracing, lowering or compiling; the requests' tokens (GSM on,
+    greedy and sampled) equal those of the engine that compiled them. A corrupt file is
+    said once and built again."""
+    from gsm_jax.serving import programs
+    from gsm_jax.serving.engine import Engine, Request
+
+    params = tiny_gsm_llama()
+    gsm = gsm_jax.GSMConfig(window_size=4, smooth_strength=0.3, target_layers="all")
+    reqs = [Request([5, 6, 7, 8, 9], 5, request_id="a"),
+            Request([10, 11, 12], 4, request_id="b", temperature=0.9, seed=3)]
+
+    def run():
+        eng = Engine(params, max_batch=2, max_len=32, gsm=gsm, compile_gsm=True, eos_ids=[],
+                     prefill_chunk=16)
+        eng.warmup((4,))
+        return eng, [r.tokens for r in eng.run(reqs)]
+
+    monkeypatch.setattr(programs, "_EXECUTABLES", {})
+    first, want = run()
+    saved = sorted((cache_on / cc.EXECUTABLE_SUBDIR).glob("*.jaxexec"))
+    assert len(saved) == len(first.programs) > 0
+
+    monkeypatch.setattr(programs, "_EXECUTABLES", {})  # a new process
+    monkeypatch.setattr(cc, "_programs", {})
+
+    def refuse(*a, **k):
+        raise AssertionError("lowered again: the saved executable was not used")
+
+    with monkeypatch.context() as m:
+        m.setattr(programs.ProgramSet, "_lower", refuse)
+        second, got = run()
+    assert got == want and second.programs.compiled == len(second.programs)
+
+    saved[0].write_bytes(b"not an executable")
+    monkeypatch.setattr(programs, "_EXECUTABLES", {})
+    _, again = run()
+    assert again == want
+    assert "ignoring the unreadable saved executable" in capsys.readouterr().err
+    assert saved[0].stat().st_size > 100  # rewritten

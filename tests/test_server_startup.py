@@ -255,7 +255,7 @@ def served(tiny_llama):
 
     server = GSMServer(ServerOptions(model=NAME, max_batch=4, max_len=MAX_LEN,
                                      prefill_chunk=32, admin_token=TOKEN,
-                                     warmup_lengths=(16, 32, 64, 128)),
+                                     warmup_lengths=(16,)),
                        _tiny_params(tiny_llama))
     port = _free_port()
     uv = uvicorn.Server(uvicorn.Config(build_app(server), host="127.0.0.1", port=port,

@@ -58,8 +58,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="enables /admin/* behind 'Authorization: Bearer <token>'")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds SIGTERM waits for running requests")
-    p.add_argument("--warmup-lengths", default="16,32,64,128",
-                   help="prompt lengths whose prefill compiles before serving (comma list)")
+    p.add_argument("--warmup-lengths", default="16",
+                   help="prompt lengths of the warm-up requests served (greedy and sampled) "
+                   "before ready, after every program is built (comma list; each width's "
+                   "first run costs a little, nothing compiles after ready either way)")
     p.add_argument("--seed", type=int, default=0,
                    help="sampling seed of requests that give none")
     p.add_argument("--mesh", default=None,

@@ -282,7 +282,8 @@ class ProgramSet:
         self._compiled: dict[tuple[str, Any], tuple[Any, bool]] = {}  # (executable, flat)
         self._out: dict[tuple[str, Any], Any] = {}
         # build through saved traced programs (`compile_cache.exported_program`) when the
-        # compilation cache is on: a warm start neither traces nor compiles
+        # compilation cache is on, and save what is built (`compile_cache.save_executable`):
+        # a warm start loads the executables, neither tracing, lowering nor compiling
         self.export = bool(export)
         # aot: calls run the executables built here. Off (an engine on a mesh, whose caches
         # are placed by the partitioner at the first call): calls go through the jitted
@@ -323,6 +324,7 @@ class ProgramSet:
         from `progress` (a cancelled warm-up) stops the work: programs not started are
         dropped. `keys`: only those programs (default: every planned one). Returns seconds
         per program label (from its lowering to its build)."""
+        from gsm_jax.compile_cache import executable_path
         from gsm_jax.generation import on_mesh
         from gsm_jax.serving.requests import clock
 
@@ -343,13 +345,24 @@ class ProgramSet:
             if progress is not None:
                 progress(done, total, label)
 
+        def build(key, t0, sig, path) -> None:  # lower here (tracing holds the GIL), compile
+            fn, args, static, donate = self._plan[key]
+            with on_mesh(mesh):
+                lowered, flat = self._lower(key, fn, args, static, donate)
+            pending[pool.submit(_build, lowered, flat, path if flat else None)] = (
+                key, t0, sig, None)
+
         def collect(block: bool) -> None:
             ready = [f for f in pending if f.done()]
             if block and not ready:
                 ready = [next(as_completed(pending))]
             for f in ready:
-                key, t0, sig = pending.pop(f)
-                finished(key, f.result(), t0, sig)
+                key, t0, sig, loaded_from = pending.pop(f)
+                got = f.result()
+                if got is None:  # a saved executable that did not load: built again
+                    build(key, t0, sig, loaded_from)
+                else:
+                    finished(key, got, t0, sig)
 
         pool = ThreadPoolExecutor(max_workers=max(1, int(threads)),
                                   thread_name_prefix="gsm-jax-compile")
@@ -362,15 +375,27 @@ class ProgramSet:
                 if known is not None:  # another engine of this process built it
                     finished(key, known, t0, None)
                     continue
-                with on_mesh(mesh):
-                    lowered, flat = self._lower(key, fn, args, static, donate)
-                pending[pool.submit(_build, lowered, flat)] = (key, t0, sig)
+                path = (executable_path(f"serve_{key[0]}", args, static)
+                        if self.export and self.aot else None)
+                if path is not None and path.is_file():  # saved: no tracing, no compiling
+                    n = len(jax.tree.leaves(args))
+                    pending[pool.submit(_load, path, n, self._out_tree(key))] = (
+                        key, t0, sig, path)
+                else:
+                    build(key, t0, sig, path)
                 collect(block=False)
             while pending:
                 collect(block=True)
         finally:
             pool.shutdown(wait=False, cancel_futures=True)
         return dict(self.seconds)
+
+    def _out_tree(self, key: tuple[str, Any]) -> Any:
+        """The tree structure of program `key`'s outputs: as `add` was told, else traced."""
+        fn, args, static, _ = self._plan[key]
+        out = self._out.get(key)
+        return jax.tree.structure(
+            jax.eval_shape(functools.partial(fn, **static), *args) if out is None else out)
 
     def _lower(self, key, fn, args, static, donate) -> tuple[Any, bool]:
         """(the program lowered, whether it takes the flat leaves of its arguments): from
@@ -381,10 +406,7 @@ class ProgramSet:
         exported = None
         if self.export:  # exported with flat outputs: the caches' pytree types need no
             # serialization of their own (the output tree is rebuilt here)
-            out = self._out.get(key)
-            out_tree = jax.tree.structure(
-                jax.eval_shape(functools.partial(fn, **static), *args) if out is None
-                else out)
+            out_tree = self._out_tree(key)
             exported = exported_program(f"serve_{key[0]}", _leaves_of(fn), args, static)
         if exported is None:
             return fn.lower(*args, **static), False
@@ -423,8 +445,24 @@ def _leaves_of(fn: Callable) -> Callable:
     return leaves
 
 
-def _build(lowered, flat: bool) -> tuple[Any, bool]:
-    return lowered.compile(), flat
+def _build(lowered, flat: bool, path: Any = None) -> tuple[Any, bool]:
+    """Compile (in a worker thread); a program of flat arguments is saved at `path`
+    (`compile_cache.save_executable`) for the next process."""
+    from gsm_jax.compile_cache import save_executable
+
+    compiled = lowered.compile()
+    if flat and path is not None:
+        save_executable(path, compiled)
+    return compiled, flat
+
+
+def _load(path: Any, n_args: int, out_tree: Any) -> tuple[Any, bool] | None:
+    """A saved executable (`compile_cache.load_executable`), loaded in a worker thread; None
+    when it cannot be read."""
+    from gsm_jax.compile_cache import load_executable
+
+    compiled = load_executable(path, n_args, out_tree)
+    return None if compiled is None else (compiled, True)
 
 
 # Executables by signature, shared by the engines of a process (tests and benchmarks build
