@@ -21,7 +21,7 @@ SmolLM2 (`--model`), greedy, EOS ignored, in this process. Issue 42's two figure
    The context length is run-time data in the new engine (attention loops over cache
    blocks up to the rows' length), so max_len only sizes the cache.
 2. **One stream at `--stream-max-len` 8192.** One engine at the server's defaults
-   (`gsm-jax serve`'s: max_batch 16, prefill_chunk 512, GSM compiled in at zero
+   (`gsm-jax serve`'s: max_batch 16, prefill_chunk 128, GSM compiled in at zero
    strength with a 16-row ring, prefix caching on, async scheduling on) and max_len
    8192, warmed up as the server warms it (`Engine.warmup`), serves one request of
    `--stream-prompt` (64) tokens + `--stream-new` (128) new tokens through
@@ -72,7 +72,7 @@ STREAM_TARGET = 0.9  # one stream through the engine / generate_tokens, tokens/s
 MAX_COMPARABLE_LOAD = 1.5
 STEP_CHUNK = 64  # prefill_chunk of the step engines: the 64-token prompt in one chunk
 # the server's engine (gsm_jax/serving/cli.py and app.py defaults)
-SERVER = {"max_batch": 16, "prefill_chunk": 512, "gsm_ring": 16,
+SERVER = {"max_batch": 16, "prefill_chunk": 128, "gsm_ring": 16,
           "prefix_cache_bytes": 10**9, "warmup_lengths": (16,)}
 
 

@@ -56,7 +56,7 @@ def test_arguments_and_server_flags(bench):
     s = bench.serve_settings(cmd)
     assert s.max_len == 8192
     d = bench.serve_settings(bench.server_command("m", [], "defaults"))
-    assert (d.max_len, d.prefill_chunk, d.max_batch) == (2048, 512, 16)  # the CLI's defaults
+    assert (d.max_len, d.prefill_chunk, d.max_batch) == (2048, 128, 16)  # the CLI's defaults
     assert d.enable_prefix_caching and not d.no_gsm
     s = bench.serve_settings(bench.server_command("m", q.extra, "defaults"))
     assert (s.max_len, s.prefill_chunk, s.max_batch, s.no_gsm) == (256, 64, 2, True)

@@ -60,7 +60,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gsm_jax.errors import GSMConfigError, GSMJaxError, InvalidInputError
 from gsm_jax.serving import compile_events
-from gsm_jax.serving.engine import Engine
+from gsm_jax.serving.engine import PREFILL_CHUNK, Engine
 from gsm_jax.serving.engine import Request as EngineRequest
 from gsm_jax.serving.gsm_state import GSMVersion, LiveGSM
 from gsm_jax.serving.metrics import CONTENT_TYPE_LATEST, ServerMetrics
@@ -97,7 +97,7 @@ class ServerOptions:
     max_batch: int = 16
     max_len: int = 2048
     max_queue: int = 1024
-    prefill_chunk: int | None = 512
+    prefill_chunk: int | None = PREFILL_CHUNK
     gsm: str | None = None  # a GSM config file (watched) or None
     compile_gsm: bool = True  # False: no GSM code at all (PUT /admin/gsm is then refused)
     admin_token: str | None = None

@@ -112,6 +112,14 @@ __all__ = ["DEFAULT", "Engine", "Request", "RequestRecord", "clock"]
 STEP_LOG = 65536  # engine calls kept in `Engine.step_times` outside `run`
 
 
+# The serving default of `prefill_chunk` (the engine's, the server's `--prefill-chunk`): a
+# 128-token chunk already runs at the per-token cost of a 512-token one (SmolLM2, AMD EPYC, 2
+# threads: 2.02 against 2.00 ms per token; 16 tokens 5.5, 64 tokens 2.6), so wider chunks
+# only add programs to build at start-up (each width is one `extend`) and lengthen the
+# stall a prompt puts on the running decodes (docs/performance_notes.md, "Serving engine:
+# prefill chunks of 128").
+PREFILL_CHUNK = 128
+
 # Row bounds grow by this factor (1, 2, 4, ...). Measured (docs/performance_notes.md,
 # "Serving engine: row bounds are powers of two"): a SmolLM2 step of 2 rows costs 1.52x
 # one row, 4 rows 1.77x, 8 rows 2.14x, 16 rows 2.86x; each bound is one decode program.
@@ -184,7 +192,7 @@ class Engine:
     def __init__(self, params: ModelParams, *, max_batch: int = 8, max_len: int = 1024,
                  gsm: Any = None, compile_gsm: bool = False,
                  eos_ids: Sequence[int] | None = None, seed: int = 0,
-                 prefill_chunk: int | None = 512, gsm_ring: int | None = None,
+                 prefill_chunk: int | None = PREFILL_CHUNK, gsm_ring: int | None = None,
                  kv_cache_dtype: str | None = None,
                  prefix_cache_bytes: int = 0, bound_rows: bool = True,
                  async_scheduling: bool = True) -> None:

@@ -281,9 +281,10 @@ class ProgramSet:
         self._plan: dict[tuple[str, Any], tuple[Callable, tuple, dict, tuple]] = {}
         self._compiled: dict[tuple[str, Any], tuple[Any, bool]] = {}  # (executable, flat)
         self._out: dict[tuple[str, Any], Any] = {}
-        # build through saved traced programs (`compile_cache.exported_program`) when the
-        # compilation cache is on, and save what is built (`compile_cache.save_executable`):
-        # a warm start loads the executables, neither tracing, lowering nor compiling
+        # with the compilation cache on, save what is built whole
+        # (`compile_cache.save_executable`): a warm start loads the executables, neither
+        # tracing, lowering nor compiling; a program whose executable cannot be keyed goes
+        # through its saved traced program (`compile_cache.exported_program`) instead
         self.export = bool(export)
         # aot: calls run the executables built here. Off (an engine on a mesh, whose caches
         # are placed by the partitioner at the first call): calls go through the jitted
@@ -348,7 +349,8 @@ class ProgramSet:
         def build(key, t0, sig, path) -> None:  # lower here (tracing holds the GIL), compile
             fn, args, static, donate = self._plan[key]
             with on_mesh(mesh):
-                lowered, flat = self._lower(key, fn, args, static, donate)
+                lowered, flat = self._lower(key, fn, args, static, donate,
+                                            saved=path is not None)
             pending[pool.submit(_build, lowered, flat, path if flat else None)] = (
                 key, t0, sig, None)
 
@@ -397,12 +399,31 @@ class ProgramSet:
         return jax.tree.structure(
             jax.eval_shape(functools.partial(fn, **static), *args) if out is None else out)
 
-    def _lower(self, key, fn, args, static, donate) -> tuple[Any, bool]:
-        """(the program lowered, whether it takes the flat leaves of its arguments): from
-        its saved traced program when there is one (else traced, exported and saved), or
-        traced from `fn` (export off, or not exportable)."""
+    def _lower(self, key, fn, args, static, donate, saved: bool = False) -> tuple[Any, bool]:
+        """(the program lowered, whether it takes the flat leaves of its arguments).
+
+        `saved` (its executable will be saved whole, `compile_cache.save_executable`):
+        traced from `fn` as a function of the flat leaves, and nothing else is written (a
+        warm start loads the executable; a saved traced program or a persistent-cache
+        entry of it would be written and never read: ~40% of a cold start's work).
+        Otherwise from its saved traced program when there is one (else traced, exported
+        and saved), or traced from `fn` (export off, or not exportable)."""
         from gsm_jax.compile_cache import exported_program
 
+        leaves, first = [], []
+        for a in args:
+            first.append(len(leaves))
+            leaves += jax.tree.leaves(a)
+        bounds = first + [len(leaves)]
+        donated = tuple(i for p in donate for i in range(bounds[p], bounds[p + 1]))
+        if saved:
+            in_tree = jax.tree.structure(tuple(args))
+
+            def direct(*flat):
+                return fn(*jax.tree.unflatten(in_tree, flat), **static)
+
+            direct.__name__ = direct.__qualname__ = f"serve_{key[0]}"
+            return jax.jit(direct, donate_argnums=donated).lower(*leaves), True
         exported = None
         if self.export:  # exported with flat outputs: the caches' pytree types need no
             # serialization of their own (the output tree is rebuilt here)
@@ -410,18 +431,12 @@ class ProgramSet:
             exported = exported_program(f"serve_{key[0]}", _leaves_of(fn), args, static)
         if exported is None:
             return fn.lower(*args, **static), False
-        leaves, first = [], []
-        for a in args:
-            first.append(len(leaves))
-            leaves += jax.tree.leaves(a)
-        bounds = first + [len(leaves)]
-        donated = [i for p in donate for i in range(bounds[p], bounds[p + 1])]
 
         def call(*flat):
             return jax.tree.unflatten(out_tree, exported.call(*flat))
 
         call.__name__ = call.__qualname__ = f"serve_{key[0]}"
-        return jax.jit(call, donate_argnums=tuple(donated)).lower(*leaves), True
+        return jax.jit(call, donate_argnums=donated).lower(*leaves), True
 
     def call(self, name: str, bucket: Any, *args: Any) -> Any:
         if not self.aot:
@@ -450,10 +465,26 @@ def _build(lowered, flat: bool, path: Any = None) -> tuple[Any, bool]:
     (`compile_cache.save_executable`) for the next process."""
     from gsm_jax.compile_cache import save_executable
 
-    compiled = lowered.compile()
     if flat and path is not None:
+        with _no_persistent_cache_entry():  # saved whole below: a cache entry is never read
+            compiled = lowered.compile()
         save_executable(path, compiled)
+    else:
+        compiled = lowered.compile()
     return compiled, flat
+
+
+def _no_persistent_cache_entry() -> Any:
+    """A context (this thread only) in which JAX's persistent compilation cache writes no
+    entry: its minimum compile time set out of reach. A no-op where JAX lacks the setting."""
+    try:
+        from jax._src import config as jax_config
+
+        return jax_config.persistent_cache_min_compile_time_secs(float("inf"))
+    except (ImportError, AttributeError, TypeError):
+        import contextlib
+
+        return contextlib.nullcontext()
 
 
 def _load(path: Any, n_args: int, out_tree: Any) -> tuple[Any, bool] | None:
