@@ -5,7 +5,7 @@ The engine owns `max_batch` slots and one running KV cache
 programs (`serving/programs.py`), JetStream's split, built by `warmup` before a server
 says ready, none after (tested by counting JAX's compilation events):
 
-- **extend** (one program per chunk width 16, 32, ... `prefill_chunk`): a prompt's
+- **extend** (one program per chunk width 32, 64, ... `prefill_chunk`): a prompt's
   tokens into its slot of the running cache, in place (no one-row cache, no insert),
   `prefill_chunk` tokens per engine step, so a long prompt delays the running decodes
   by one chunk at a time (the last chunk is padded to its own width). The last chunk's
@@ -119,6 +119,11 @@ STEP_LOG = 65536  # engine calls kept in `Engine.step_times` outside `run`
 # stall a prompt puts on the running decodes (docs/performance_notes.md, "Serving engine:
 # prefill chunks of 128").
 PREFILL_CHUNK = 128
+
+# The narrowest chunk width (below it a chunk is padded to it): a 16-token chunk took 88 ms
+# and a 32-token one 113 ms (same note), so a 16-wide `extend` program would save 25 ms on
+# the shortest prompts at the price of one more program to build before ready.
+MIN_CHUNK_WIDTH = 32
 
 # Row bounds grow by this factor (1, 2, 4, ...). Measured (docs/performance_notes.md,
 # "Serving engine: row bounds are powers of two"): a SmolLM2 step of 2 rows costs 1.52x
@@ -731,10 +736,11 @@ class Engine:
             return self.programs.call(name, bucket, *args)
 
     def widths(self) -> list[int]:
-        """The chunk widths a prompt is prefilled in: powers of two from 16 to
-        `prefill_chunk`, or to max_len when that is smaller or prompts are not chunked."""
+        """The chunk widths a prompt is prefilled in: powers of two from `MIN_CHUNK_WIDTH`
+        (32) to `prefill_chunk`, or to max_len when that is smaller or prompts are not
+        chunked (a smaller top is the only width)."""
         top = min(self.prefill_chunk or self.max_len, self.max_len)
-        return programs.width_buckets(min(MIN_PROMPT_BUCKET, top), top)
+        return programs.width_buckets(min(MIN_CHUNK_WIDTH, top), top)
 
     def width_of(self, n: int) -> int:
         """The extend width of a chunk of n real tokens: the smallest bucket >= n."""
@@ -827,7 +833,7 @@ class Engine:
         chunk = self.prefill_chunk or self.max_len
         n = min(chunk, prompt.size - p.done)
         # the last chunk is padded to its own width, not to a whole chunk (a 1030-token
-        # prompt's last 6 tokens cost a 16-wide call, not a 512-wide one)
+        # prompt's last 6 tokens cost a 32-wide call, not a 128-wide one)
         width = self.width_of(n)
         tokens = np.zeros((1, width), np.int32)
         tokens[0, :n] = prompt[p.done: p.done + n]
