@@ -344,8 +344,7 @@ def exported_program(name: str, fn: Callable, args: tuple, static: dict) -> Any:
     ``<cache>/exported/`` when a process with the same source, jax and argument types
     saved it, else traced, exported and saved. None when the compilation cache is off,
     for arguments on more than one device, or when it cannot be exported (said once).
-    The serving engine saves its programs' executables whole instead (`save_executable`)
-    and comes here only for a program whose executable cannot be keyed."""
+    (The serving engine saves its programs' executables whole instead: `save_executable`.)"""
     import jax
 
     where = compilation_cache_dir()

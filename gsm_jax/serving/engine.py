@@ -699,7 +699,7 @@ class Engine:
         one decode per row bound, one extend per chunk width, the penalty row, and with
         prefix caching the snapshot / restore of a chunk. Compiled by `warmup`, else
         each the first time it is called."""
-        ps = ProgramSet(export=self._mesh is None, aot=self._mesh is None)
+        ps = ProgramSet(save=self._mesh is None, aot=self._mesh is None)
         # the outputs' tree structures, known without tracing the model (a warm start
         # builds each program from its saved form and never traces it)
         lp, pen = (0, 0, 0), (0, 0, 0)

@@ -277,15 +277,14 @@ class ProgramSet:
     compiles them (`threads` at a time); `call(name, bucket, *args)` runs one. A call
     for a (name, bucket) not compiled raises `ProgramMissing`."""
 
-    def __init__(self, export: bool = True, aot: bool = True) -> None:
+    def __init__(self, save: bool = True, aot: bool = True) -> None:
         self._plan: dict[tuple[str, Any], tuple[Callable, tuple, dict, tuple]] = {}
         self._compiled: dict[tuple[str, Any], tuple[Any, bool]] = {}  # (executable, flat)
         self._out: dict[tuple[str, Any], Any] = {}
         # with the compilation cache on, save what is built whole
         # (`compile_cache.save_executable`): a warm start loads the executables, neither
-        # tracing, lowering nor compiling; a program whose executable cannot be keyed goes
-        # through its saved traced program (`compile_cache.exported_program`) instead
-        self.export = bool(export)
+        # tracing, lowering nor compiling
+        self.save = bool(save)
         # aot: calls run the executables built here. Off (an engine on a mesh, whose caches
         # are placed by the partitioner at the first call): calls go through the jitted
         # functions, which find what `compile` built in the persistent compilation cache
@@ -378,7 +377,7 @@ class ProgramSet:
                     finished(key, known, t0, None)
                     continue
                 path = (executable_path(f"serve_{key[0]}", args, static)
-                        if self.export and self.aot else None)
+                        if self.save and self.aot else None)
                 if path is not None and path.is_file():  # saved: no tracing, no compiling
                     n = len(jax.tree.leaves(args))
                     pending[pool.submit(_load, path, n, self._out_tree(key))] = (
@@ -402,41 +401,25 @@ class ProgramSet:
     def _lower(self, key, fn, args, static, donate, saved: bool = False) -> tuple[Any, bool]:
         """(the program lowered, whether it takes the flat leaves of its arguments).
 
-        `saved` (its executable will be saved whole, `compile_cache.save_executable`):
-        traced from `fn` as a function of the flat leaves, and nothing else is written (a
-        warm start loads the executable; a saved traced program or a persistent-cache
-        entry of it would be written and never read: ~40% of a cold start's work).
-        Otherwise from its saved traced program when there is one (else traced, exported
-        and saved), or traced from `fn` (export off, or not exportable)."""
-        from gsm_jax.compile_cache import exported_program
-
+        `saved` (its executable will be saved whole, `compile_cache.save_executable`, which
+        takes a function of flat arguments): traced from `fn` as a function of the flat
+        leaves, and nothing else is written (a warm start loads the executable). Otherwise
+        `fn` lowered as it is (the compilation cache off, or an engine on a mesh)."""
+        if not saved:
+            return fn.lower(*args, **static), False
         leaves, first = [], []
         for a in args:
             first.append(len(leaves))
             leaves += jax.tree.leaves(a)
         bounds = first + [len(leaves)]
         donated = tuple(i for p in donate for i in range(bounds[p], bounds[p + 1]))
-        if saved:
-            in_tree = jax.tree.structure(tuple(args))
+        in_tree = jax.tree.structure(tuple(args))
 
-            def direct(*flat):
-                return fn(*jax.tree.unflatten(in_tree, flat), **static)
+        def direct(*flat):
+            return fn(*jax.tree.unflatten(in_tree, flat), **static)
 
-            direct.__name__ = direct.__qualname__ = f"serve_{key[0]}"
-            return jax.jit(direct, donate_argnums=donated).lower(*leaves), True
-        exported = None
-        if self.export:  # exported with flat outputs: the caches' pytree types need no
-            # serialization of their own (the output tree is rebuilt here)
-            out_tree = self._out_tree(key)
-            exported = exported_program(f"serve_{key[0]}", _leaves_of(fn), args, static)
-        if exported is None:
-            return fn.lower(*args, **static), False
-
-        def call(*flat):
-            return jax.tree.unflatten(out_tree, exported.call(*flat))
-
-        call.__name__ = call.__qualname__ = f"serve_{key[0]}"
-        return jax.jit(call, donate_argnums=donated).lower(*leaves), True
+        direct.__name__ = direct.__qualname__ = f"serve_{key[0]}"
+        return jax.jit(direct, donate_argnums=donated).lower(*leaves), True
 
     def call(self, name: str, bucket: Any, *args: Any) -> Any:
         if not self.aot:
@@ -450,27 +433,16 @@ class ProgramSet:
         return compiled(*jax.tree.leaves(args)) if flat else compiled(*args)
 
 
-@functools.cache
-def _leaves_of(fn: Callable) -> Callable:
-    """`fn` (a jitted program) returning the flat leaves of its outputs."""
-    def leaves(*args, **kw):
-        return jax.tree.leaves(fn(*args, **kw))
-
-    leaves.__name__ = leaves.__qualname__ = getattr(fn, "__name__", "program")
-    return leaves
-
-
 def _build(lowered, flat: bool, path: Any = None) -> tuple[Any, bool]:
     """Compile (in a worker thread); a program of flat arguments is saved at `path`
     (`compile_cache.save_executable`) for the next process."""
     from gsm_jax.compile_cache import save_executable
 
-    if flat and path is not None:
-        with _no_persistent_cache_entry():  # saved whole below: a cache entry is never read
-            compiled = lowered.compile()
-        save_executable(path, compiled)
-    else:
+    if path is None:
+        return lowered.compile(), flat
+    with _no_persistent_cache_entry():  # saved whole below: a cache entry is never read
         compiled = lowered.compile()
+    save_executable(path, compiled)
     return compiled, flat
 
 
