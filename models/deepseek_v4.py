@@ -80,15 +80,14 @@ from flax import struct
 from gsm_jax.errors import ModelLoadError, UnsupportedModelError
 from gsm_jax.in_place import scatter_set
 from gsm_jax.models import common
+from gsm_jax.models import deepseek_common as dc
 from gsm_jax.models.block_quant import BlockQuantWeight, projection_param
 from gsm_jax.models.common import Step
 from gsm_jax.models.hf_config import PRETRAINED_KEYS, ConfigReader, rope_settings
 from gsm_jax.models.linear import linear
 from gsm_jax.models.moe import DISPATCHES, routed_experts, swiglu
-from gsm_jax.models.rope import RopeSpec  # noqa: F401  (re-exported: V4.1 and old imports)
+from gsm_jax.models.rope import RopeSpec  # noqa: F401  (re-exported: old imports)
 from gsm_jax.models.sites import ATTN_OUT, FFN_MID, Sites
-
-_MASK_VALUE = -1e30  # finite: the sink logit keeps every softmax row well defined anyway
 
 SLIDING = "sliding_attention"
 CSA = "compressed_sparse_attention"
@@ -450,126 +449,15 @@ def _write_rows(buf: jax.Array, slot: jax.Array, value: jax.Array, when: jax.Arr
 # ----------------------------------------------------------------------------- numerics
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm in f32 with an f32 weight, cast back once (as the reference)."""
-    x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return (x32 * weight.astype(jnp.float32)).astype(x.dtype)
-
-
 def unweighted_rms_norm(x: jax.Array, eps: float) -> jax.Array:
     x32 = x.astype(jnp.float32)
     return x * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps).astype(x.dtype)
 
 
-def rope_cos_sin(spec: RopeSpec, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """positions [...] -> cos, sin [..., dim // 2] (f32, YaRN attention factor applied)."""
-    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(spec.inv_freq())
-    return jnp.cos(angles) * spec.attention_factor, jnp.sin(angles) * spec.attention_factor
-
-
-def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Interleaved RoPE on the trailing 2 * cos.shape[-1] channels of x (pairs (2i, 2i+1)).
-
-    cos and sin must broadcast against x[..., :half]; pass -sin for the inverse rotation.
-    """
-    rd = 2 * cos.shape[-1]
-    nope, rope = x[..., : x.shape[-1] - rd], x[..., x.shape[-1] - rd:]
-    pairs = rope.astype(jnp.float32).reshape(rope.shape[:-1] + (rd // 2, 2))
-    even, odd = pairs[..., 0], pairs[..., 1]
-    rotated = jnp.stack([even * cos - odd * sin, odd * cos + even * sin], axis=-1)
-    return jnp.concatenate([nope, rotated.reshape(rope.shape).astype(x.dtype)], axis=-1)
-
-
-def sink_attention(q: jax.Array, keys: jax.Array, mask: jax.Array, sinks: jax.Array,
-                   scale: float, selected: tuple[jax.Array, jax.Array] | None = None
-                   ) -> jax.Array:
-    """Shared-KV attention with per-head sinks.
-
-    q [B, T, H, d]; keys [B, S, d] (one head, also the values); mask [B, T, S];
-    sinks [H]: one extra logit per head that absorbs probability mass.
-    selected: (entries [B, T, k, d], their mask [B, T, k]): compressed entries gathered
-    per query (`gather_entries`), attended to beside the keys in the same softmax: what
-    the keys [B, S + n, d] with the top-k mask compute, in O(k) instead of O(n) per
-    query (decode reads only the entries its indexer picked).
-    """
-    scores = jnp.einsum("bthd,bsd->bhts", q, keys, preferred_element_type=jnp.float32) * scale
-    scores = jnp.where(mask[:, None], scores, _MASK_VALUE)
-    s = keys.shape[1]
-    if selected is not None:
-        sel, sel_mask = selected
-        extra = jnp.einsum("bthd,btkd->bhtk", q, sel.astype(q.dtype),
-                           preferred_element_type=jnp.float32) * scale
-        scores = jnp.concatenate([scores, jnp.where(sel_mask[:, None], extra, _MASK_VALUE)],
-                                 axis=-1)
-    sink = sinks.astype(jnp.float32)[None, :, None, None]
-    top = jnp.maximum(jnp.max(scores, axis=-1, keepdims=True), sink)
-    e = jnp.exp(scores - top)
-    probs = e / (jnp.sum(e, axis=-1, keepdims=True) + jnp.exp(sink - top))
-    out = jnp.einsum("bhts,bsd->bthd", probs[..., :s].astype(keys.dtype), keys)
-    if selected is not None:
-        out = out + jnp.einsum("bhtk,btkd->bthd", probs[..., s:].astype(keys.dtype),
-                               sel.astype(keys.dtype))
-    return out
-
-
-def weighted_index_dots(q: jax.Array, keys: jax.Array, head_w: jax.Array) -> jax.Array:
-    """The indexer's sum over heads of head_w * relu(q . key): q [B,T,h,c], keys [B,n,c],
-    head_w [B,T,h] -> [B,T,n].
-
-    The cached keys are the dot's left operand ([n, c] as stored, times [c, T*h]), so the
-    step reads them once in place; written as `einsum("bthc,bnc->bthn")` XLA's CPU dot
-    first copied them to [c, n] every step (a quarter of a mid V4.1 decode step at 64k
-    tokens, benchmarks/bench_long_context.py). The head sum over the [n, T, h] products is
-    a second dot (a multiply-and-reduce took 2.5x as long)."""
-    dots = jnp.einsum("bnc,bthc->bnth", keys, q)
-    return jnp.einsum("bnth,bth->btn", jax.nn.relu(dots), head_w)
-
-
-def topk_indices(scores: jax.Array, visible: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
-    """The (up to) k highest-scoring visible entries of scores [..., n]: (their indices
-    [..., min(k, n)], picked [..., min(k, n)]: False where fewer than k are visible).
-
-    Exact ties (the indexer's ReLU makes exact zeros common when few entries score
-    positive) go to the lower index here; the reference's `torch.topk` leaves the
-    order of ties unspecified, so on a tie at the k-th place the two may attend to
-    different (equally scored) entries.
-    """
-    n = scores.shape[-1]
-    _, idx = jax.lax.top_k(jnp.where(visible, scores, -jnp.inf), min(k, n))
-    return idx, jnp.take_along_axis(visible, idx, axis=-1)
-
-
-def entries_mask(idx: jax.Array, picked: jax.Array, n: int) -> jax.Array:
-    """[..., n] bool from `topk_indices`' (idx, picked): a scatter, O(k) per query."""
-    none = jnp.zeros(idx.shape[:-1] + (n,), bool)
-    return jnp.put_along_axis(none, idx, picked, axis=-1, inplace=False)
-
-
-def gather_entries(entries: jax.Array, idx: jax.Array) -> jax.Array:
-    """entries [B, n, d], idx [B, T, k] -> [B, T, k, d]: each query's selected entries."""
-    return entries[jnp.arange(entries.shape[0])[:, None, None], idx]
-
-
-def gather_pays(t: int, k: int, n: int) -> bool:
-    """Whether a chunk of t queries attends over gathered entries (t * k entries read)
-    rather than over all n entries with a mask: decode and short chunks against a long
-    cache. Static shapes only, so the choice is made at trace time."""
-    return t * k < n
-
-
-def score_fn(name: str, logits: jax.Array) -> jax.Array:
-    if name == "sqrtsoftplus":
-        return jnp.sqrt(jax.nn.softplus(logits))
-    if name == "sigmoid":
-        return jax.nn.sigmoid(logits)
-    return jax.nn.softmax(logits, axis=-1)  # over the experts
-
-
 def pool_entries(kv: jax.Array, gate: jax.Array, norm: jax.Array, eps: float) -> jax.Array:
     """Softmax-over-slots pooling of [..., S, d] (per channel), then RMSNorm -> [..., d]."""
     weights = jax.nn.softmax(gate.astype(jnp.float32), axis=-2)
-    return rms_norm(jnp.sum(kv * weights.astype(kv.dtype), axis=-2), norm, eps)
+    return dc.rms_norm(jnp.sum(kv * weights.astype(kv.dtype), axis=-2), norm, eps)
 
 
 # ----------------------------------------------------------------------------- modules
@@ -613,29 +501,8 @@ class HyperConnection(nn.Module):
             return c / (jnp.sum(c, axis=-2, keepdims=True) + cfg.hc_eps)
 
         comb = jax.lax.fori_loop(0, cfg.hc_sinkhorn_iters - 1, sinkhorn, comb)
-        collapsed = weighted_streams(pre, h)
+        collapsed = dc.weighted_streams(pre, h)
         return post, comb, collapsed
-
-
-def weighted_streams(w: jax.Array, h: jax.Array) -> jax.Array:
-    """sum_j w[..., j] * h[..., j, :] for w [..., N], h [..., N, D] -> [..., D] in h's dtype.
-
-    Unrolled over the few streams (N = hc_mult <= 4): as N fused multiply-adds it is an
-    elementwise loop, where a reduction over the stream axis cost XLA:CPU a visible share
-    of a decode step (docs/performance_notes.md, "DeepSeek-V4: hyper-connection stream
-    sums unrolled").
-    """
-    acc = w[..., 0, None] * h[..., 0, :]  # in the promoted dtype (f32 weights: f32)
-    for j in range(1, h.shape[-2]):
-        acc = acc + w[..., j, None] * h[..., j, :]
-    return acc.astype(h.dtype)
-
-
-def hc_expand(post: jax.Array, comb: jax.Array, out: jax.Array, h: jax.Array) -> jax.Array:
-    """New streams: post_n * out + sum_j comb[j, n] * h_j."""
-    dt = h.dtype
-    mixed = weighted_streams(jnp.swapaxes(comb.astype(dt), -1, -2), h[..., None, :, :])  # [B,T,N,D]
-    return post.astype(dt)[..., None] * out[:, :, None, :] + mixed
 
 
 class Compressor(nn.Module):
@@ -690,8 +557,8 @@ class Compressor(nn.Module):
             prev_ok = (jnp.arange(n) > 0)[None, :, None, None]
         kv, gate = self._slots(cur, prev, prev_ok)
         pooled = pool_entries(kv, gate, self.norm, self.cfg.rms_norm_eps)
-        cos, sin = rope_cos_sin(rope, jnp.arange(n) * self.rate)
-        return apply_rope(pooled, cos[None], sin[None])
+        cos, sin = dc.rope_cos_sin(rope, jnp.arange(n) * self.rate)
+        return dc.apply_rope(pooled, cos[None], sin[None])
 
     def entries_at(self, seq: jax.Array, seq_start: jax.Array, w: jax.Array,
                    rope: RopeSpec) -> jax.Array:
@@ -711,8 +578,8 @@ class Compressor(nn.Module):
             prev, prev_ok = block((w - 1) * self.rate), (w > 0)[..., None, None]
         kv, gate = self._slots(cur, prev, prev_ok)
         pooled = pool_entries(kv, gate, self.norm, self.cfg.rms_norm_eps)
-        cos, sin = rope_cos_sin(rope, w * self.rate)
-        return apply_rope(pooled, cos, sin)
+        cos, sin = dc.rope_cos_sin(rope, w * self.rate)
+        return dc.apply_rope(pooled, cos, sin)
 
     def entry_from_ring(self, ring: jax.Array, w: jax.Array, rope: RopeSpec) -> jax.Array:
         """Entry w [B] of each row from its ring [B, R, 2F] (block w complete in it) -> [B, dim]."""
@@ -726,13 +593,13 @@ class Compressor(nn.Module):
             prev_ok = (w > 0)[:, None, None]
         kv, gate = self._slots(cur, prev, prev_ok)
         pooled = pool_entries(kv, gate, self.norm, self.cfg.rms_norm_eps)
-        cos, sin = rope_cos_sin(rope, w * self.rate)
-        return apply_rope(pooled, cos, sin)
+        cos, sin = dc.rope_cos_sin(rope, w * self.rate)
+        return dc.apply_rope(pooled, cos, sin)
 
 
 def topk_select(scores: jax.Array, visible: jax.Array, k: int) -> jax.Array:
     """[..., n] bool: the (up to) k highest-scoring visible entries (`topk_indices`)."""
-    return entries_mask(*topk_indices(scores, visible, k), scores.shape[-1])
+    return dc.entries_mask(*dc.topk_indices(scores, visible, k), scores.shape[-1])
 
 
 def _plain_linear(name: str, x: Any, w: Any) -> jax.Array:
@@ -757,39 +624,11 @@ class Indexer(nn.Module):
         cfg = self.cfg
         hi, ci = cfg.index_n_heads, cfg.index_head_dim
         q = lin("indexer.q_b", q_res, self.q_b).reshape(q_res.shape[:2] + (hi, ci))
-        cos, sin = rope_cos_sin(cfg.compress_rope, positions)
-        q = apply_rope(q, cos[:, :, None], sin[:, :, None])
+        cos, sin = dc.rope_cos_sin(cfg.compress_rope, positions)
+        q = dc.apply_rope(q, cos[:, :, None], sin[:, :, None])
         head_w = lin("indexer.weights_proj", x, self.weights_proj).astype(jnp.float32) * hi**-0.5
-        return weighted_index_dots(q.astype(jnp.float32), keys.astype(jnp.float32),
+        return dc.weighted_index_dots(q.astype(jnp.float32), keys.astype(jnp.float32),
                                    head_w) * ci**-0.5
-
-
-def ring_after(seq: Any, seq_start: jax.Array, end: jax.Array, size: int) -> Any:
-    """A ring [B, size, F] after a chunk: slot s holds the last position q < end [B] with
-    q % size == s (zeros where q < 0), read from seq [B, L, F] in which seq[b, i] is
-    position seq_start[b] + i (it must hold positions end - size .. end - 1 that are >= 0).
-    seq may be a pytree of such arrays (packed cache entries: codes and scales), each
-    leaf read alike."""
-    last = (end - 1)[:, None]
-    q = last - ((last - jnp.arange(size)[None, :]) % size)
-    length = jax.tree.leaves(seq)[0].shape[1]
-    idx = jnp.clip(q - seq_start[:, None], 0, length - 1)
-
-    def one(a):
-        got = jnp.take_along_axis(a, idx[..., None], axis=1)
-        return jnp.where((q >= 0)[..., None], got, 0).astype(a.dtype)
-
-    return jax.tree.map(one, seq)
-
-
-def ring_history(ring: Any, start: jax.Array) -> tuple[Any, jax.Array]:
-    """A ring [B, R, F] (position p in slot p % R) as the sequence of positions
-    start - R .. start - 1 [B, R, F], and those positions [B, R]. The ring may be a
-    pytree of such arrays (packed cache entries), each leaf read alike."""
-    b, size = jax.tree.leaves(ring)[0].shape[:2]
-    pos = start[:, None] - size + jnp.arange(size)[None, :]
-    rows = jnp.arange(b)[:, None]
-    return jax.tree.map(lambda a: a[rows, pos % size], ring), pos
 
 
 class Attention(nn.Module):
@@ -838,19 +677,19 @@ class Attention(nn.Module):
         """x [B,T,D] -> q [B,T,H,hd], kv [B,T,hd] (both RoPE'd), q_res [B,T,q_lora]."""
         cfg = self.cfg
         rope = cfg.rope(self.layer)
-        q_res = rms_norm(lin("q_a", x, self.q_a), self.q_a_norm, cfg.rms_norm_eps)
+        q_res = dc.rms_norm(lin("q_a", x, self.q_a), self.q_a_norm, cfg.rms_norm_eps)
         q = lin("q_b", q_res, self.q_b).reshape(x.shape[:2] + (cfg.num_heads, cfg.head_dim))
         q = unweighted_rms_norm(q, cfg.rms_norm_eps)
-        kv = rms_norm(lin("kv", x, self.kv), self.kv_norm, cfg.rms_norm_eps)
-        cos, sin = rope_cos_sin(rope, positions)
-        q = apply_rope(q, cos[:, :, None], sin[:, :, None])
-        return q, apply_rope(kv, cos, sin), q_res
+        kv = dc.rms_norm(lin("kv", x, self.kv), self.kv_norm, cfg.rms_norm_eps)
+        cos, sin = dc.rope_cos_sin(rope, positions)
+        q = dc.apply_rope(q, cos[:, :, None], sin[:, :, None])
+        return q, dc.apply_rope(kv, cos, sin), q_res
 
     def _output(self, attn, positions, step: Step, lin):
         """Un-rotate the rope slice, GSM site `attn_out`, grouped low-rank projection."""
         cfg = self.cfg
-        cos, sin = rope_cos_sin(cfg.rope(self.layer), positions)
-        attn = apply_rope(attn, cos[:, :, None], -sin[:, :, None])
+        cos, sin = dc.rope_cos_sin(cfg.rope(self.layer), positions)
+        attn = dc.apply_rope(attn, cos[:, :, None], -sin[:, :, None])
         b, t = attn.shape[:2]
         flat = step.site(self.layer, ATTN_OUT, attn.reshape(b, t, -1))  # GSM site attn_out
         grouped = flat.reshape(b * t, cfg.o_groups, -1)
@@ -883,7 +722,7 @@ class Attention(nn.Module):
         else:
             keys, mask, new = self._chunk_keys(x, q_res, positions, kv, cache, step, lin)
         with jax.named_scope("attention"):
-            attn = sink_attention(q, keys, mask, self.sinks, cfg.head_dim**-0.5, selected)
+            attn = dc.sink_attention(q, keys, mask, self.sinks, cfg.head_dim**-0.5, selected)
         return self._output(attn, positions, step, lin), new
 
     def _chunk_keys(self, x, q_res, positions, kv, cache, step, lin):
@@ -933,7 +772,7 @@ class Attention(nn.Module):
         blocks completed in the chunk written at their slots, and the ring advanced."""
         size, rate = ring.shape[1], module.rate
         start, end = step.start, step.start + step.n_new
-        hist, _ = ring_history(ring, start)
+        hist, _ = dc.ring_history(ring, start)
         seq = jnp.concatenate([hist, kvg.astype(ring.dtype)], axis=1)  # from start - size
         w = start[:, None] // rate + jnp.arange(kvg.shape[1] // rate + 1)[None, :]  # [B, n]
         done = w < (end // rate)[:, None]  # block w's last token is in the chunk
@@ -941,7 +780,7 @@ class Attention(nn.Module):
         slot = jnp.where(done, w, entries.shape[1])  # not completed: dropped
         rows = jnp.arange(entries.shape[0])[:, None]
         entries = entries.at[rows, slot].set(new.astype(entries.dtype), mode="drop")
-        return entries, ring_after(seq, start - size, end, size)
+        return entries, dc.ring_after(seq, start - size, end, size)
 
     def _extend_keys(self, x, q_res, positions, kv, cache: LayerCache, step, lin):
         """A chunk after each row's cache.lengths tokens: keys are the window ring's
@@ -954,14 +793,14 @@ class Attention(nn.Module):
         valid = step.valid
         start, end = step.start, step.start + step.n_new
         size = cache.window.shape[1]
-        hist, hist_pos = ring_history(cache.window, start)
+        hist, hist_pos = dc.ring_history(cache.window, start)
         seq = jnp.concatenate([hist, kv.astype(hist.dtype)], axis=1)
         key_pos = jnp.concatenate([jnp.where(hist_pos >= 0, hist_pos, -1),
                                    jnp.where(valid, positions, -1)], axis=1)
         qp, kp = positions[:, :, None], key_pos[:, None, :]
         mask = valid[:, :, None] & (kp >= 0) & (kp <= qp) & (kp > qp - cfg.sliding_window)
         keys = seq
-        new = {"window": ring_after(seq, start - size, end, size)}
+        new = {"window": dc.ring_after(seq, start - size, end, size)}
         if self.kind != SLIDING:
             rope, rate = cfg.compress_rope, cfg.compress_rate(self.layer)
             kvg = lin("compressor.kv_gate", x, self.compressor.kv_gate)
@@ -1016,11 +855,11 @@ class Attention(nn.Module):
                                                   "indexer.compressor.kv_gate")
                 new["index"] = ikeys
                 scores = self.indexer.scores(x, q_res, positions, ikeys, lin)[:, 0]
-                idx, picked = topk_indices(scores, visible, cfg.index_topk)
-                if gather_pays(1, idx.shape[-1], comp.shape[1]):
-                    sel = gather_entries(comp, idx[:, None])  # [B, 1, k, hd]
+                idx, picked = dc.topk_indices(scores, visible, cfg.index_topk)
+                if dc.gather_pays(1, idx.shape[-1], comp.shape[1]):
+                    sel = dc.gather_entries(comp, idx[:, None])  # [B, 1, k, hd]
                     return keys, mask, LayerCache(**new), (sel, picked[:, None])
-                visible = entries_mask(idx, picked, comp.shape[1])
+                visible = dc.entries_mask(idx, picked, comp.shape[1])
             keys = jnp.concatenate([keys, comp], axis=1)
             mask = jnp.concatenate([mask, visible], axis=1)
         return keys, mask, LayerCache(**new), None
@@ -1056,7 +895,7 @@ class MoE(nn.Module):
     def route(self, x: jax.Array, tokens: jax.Array, lin=_plain_linear):
         """x [M, D], tokens [M] -> (experts [M, k], weights [M, k] f32)."""
         cfg = self.cfg
-        scores = score_fn(cfg.scoring_func, lin("router", x, self.router).astype(jnp.float32))
+        scores = dc.score_fn(cfg.scoring_func, lin("router", x, self.router).astype(jnp.float32))
         if self.is_hash:
             idx = self.tid2eid[tokens].astype(jnp.int32)  # frozen token -> experts table
         else:  # the correction bias only changes which experts are chosen
@@ -1115,13 +954,13 @@ class DecoderLayer(nn.Module):
         """Streams h [B,T,N,D] of tokens [B,T] -> (h, this layer's new LayerCache or None)."""
         layer, eps = self.layer, self.cfg.rms_norm_eps
         post, comb, x = self.attn_hc(h)
-        out, cache = self.attn(rms_norm(x, self.attn_norm, eps), cache, step)
-        h = hc_expand(post, comb, out, h)
+        out, cache = self.attn(dc.rms_norm(x, self.attn_norm, eps), cache, step)
+        h = dc.hc_expand(post, comb, out, h)
         post, comb, x = self.ffn_hc(h)
-        out, _ = self.moe(rms_norm(x, self.ffn_norm, eps), tokens,
+        out, _ = self.moe(dc.rms_norm(x, self.ffn_norm, eps), tokens,
                           lambda m, w: (step.site(layer, FFN_MID, m, w), None),  # GSM site
                           lambda name, a, w: step.linear(layer, name, a, w))
-        return hc_expand(post, comb, out, h), cache
+        return dc.hc_expand(post, comb, out, h), cache
 
 
 def layer(cfg: DeepseekV4Config, weights: dict, index: int, x, cache: LayerCache | None,
@@ -1287,7 +1126,7 @@ class _MergedExperts:
     def load(self) -> Any:
         """[E, out, in] (or a StoredQuant of it), filled one expert at a time so only the
         result and one expert's tensors are held."""
-        from gsm_jax.models.deepseek_v4_checkpoint import StoredQuant
+        from gsm_jax.models.deepseek_common_checkpoint import StoredQuant
 
         names = ("1", "3") if self.kind == "gate_up" else ("2",)
         experts = sorted(self.per_expert)
@@ -1330,7 +1169,7 @@ def _resolve(value: Any) -> Any:
 def _concat_out(parts: list[Any]) -> Any:
     """[w, ...] concatenated along the output axis (one expert's w1 | w3), staying
     block-quantized when the block grid allows."""
-    from gsm_jax.models.deepseek_v4_checkpoint import StoredQuant
+    from gsm_jax.models.deepseek_common_checkpoint import StoredQuant
 
     if len(parts) == 1:
         return parts[0] if isinstance(parts[0], StoredQuant) else np.asarray(parts[0], np.float32)
@@ -1428,7 +1267,7 @@ def weights_from_hf(cfg: DeepseekV4Config, tensors: dict[str, Any],
     """
     direct = place is None  # one device: every tensor goes there as soon as it is built
     place = place or _to_device
-    from gsm_jax.models.deepseek_v4_checkpoint import StoredQuant
+    from gsm_jax.models.deepseek_common_checkpoint import StoredQuant
 
     tensors = canonical_hf_names(tensors)
     used: set[str] = set()
@@ -1611,8 +1450,8 @@ def logits(weights: dict, cfg: DeepseekV4Config, h: jax.Array) -> jax.Array:
         flat = h.reshape(h.shape[:-2] + (-1,)).astype(jnp.float32)
         mixes = unweighted_rms_norm(flat, cfg.rms_norm_eps) @ weights["hc_head_fn"]
         pre = jax.nn.sigmoid(mixes * weights["hc_head_scale"] + weights["hc_head_base"])
-        x = weighted_streams(pre + cfg.hc_eps, h)
-    x = rms_norm(x, weights["final_norm"], cfg.rms_norm_eps)
+        x = dc.weighted_streams(pre + cfg.hc_eps, h)
+    x = dc.rms_norm(x, weights["final_norm"], cfg.rms_norm_eps)
     with jax.named_scope("lm_head"):
         if cfg.tie_word_embeddings:
             return jnp.einsum("...d,vd->...v", x, weights["embed"].astype(x.dtype),

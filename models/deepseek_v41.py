@@ -2,8 +2,8 @@
 
 Facts: the release's config, checkpoint and reference code, cited below by section of the
 project's V4.1 research note (§n). The
-pieces V4.1 shares with V4 are imported from `models/deepseek_v4.py` (interleaved RoPE with
-frequency-only YaRN `RopeSpec`, sink attention, the stream mixing helpers, RMSNorm, the
+pieces V4.1 shares with V4 are imported from `models/deepseek_common.py` (interleaved RoPE
+with frequency-only YaRN `RopeSpec`, sink attention, the stream mixing helpers, RMSNorm, the
 sqrtsoftplus score); what differs is written here:
 
 - Single-pass mHC (§3): 4 residual streams; a sublayer collapses the streams with the
@@ -68,8 +68,7 @@ from gsm_jax.errors import InvalidInputError, ModelLoadError, UnsupportedModelEr
 from gsm_jax.in_place import scatter_set
 from gsm_jax.models import common
 from gsm_jax.models.block_quant import BlockQuantWeight
-from gsm_jax.models.deepseek_v4 import (
-    RopeSpec,
+from gsm_jax.models.deepseek_common import (
     apply_rope,
     entries_mask,
     gather_entries,
@@ -88,6 +87,7 @@ from gsm_jax.models.deepseek_v4 import (
 from gsm_jax.models.engram import engram_update, hash_ids, update_history
 from gsm_jax.models.hf_config import PRETRAINED_KEYS, ConfigReader, rope_settings
 from gsm_jax.models.moe import routed_experts, swiglu
+from gsm_jax.models.rope import RopeSpec
 from gsm_jax.models.sites import ATTN_OUT, FFN_MID, Sites
 
 SWA, FULL, REINDEX, REUSE = "swa", "full", "reindex", "reuse"

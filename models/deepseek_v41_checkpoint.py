@@ -22,7 +22,7 @@ The layout (the release's config.json, index and shard headers):
 Reading (`read_checkpoint`) checks the headers of every tensor up front (shapes of
 all scales against the config's block size, the Engram tables against the primes,
 the tokenizer next to an Engram model) and returns a `V41Checkpoint` whose tensors are
-read lazily, one at a time: FP8 / FP4 weights as `deepseek_v4_checkpoint.StoredQuant`
+read lazily, one at a time: FP8 / FP4 weights as `deepseek_common_checkpoint.StoredQuant`
 (bytes + E8M0 scales as stored), Engram tables as `EngramTableRef` (rows gathered on
 demand, never dequantized whole unless asked).
 
@@ -44,7 +44,7 @@ import numpy as np
 
 from gsm_jax.errors import ModelLoadError, UnsupportedModelError
 from gsm_jax.models import block_quant as bq
-from gsm_jax.models.deepseek_v4_checkpoint import QuantRef, StoredQuant, TensorRef
+from gsm_jax.models.deepseek_common_checkpoint import QuantRef, StoredQuant, TensorRef
 from gsm_jax.models.safetensors_io import (
     DTYPES,
     INDEX_FILE,

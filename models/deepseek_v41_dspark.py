@@ -38,7 +38,7 @@ from gsm_jax.errors import InvalidInputError, ModelLoadError
 from gsm_jax.models import common
 from gsm_jax.models import deepseek_v41 as dv
 from gsm_jax.models.block_quant import BlockQuantWeight
-from gsm_jax.models.deepseek_v4 import hc_expand, rms_norm, sink_attention, weighted_streams
+from gsm_jax.models.deepseek_common import hc_expand, rms_norm, sink_attention, weighted_streams
 
 # stage-only tensors (after "mtp.{s}."): name -> (key in the draft tree, is a projection)
 _FIRST = {"main_proj.weight": ("main_proj", True), "main_norm.weight": ("main_norm", False)}

@@ -16,7 +16,6 @@ the tests' and benchmarks' stand-in for the real release.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 from pathlib import Path
@@ -28,6 +27,7 @@ import numpy as np
 
 from gsm_jax.errors import ModelLoadError, UnsupportedModelError
 from gsm_jax.models import block_quant as bq
+from gsm_jax.models.deepseek_common_checkpoint import QuantRef, TensorRef
 from gsm_jax.models.safetensors_io import INDEX_FILE, SafetensorsStore, write_safetensors
 
 QUANT_METHODS = ("fp8",)
@@ -73,90 +73,6 @@ def check_quantization_config(hf: dict[str, Any]) -> dict[str, Any] | None:
 
 
 # ----------------------------------------------------------------------------- reading
-
-
-@dataclasses.dataclass(frozen=True)
-class TensorRef:
-    """One stored tensor, read on demand."""
-
-    store: SafetensorsStore
-    name: str
-
-    def load(self) -> np.ndarray:
-        return self.store.read(self.name)
-
-
-@dataclasses.dataclass(frozen=True)
-class StoredQuant:
-    """A low-precision weight as read: values [..., out, in(/2)] and scales, numpy."""
-
-    values: np.ndarray
-    scale: np.ndarray
-    fmt: str
-    block: tuple[int, int]
-
-    def dequantize(self) -> np.ndarray:
-        """float32 [..., out, in], the stored orientation."""
-        return bq.dequantize_np(self.values, self.scale, self.fmt, self.block)
-
-
-@dataclasses.dataclass(frozen=True)
-class QuantRef:
-    """A stored weight + its scale; `load` checks the pair and returns a StoredQuant."""
-
-    store: SafetensorsStore
-    name: str
-    scale_name: str
-    config_block: tuple[int, int]
-    expert_dtype: str
-
-    def _fmt(self) -> str:
-        dtype = self.store.info(self.name).dtype
-        if dtype == "F8_E4M3":
-            return "e4m3"
-        if dtype in ("I8", "U8"):  # packed FP4 e2m1, two per byte along the input axis
-            return "e2m1"
-        raise ModelLoadError(f"tensor {self.name!r} has a scale but dtype {dtype} "
-                             "(expected F8_E4M3, or I8 holding packed FP4)")
-
-    def _block(self, fmt: str, shape: tuple[int, ...], grid: tuple[int, ...]) -> tuple[int, int]:
-        out, inp = shape[-2], shape[-1] * (2 if fmt == "e2m1" else 1)
-        block = self.config_block if fmt == "e4m3" else (1, 32)  # MXFP4: 1 x 32 always
-        if bq.scale_grid((out, inp), block) == tuple(grid[-2:]):
-            return block
-        raise ModelLoadError(
-            f"scale {self.scale_name!r} has shape {list(grid)}, which does not fit its weight "
-            f"{self.name!r} of logical shape {[out, inp]} (blocks of {list(block)} "
-            f"would need {list(bq.scale_grid((out, inp), block))})")
-
-    def load(self) -> StoredQuant:
-        info, sinfo = self.store.info(self.name), self.store.info(self.scale_name)
-        fmt = self._fmt()
-        if len(info.shape) < 2 or len(sinfo.shape) != len(info.shape) \
-                or sinfo.shape[:-2] != info.shape[:-2]:
-            raise ModelLoadError(f"scale {self.scale_name!r} {list(sinfo.shape)} does not fit "
-                                 f"weight {self.name!r} {list(info.shape)}")
-        if fmt == "e2m1" and self.expert_dtype != "fp4":
-            raise ModelLoadError(f"tensor {self.name!r} holds packed FP4, but the config's "
-                                 f"expert_dtype is {self.expert_dtype!r}")
-        block = self._block(fmt, info.shape, sinfo.shape)
-        if sinfo.dtype not in ("F8_E8M0", "U8", "F32", "BF16", "F16"):
-            raise ModelLoadError(f"scale {self.scale_name!r} has dtype {sinfo.dtype}; "
-                                 "expected F8_E8M0 bytes or a float")
-        scale = self.store.read(self.scale_name)
-        if sinfo.dtype in ("F8_E8M0", "U8"):
-            bad = int(np.count_nonzero(scale == bq.E8M0_NAN))
-            if bad:
-                raise ModelLoadError(f"scale {self.scale_name!r} holds {bad} E8M0 NaN byte(s) "
-                                     "(0xFF)")
-        else:
-            scale = scale.astype(np.float32)
-            if not np.all(np.isfinite(scale)):
-                raise ModelLoadError(f"scale {self.scale_name!r} holds non-finite values")
-        values = self.store.read(self.name)
-        if fmt == "e2m1":
-            values = values.view(np.uint8)
-        return StoredQuant(values, scale, fmt, block)
 
 
 def checkpoint_tensors(store: SafetensorsStore, quant: dict[str, Any] | None) -> dict[str, Any]:

@@ -29,6 +29,7 @@ from reference_config import saved_config
 from tiny_models import randomise_hf_dsv4
 
 from gsm_jax.errors import UnsupportedModelError
+from gsm_jax.models import deepseek_common as dc
 from gsm_jax.models import deepseek_v4 as dv
 from gsm_jax.models import moe
 from gsm_jax.models.gsm_sites import GSMInputs
@@ -552,16 +553,16 @@ def test_gathered_entries_attend_as_the_masked_cache():
     scores = rng.standard_normal((b, t, n)).astype(np.float32)
     visible = np.arange(n)[None, None, :] < np.array([[3], [40]])[:, :, None]  # row 0: < k
     sinks = rng.standard_normal(h).astype(np.float32)
-    idx, picked = dv.topk_indices(jnp.asarray(scores), jnp.asarray(visible), k)
+    idx, picked = dc.topk_indices(jnp.asarray(scores), jnp.asarray(visible), k)
     sel = dv.topk_select(jnp.asarray(scores), jnp.asarray(visible), k)
     # the old form: any over k of (idx == j) & picked
     want_sel = np.any((np.asarray(idx)[..., None] == np.arange(n)) & np.asarray(picked)[..., None],
                       axis=-2)
     np.testing.assert_array_equal(np.asarray(sel), want_sel)
     assert np.asarray(sel).sum(-1).tolist() == [[3] * t, [k] * t]
-    got = dv.sink_attention(jnp.asarray(q), jnp.asarray(keys), jnp.asarray(mask),
+    got = dc.sink_attention(jnp.asarray(q), jnp.asarray(keys), jnp.asarray(mask),
                             jnp.asarray(sinks), d**-0.5,
-                            (dv.gather_entries(jnp.asarray(comp), idx), picked))
+                            (dc.gather_entries(jnp.asarray(comp), idx), picked))
     # reference: numpy over keys ++ comp with mask ++ sel
     all_k = np.concatenate([keys, comp], axis=1)
     all_m = np.concatenate([mask, want_sel], axis=2)
@@ -572,5 +573,5 @@ def test_gathered_entries_attend_as_the_masked_cache():
     p = e / (e.sum(-1, keepdims=True) + np.exp(sinks[None, :, None, None] - top))
     want = np.einsum("bhts,bsd->bthd", p, all_k)
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6)
-    assert dv.gather_pays(1, 512, 32768) and not dv.gather_pays(7, 64, 256)
+    assert dc.gather_pays(1, 512, 32768) and not dc.gather_pays(7, 64, 256)
 

@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 
 from gsm_jax.errors import InvalidInputError, ModelLoadError, UnsupportedModelError
+from gsm_jax.models import deepseek_common as dc
 from gsm_jax.models import deepseek_v41 as dv
 
 REL_TOL = 1e-4
@@ -726,7 +727,7 @@ def test_reindex_top_k_over_gathered_candidates_equals_the_masked_form():
     own = np.round(rng.standard_normal((b, 1, n)), 1).astype(np.float32)
     slots, ok = dv.candidate_slots(cfg, jnp.asarray(src), jnp.asarray(visible),
                                    jnp.asarray(n_visible))
-    mask = np.asarray(dv.entries_mask(slots, ok, n))
+    mask = np.asarray(dc.entries_mask(slots, ok, n))
     want = np.zeros_like(mask)
     for r in range(b):
         s = np.where(visible[r, 0], src[r, 0], -np.inf)
@@ -737,8 +738,8 @@ def test_reindex_top_k_over_gathered_candidates_equals_the_masked_form():
             want[r, 0, blk * bs:(blk + 1) * bs] = True
     want &= visible
     np.testing.assert_array_equal(mask, want)
-    idx, picked = dv.topk_indices(jnp.asarray(own), jnp.asarray(visible & mask), k)
-    pick, got_picked = dv.topk_indices(jnp.take_along_axis(jnp.asarray(own), slots, -1), ok, k)
+    idx, picked = dc.topk_indices(jnp.asarray(own), jnp.asarray(visible & mask), k)
+    pick, got_picked = dc.topk_indices(jnp.take_along_axis(jnp.asarray(own), slots, -1), ok, k)
     got = np.asarray(jnp.take_along_axis(slots, pick, -1))
     for r in range(b):
         np.testing.assert_array_equal(np.asarray(idx)[r][np.asarray(picked)[r]],

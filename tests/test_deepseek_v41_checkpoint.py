@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from gsm_jax.errors import ModelLoadError, UnsupportedModelError
-from gsm_jax.models.deepseek_v4_checkpoint import StoredQuant
+from gsm_jax.models.deepseek_common_checkpoint import StoredQuant
 from gsm_jax.models.deepseek_v41_checkpoint import (
     EngramTableRef,
     checkpoint_tensors,
