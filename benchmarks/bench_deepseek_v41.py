@@ -207,6 +207,7 @@ def release_bytes_ratio() -> dict:
     from gsm_jax.models.deepseek_v41_checkpoint import (
         STORED_BYTES,
         check_quantization_config,
+        is_vision,
         released_layout,
     )
 
@@ -215,7 +216,7 @@ def release_bytes_ratio() -> dict:
                                 check_quantization_config(hf), {}, "bfloat16")
     params = stored = 0
     for name, (shape, dtype) in released_layout(hf).items():
-        if name.startswith("mtp.") or dv._VISION.match(name):
+        if name.startswith("mtp.") or is_vision(name):
             continue
         stored += int(np.prod(shape)) * STORED_BYTES[dtype]
         if not name.endswith(".scale"):

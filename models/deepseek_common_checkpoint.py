@@ -4,17 +4,22 @@ Both releases store sharded safetensors whose low-precision weights come as a pa
 weight and its block scale: `QuantRef` checks such a pair when it is read and returns a
 `StoredQuant` (the bytes and scales as stored, numpy); every other tensor is a `TensorRef`.
 `models/deepseek_v4_checkpoint.py` and `models/deepseek_v41_checkpoint.py` build their
-tensor maps from these, so neither family's reader imports the other's.
+tensor maps from these, so neither family's reader imports the other's; `to_device` is
+where both put a converted part when no mesh placement is given.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from gsm_jax.errors import ModelLoadError
 from gsm_jax.models import block_quant as bq
+from gsm_jax.models.block_quant import BlockQuantWeight
 from gsm_jax.models.safetensors_io import SafetensorsStore
 
 
@@ -100,3 +105,14 @@ class QuantRef:
         if fmt == "e2m1":
             values = values.view(np.uint8)
         return StoredQuant(values, scale, fmt, block)
+
+
+def to_device(tree: Any, _prefix: tuple = ()) -> Any:
+    """A converted host tree on the default device (block-quantized leaves as stored): the
+    placement of a checkpoint's parts when no mesh placement is given."""
+    def put(a):
+        if isinstance(a, BlockQuantWeight):
+            return a.replace(values=jnp.asarray(a.values), scale=jnp.asarray(a.scale))
+        return jnp.asarray(a)
+
+    return jax.tree.map(put, tree, is_leaf=lambda a: isinstance(a, BlockQuantWeight))

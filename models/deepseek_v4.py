@@ -68,7 +68,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 from typing import Any
 
 import flax.linen as nn
@@ -77,12 +76,16 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from gsm_jax.errors import ModelLoadError, UnsupportedModelError
+from gsm_jax.errors import UnsupportedModelError
 from gsm_jax.in_place import scatter_set
 from gsm_jax.models import common
 from gsm_jax.models import deepseek_common as dc
 from gsm_jax.models.block_quant import BlockQuantWeight, projection_param
 from gsm_jax.models.common import Step
+from gsm_jax.models.deepseek_v4_checkpoint import (  # noqa: F401  (contract hooks)
+    load_checkpoint,
+    weights_from_hf,
+)
 from gsm_jax.models.hf_config import PRETRAINED_KEYS, ConfigReader, rope_settings
 from gsm_jax.models.linear import linear
 from gsm_jax.models.moe import DISPATCHES, routed_experts, swiglu
@@ -1014,7 +1017,7 @@ _FP32_LEAVES = {"fn", "base", "scale", "sinks", "position_bias", "norm", "q_a_no
                 "hc_head_scale", "final_norm"}
 
 
-def _leaf_dtype(path, dtype: Any) -> Any:
+def leaf_dtype(path, dtype: Any) -> Any:
     name = path[-1].key if hasattr(path[-1], "key") else str(path[-1])
     if name == "tid2eid":
         return jnp.int32
@@ -1023,7 +1026,7 @@ def _leaf_dtype(path, dtype: Any) -> Any:
 
 def _cast_tree(tree: Any, dtype: Any) -> Any:
     return jax.tree_util.tree_map_with_path(
-        lambda path, a: jnp.asarray(a, _leaf_dtype(path, dtype)), tree)
+        lambda path, a: jnp.asarray(a, leaf_dtype(path, dtype)), tree)
 
 
 def _param_shapes(cfg: DeepseekV4Config) -> dict:
@@ -1067,372 +1070,8 @@ _SMALL_INIT = {"sinks", "position_bias", "base", "score_bias", "hc_head_base"}
 def weight_shapes(cfg: DeepseekV4Config, dtype: Any = jnp.float32) -> dict:
     """The weight tree as ShapeDtypeStructs, without allocating (abstract-first init)."""
     return jax.tree_util.tree_map_with_path(
-        lambda path, s: jax.ShapeDtypeStruct(s.shape, _leaf_dtype(path, dtype)),
+        lambda path, s: jax.ShapeDtypeStruct(s.shape, leaf_dtype(path, dtype)),
         _param_shapes(cfg))
-
-
-# Checkpoint names `save_pretrained` writes (the upstream layout) -> the reference's
-# module names (what `model.state_dict()` holds). Mirrors transformers' conversion
-# mapping for deepseek_v4, applied in order.
-_RENAMES = [
-    (r"\.attn\.", ".self_attn."),
-    (r"\.ffn\.", ".mlp."),
-    (r"\.indexer\.compressor\.", ".compressor.indexer."),
-    (r"^model\.embed\.weight$", "model.embed_tokens.weight"),
-    (r"^model\.head\.weight$", "lm_head.weight"),
-    (r"^head\.weight$", "lm_head.weight"),
-    (r"\.hc_head_(fn|base|scale)$", r".hc_head.hc_\1"),
-    (r"\.attn_norm\.", ".input_layernorm."),
-    (r"\.ffn_norm\.", ".post_attention_layernorm."),
-    (r"\.hc_(attn|ffn)_(fn|base|scale)$", r".\1_hc.\2"),
-    (r"\.attn_sink$", ".sinks"),
-    (r"\.self_attn\.indexer\.weights_proj\.", ".self_attn.compressor.indexer.scorer.weights_proj."),
-    (r"\.self_attn\.indexer\.wq_b\.", ".self_attn.compressor.indexer.q_b_proj."),
-    (r"\.(self_attn|compressor|indexer)\.norm\.", r".\1.kv_norm."),
-    (r"\.ape$", ".position_bias"),
-    (r"\.wq_a\.", ".q_a_proj."),
-    (r"\.wq_b\.", ".q_b_proj."),
-    (r"\.wkv\.", ".kv_proj."),
-    (r"\.wgate\.", ".gate_proj."),
-    (r"\.wo_a\.", ".o_a_proj."),
-    (r"\.wo_b\.", ".o_b_proj."),
-    (r"\.q_norm\.", ".q_a_norm."),
-    (r"\.gate\.bias$", ".gate.e_score_correction_bias"),
-    (r"\.shared_experts\.w1\.", ".shared_experts.gate_proj."),
-    (r"\.shared_experts\.w2\.", ".shared_experts.down_proj."),
-    (r"\.shared_experts\.w3\.", ".shared_experts.up_proj."),
-]
-_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.w([123])\.weight$")
-MTP_PREFIX = "mtp."
-
-
-def _canonical_name(name: str) -> str:
-    if not name.startswith(("model.", "lm_head.", "head.")):
-        name = "model." + name
-    for pattern, repl in _RENAMES:
-        name = re.sub(pattern, repl, name)
-    return name
-
-
-@dataclasses.dataclass(frozen=True)
-class _MergedExperts:
-    """The reference's merged expert tensor, built from per-expert checkpoint tensors when
-    it is asked for (so loading holds one layer's experts at a time, not the model's)."""
-
-    prefix: str
-    kind: str  # "gate_up" (w1 | w3 along the output axis) or "down" (w2)
-    per_expert: dict[int, dict[str, Any]]
-
-    def load(self) -> Any:
-        """[E, out, in] (or a StoredQuant of it), filled one expert at a time so only the
-        result and one expert's tensors are held."""
-        from gsm_jax.models.deepseek_common_checkpoint import StoredQuant
-
-        names = ("1", "3") if self.kind == "gate_up" else ("2",)
-        experts = sorted(self.per_expert)
-        out = None
-        for j, e in enumerate(experts):
-            try:
-                parts = [_resolve(self.per_expert[e][n]) for n in names]
-            except KeyError as exc:
-                raise UnsupportedModelError(
-                    f"expert weight w{exc.args[0]} of expert {e} missing under {self.prefix}"
-                ) from exc
-            one = _concat_out(parts)
-            if out is None:
-                quant = isinstance(one, StoredQuant)
-                arrays = (one.values, one.scale) if quant else (one,)
-                bufs = [np.empty((len(experts), *a.shape), a.dtype) for a in arrays]
-                out = StoredQuant(*bufs, one.fmt, one.block) if quant else bufs[0]
-            if isinstance(out, StoredQuant):
-                if not (isinstance(one, StoredQuant) and (one.fmt, one.block) ==
-                        (out.fmt, out.block) and one.values.shape == out.values.shape[1:]):
-                    raise ModelLoadError(f"{self.prefix}: expert {e} is stored in another "
-                                         "format or shape than expert "
-                                         f"{experts[0]}")
-                out.values[j], out.scale[j] = one.values, one.scale
-            else:
-                out[j] = one.dequantize() if isinstance(one, StoredQuant) else one
-        return out
-
-
-def _resolve(value: Any) -> Any:
-    """A tensor as numpy (or a StoredQuant), reading it if it is a lazy reference."""
-    if hasattr(value, "load"):
-        value = value.load()
-    if hasattr(value, "detach"):  # a torch tensor
-        value = value.detach().float().cpu().numpy() if value.is_floating_point() \
-            else value.detach().cpu().numpy()
-    return value
-
-
-def _concat_out(parts: list[Any]) -> Any:
-    """[w, ...] concatenated along the output axis (one expert's w1 | w3), staying
-    block-quantized when the block grid allows."""
-    from gsm_jax.models.deepseek_common_checkpoint import StoredQuant
-
-    if len(parts) == 1:
-        return parts[0] if isinstance(parts[0], StoredQuant) else np.asarray(parts[0], np.float32)
-    if all(isinstance(w, StoredQuant) for w in parts):
-        f, blk = parts[0].fmt, parts[0].block
-        if all(w.fmt == f and w.block == blk and w.values.shape[-2] % blk[0] == 0
-               for w in parts):
-            return StoredQuant(np.concatenate([w.values for w in parts]),
-                               np.concatenate([w.scale for w in parts]), f, blk)
-    return np.concatenate([w.dequantize() if isinstance(w, StoredQuant)
-                           else np.asarray(w, np.float32) for w in parts])
-
-
-def canonical_hf_names(tensors: dict[str, Any]) -> dict[str, Any]:
-    """Accept both the module names and the checkpoint names; return module names.
-
-    Per-expert w1/w3/w2 matrices become the reference's merged `experts.gate_up_proj`
-    [E, 2I, D] and `experts.down_proj` [E, D, I] (built lazily, see `_MergedExperts`).
-    Multi-token-prediction tensors (`mtp.*`) keep their checkpoint names.
-    Values may be arrays, torch tensors or lazy references (`.load()`).
-    """
-    out: dict[str, Any] = {}
-    experts: dict[str, dict[int, dict[str, Any]]] = {}
-    for name, value in tensors.items():
-        if name.startswith(MTP_PREFIX):
-            out[name] = value
-            continue
-        name = _canonical_name(name)
-        m = _EXPERT.match(name)
-        if m:
-            experts.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = value
-        else:
-            out[name] = value
-    for prefix, per_expert in experts.items():
-        out[prefix + ".gate_up_proj"] = _MergedExperts(prefix, "gate_up", per_expert)
-        out[prefix + ".down_proj"] = _MergedExperts(prefix, "down", per_expert)
-    return out
-
-
-def _block_weight(q: Any, on_device: bool = False) -> BlockQuantWeight:
-    """A StoredQuant as a BlockQuantWeight: on the default device at once (its host copy
-    freed), or still on the host for a mesh placement (each device takes its slices)."""
-    if on_device:
-        return BlockQuantWeight(jnp.asarray(q.values), jnp.asarray(q.scale), q.fmt, q.block)
-    return BlockQuantWeight(q.values, q.scale, q.fmt, q.block)
-
-
-def _cast_host(tree: Any, dtype: Any) -> Any:
-    """`_cast_tree` on the host: numpy leaves in their final dtypes."""
-    return jax.tree_util.tree_map_with_path(
-        lambda path, a: a if isinstance(a, BlockQuantWeight)
-        else np.asarray(a).astype(_leaf_dtype(path, dtype), copy=False),
-        tree, is_leaf=lambda a: isinstance(a, BlockQuantWeight))
-
-
-def _to_device(tree: Any, _prefix: tuple = ()) -> Any:
-    def put(a):
-        if isinstance(a, BlockQuantWeight):
-            return a.replace(values=jnp.asarray(a.values), scale=jnp.asarray(a.scale))
-        return jnp.asarray(a)
-
-    return jax.tree.map(put, tree, is_leaf=lambda a: isinstance(a, BlockQuantWeight))
-
-
-def _dense(w: Any) -> np.ndarray:
-    """A float [..., in, out] numpy weight, whatever form `lin` gave."""
-    return np.asarray(w.dequantize()) if isinstance(w, BlockQuantWeight) else w
-
-
-def _cat_out(a: Any, b: Any) -> Any:
-    """Two [in, out] weights side by side ([a | b] along the output axis)."""
-    if (isinstance(a, BlockQuantWeight) and isinstance(b, BlockQuantWeight)
-            and (a.fmt, a.block) == (b.fmt, b.block)
-            and a.stored_shape[-2] % a.block[0] == 0):
-        xp = jnp if isinstance(a.values, jax.Array) else np  # on the device already, or not
-        return a.replace(values=xp.concatenate([a.values, b.values], axis=-2),
-                         scale=xp.concatenate([a.scale, b.scale], axis=-2))
-    return np.concatenate([_dense(a), _dense(b)], axis=-1)
-
-
-def weights_from_hf(cfg: DeepseekV4Config, tensors: dict[str, Any],
-                    dtype: Any = jnp.float32, *, keep_quantized: bool = False,
-                    unused: list[str] | None = None, place: Any = None) -> dict:
-    """Hugging Face or DeepSeek names ([out, in] linears) -> this module's tree ([in, out],
-    per layer), converted to device arrays one layer at a time.
-
-    `tensors` maps names to arrays, torch tensors or lazy references (the loader's
-    `deepseek_v4_checkpoint.checkpoint_tensors`). Block-scaled FP8 / FP4 weights become
-    `BlockQuantWeight`s kept as stored when `keep_quantized`, otherwise they are
-    dequantized (to float32, then `dtype`). `mtp.*` tensors are kept under
-    `weights["mtp"]` as stored. Names nothing asked for are appended to `unused`.
-    `place(host_tree, path_prefix)` puts each finished part on its devices (default:
-    the default device; `gsm_jax.sharding.place_tree` for a mesh).
-    Raises UnsupportedModelError naming a missing tensor.
-    """
-    direct = place is None  # one device: every tensor goes there as soon as it is built
-    place = place or _to_device
-    from gsm_jax.models.deepseek_common_checkpoint import StoredQuant
-
-    tensors = canonical_hf_names(tensors)
-    used: set[str] = set()
-
-    def get(name: str) -> Any:
-        if name not in tensors:
-            raise UnsupportedModelError(f"weight {name!r} is missing from the checkpoint")
-        used.add(name)
-        value = _resolve(tensors[name])
-        if isinstance(value, StoredQuant):
-            return value if keep_quantized else value.dequantize()
-        value = np.asarray(value)
-        return value if value.dtype.kind in "iu" else value.astype(np.float32)
-
-    def lin(name: str) -> Any:
-        value = get(name)
-        return _block_weight(value, direct) if isinstance(value, StoredQuant) else value.T
-
-    def kv_gate(p: str) -> Any:
-        return _cat_out(lin(p + "kv_proj.weight"), lin(p + "gate_proj.weight"))
-
-    def compressor(p: str) -> dict:
-        return {"kv_gate": kv_gate(p), "position_bias": get(p + "position_bias"),
-                "norm": get(p + "kv_norm.weight")}
-
-    def hc(p: str) -> dict:
-        return {"fn": lin(p + "fn"), "base": get(p + "base"), "scale": get(p + "scale")}
-
-    def experts(name: str) -> Any:  # [E, out, in] -> [E, in, out]
-        value = get(name)
-        return _block_weight(value, direct) if isinstance(value, StoredQuant) \
-            else value.transpose(0, 2, 1)
-
-    def o_a_weight(name: str) -> Any:  # [G * O, I] -> [G, I, O]
-        value = get(name)
-        if isinstance(value, StoredQuant):
-            if o_rank % value.block[0] == 0:
-                return _block_weight(StoredQuant(
-                    value.values.reshape(g, o_rank, -1),
-                    value.scale.reshape(g, o_rank // value.block[0], -1), value.fmt,
-                    value.block), direct)
-            value = value.dequantize()
-        return value.reshape(g, o_rank, -1).transpose(0, 2, 1)
-
-    g, o_rank = cfg.o_groups, cfg.o_lora_rank
-    expected = _param_shapes(cfg)
-    layers = []
-    for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        a = p + "self_attn."
-        attn = {
-            "q_a": lin(a + "q_a_proj.weight"), "q_a_norm": get(a + "q_a_norm.weight"),
-            "q_b": lin(a + "q_b_proj.weight"), "kv": lin(a + "kv_proj.weight"),
-            "kv_norm": get(a + "kv_norm.weight"), "o_a": o_a_weight(a + "o_a_proj.weight"),
-            "o_b": lin(a + "o_b_proj.weight"), "sinks": get(a + "sinks"),
-        }
-        if cfg.layer_types[i] != SLIDING:
-            attn["compressor"] = compressor(a + "compressor.")
-        if cfg.layer_types[i] == CSA:
-            x = a + "compressor.indexer."
-            attn["indexer"] = {"compressor": compressor(x), "q_b": lin(x + "q_b_proj.weight"),
-                               "weights_proj": lin(x + "scorer.weights_proj.weight")}
-        m = p + "mlp."
-        moe = {
-            "router": lin(m + "gate.weight"),
-            "experts_gate_up": experts(m + "experts.gate_up_proj"),
-            "experts_down": experts(m + "experts.down_proj"),
-            "shared_gate_up": _cat_out(lin(m + "shared_experts.gate_proj.weight"),
-                                       lin(m + "shared_experts.up_proj.weight")),
-            "shared_down": lin(m + "shared_experts.down_proj.weight"),
-        }
-        if cfg.mlp_layer_types[i] == "hash_moe":
-            moe["tid2eid"] = get(m + "gate.tid2eid")
-        else:
-            moe["score_bias"] = get(m + "gate.e_score_correction_bias")
-        layer = {
-            "attn_hc": hc(p + "attn_hc."), "attn_norm": get(p + "input_layernorm.weight"),
-            "attn": attn,
-            "ffn_hc": hc(p + "ffn_hc."), "ffn_norm": get(p + "post_attention_layernorm.weight"),
-            "moe": moe,
-        }
-        _check_shapes(layer, expected["layers"][i], f"layer {i}")
-        # on the device(s) now: host memory holds one layer at a time
-        layers.append(place(_cast_host(layer, dtype), ("layers", i)))
-        del layer, attn, moe
-        _release_host_memory()
-    weights = {
-        "embed": get("model.embed_tokens.weight"),
-        "layers": tuple(layers),
-        "hc_head_fn": lin("model.hc_head.hc_fn"),
-        "hc_head_base": get("model.hc_head.hc_base"),
-        "hc_head_scale": get("model.hc_head.hc_scale"),
-        "final_norm": get("model.norm.weight"),
-    }
-    if not cfg.tie_word_embeddings:
-        weights["lm_head"] = lin("lm_head.weight")
-    top = {k: v for k, v in weights.items() if k != "layers"}
-    _check_shapes(top, expected, "model")
-    weights.update(place(_cast_host(top, dtype), ()))
-    # the MTP block tensor by tensor (it holds a whole layer's experts, unmerged)
-    mtp = {}
-    for n in (n for n in tensors if n.startswith(MTP_PREFIX)):
-        value = get(n)
-        if isinstance(value, StoredQuant):
-            value = _block_weight(value)
-        mtp[n] = place(_cast_host({n: value}, dtype), ("mtp",))[n]
-    if mtp:
-        weights["mtp"] = _mtp_weights(mtp)
-        _release_host_memory()
-    if unused is not None:
-        unused.extend(sorted(n for n in tensors if n not in used))
-    return weights
-
-
-# where a mismatching leaf comes from in DeepSeek's own names
-_CHECKPOINT_HINTS = {"experts_gate_up": "ffn.experts.*.w1/w3", "experts_down": "ffn.experts.*.w2",
-                     "shared_gate_up": "ffn.shared_experts.w1/w3",
-                     "shared_down": "ffn.shared_experts.w2", "router": "ffn.gate.weight",
-                     "q_a": "attn.wq_a", "q_b": "attn.wq_b / attn.indexer.wq_b", "kv": "attn.wkv",
-                     "o_a": "attn.wo_a", "o_b": "attn.wo_b", "kv_gate": "compressor.wkv/wgate"}
-
-
-def _release_host_memory() -> None:
-    """Hand freed host memory back to the OS between layers (glibc keeps freed blocks of
-    the sizes it has seen: loading layer after layer otherwise ratchets the resident set
-    up by about a layer)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to do
-        pass
-
-
-def _check_shapes(tree: dict, want: dict, where: str) -> None:
-    """Every leaf's (logical) shape against the config's; the error names the tensor."""
-    for key, spec in want.items():
-        if key not in tree:
-            continue  # absent entries were refused by `get` already
-        if isinstance(spec, dict):
-            _check_shapes(tree[key], spec, f"{where} {key}")
-            continue
-        got = tuple(tree[key].shape) if isinstance(tree[key], BlockQuantWeight) \
-            else tuple(np.shape(tree[key]))
-        if got != tuple(spec.shape):
-            hint = _CHECKPOINT_HINTS.get(key)
-            packed = " (logical shape: packed FP4 holds two values per byte)" \
-                if isinstance(tree[key], BlockQuantWeight) and tree[key].fmt == "e2m1" else ""
-            raise ModelLoadError(
-                f"{where} {key}{f' ({hint})' if hint else ''}: the checkpoint gives shape "
-                f"{list(got)}{packed}, the config needs {list(spec.shape)}")
-
-
-def _mtp_weights(flat: dict[str, Any]) -> dict:
-    """The multi-token-prediction block, nested by its checkpoint name ("mtp.0.e_proj.weight"
-    -> ["0"]["e_proj"]["weight"]), as stored (torch [out, in]; FP8/FP4 kept when loaded so).
-    Loaded and kept for speculative decoding; no entry point runs it yet."""
-    tree: dict = {}
-    for name, value in flat.items():
-        *path, leaf = name.removeprefix(MTP_PREFIX).split(".")
-        node = tree
-        for part in path:
-            node = node.setdefault(part, {})
-        node[leaf] = value
-    return tree
 
 
 # ----------------------------------------------------------------------------- entry points
@@ -1614,7 +1253,6 @@ def abstract_stored_weights(shapes: Any, quant: dict, expert_dtype: str) -> Any:
     quantization_config) stores block-quantized as stored (FP8 dense projections, FP4 or
     FP8 routed experts)."""
 
-    from gsm_jax.models.block_quant import BlockQuantWeight
 
     bo, bi = quant.get("weight_block_size", [128, 128])
 
@@ -1678,29 +1316,3 @@ def quantize_weights(weights: dict, q: Any, routed_experts: bool) -> dict:
     return {**weights, "layers": tuple(one(lw) for lw in weights["layers"])}
 
 
-def load_checkpoint(cfg: DeepseekV4Config, hf_config: dict, store: Any, dtype: Any,
-                    keep_quantized: bool, placer: Any, progress: Any) -> tuple[dict, dict]:
-    """`gsm_jax.load` of a safetensors directory (`store`): (weights, what params.extra
-    records). dtype None: as stored (low precision kept, the other tensors bf16).
-    `placer()` gives the function that places a subtree on the mesh, or None."""
-    from gsm_jax.models.deepseek_v4_checkpoint import (
-        check_quantization_config,
-        checkpoint_tensors,
-    )
-
-    quant = check_quantization_config(hf_config)
-    keep = keep_quantized and quant is not None
-    if dtype is None:
-        dtype = jnp.bfloat16 if quant is not None else jnp.float32
-    unused: list[str] = []
-    progress(f"converting {len(store.tensors)} tensors "
-             f"({'FP8/FP4 kept as stored' if keep else jnp.dtype(dtype).name})")
-    weights = weights_from_hf(cfg, checkpoint_tensors(store, quant), dtype,
-                              keep_quantized=keep, unused=unused, place=placer())
-    extra: dict[str, Any] = {}
-    if quant is not None:
-        extra["checkpoint_quantization"] = "fp8-e4m3+" + quant["expert_dtype"] + (
-            " (kept)" if keep else " (dequantized)")
-    if unused:
-        extra["unused_tensors"] = tuple(unused)
-    return weights, extra

@@ -60,7 +60,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 from flax import struct
 
@@ -83,6 +82,16 @@ from gsm_jax.models.deepseek_common import (
     topk_indices,
     weighted_index_dots,
     weighted_streams,
+)
+from gsm_jax.models.deepseek_v41_cache import (
+    cache_entries,
+    empty_entries,
+    qdq,
+    read_entries,
+)
+from gsm_jax.models.deepseek_v41_checkpoint import (  # noqa: F401  (contract hooks)
+    load_checkpoint,
+    weights_from_hf,
 )
 from gsm_jax.models.engram import engram_update, hash_ids, update_history
 from gsm_jax.models.hf_config import PRETRAINED_KEYS, ConfigReader, rope_settings
@@ -542,7 +551,7 @@ def init_cache(cfg: DeepseekV41Config, batch_size: int, max_len: int, *,
         rings = tuple(jnp.zeros((cfg.num_layers, batch_size, gsm_max_window, c), dtype)
                       for c in cfg.site_sizes)
     history = None
-    if _engram_specs(cfg):
+    if active_engram_specs(cfg):
         history = jnp.full((batch_size, cfg.engram_max_ngram_size - 1), -1, jnp.int32)
     return DeepseekV41Cache(layers=layers, lengths=jnp.zeros((batch_size,), jnp.int32),
                             rings=rings, max_len=max_len, engram_history=history)
@@ -552,192 +561,6 @@ def cache_insert(cache: DeepseekV41Cache, rows: DeepseekV41Cache,
                  slots: jax.Array) -> DeepseekV41Cache:
     """Copy the rows of `rows` (same max_len) into `cache` at batch indices `slots` [b]."""
     return common.insert_rows(cache, rows, slots)
-
-
-# ----------------------------------------------------------------------------- cache formats
-# The released cache precisions (§4.2-4.4), on the last axis in blocks:
-#   window K=V      "fp8":   FP8 e4m3, one power-of-two (E8M0) scale per 32 channels
-#   compressed KV   "nvfp4": FP4 e2m1, one E4M3 scale (amax / 6) per 16 channels
-#   index keys / q  "mxfp4": FP4 e2m1, one power-of-two (E8M0) scale per 32 channels
-# `*_qdq(x)` rounds x to the format and back (f32 inside, x's dtype out): what the
-# reference applies. The caches are held packed (`PackedEntries`: e4m3 bytes, or two
-# e2m1 codes per byte, plus the scale bytes): `pack_entries` /
-# `read_entries` round-trip to exactly `*_qdq(x)`, so a packed cache costs the release's
-# bytes (`released_cache_bytes`) and computes what a float cache of QDQ'd values would.
-
-_FP4_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
-CACHE_FORMATS = {"fp8": 32, "nvfp4": 16, "mxfp4": 32}  # format -> channels per scale
-
-
-def pow2_ceil(v: jax.Array) -> jax.Array:
-    """The smallest power of two >= v, for positive normal f32 v (exponent bits: exact)."""
-    bits = jax.lax.bitcast_convert_type(v.astype(jnp.float32), jnp.int32)
-    exponent = (bits >> 23) & 255
-    exponent = exponent + ((bits & 0x7FFFFF) != 0).astype(jnp.int32)
-    return jax.lax.bitcast_convert_type(exponent << 23, jnp.float32)
-
-
-def _blocks(x: jax.Array, block: int) -> tuple[jax.Array, int]:
-    c = x.shape[-1]
-    g = x.astype(jnp.float32)
-    if c % block:
-        g = jnp.pad(g, [(0, 0)] * (x.ndim - 1) + [(0, -c % block)])
-    return g.reshape(g.shape[:-1] + (-1, block)), c
-
-
-def _unblock(g: jax.Array, c: int, dtype: Any) -> jax.Array:
-    return g.reshape(g.shape[:-2] + (-1,))[..., :c].astype(dtype)
-
-
-def _e2m1_codes(v: jax.Array) -> jax.Array:
-    """The e2m1 code (0..7 the levels 0, .5, 1, 1.5, 2, 3, 4, 6; +8 negative) nearest to
-    v (|v| <= 6), ties to the even level; a negative v rounding to 0 keeps its sign (-0)."""
-    mag = jnp.abs(v)
-    mids = jnp.asarray(_FP4_MIDPOINTS, jnp.float32)
-    lower = jnp.sum(mag[..., None] > mids, axis=-1)  # bucket: mids[i-1] < mag <= mids[i]
-    tie = mag == mids[jnp.minimum(lower, 6)]
-    sel = lower + (tie & (lower % 2 == 1)).astype(lower.dtype)
-    return (sel + 8 * (v < 0).astype(sel.dtype)).astype(jnp.uint8)
-
-
-def _e2m1_values(codes: jax.Array) -> jax.Array:
-    """e2m1 codes (0..15) -> f32 values, `E2M1_VALUES` built from the bits: magnitude code
-    m >= 2 is 2 ** ((m >> 1) - 1) * (1 + (m & 1) / 2), i.e. f32 bits (m + 252) << 22; m = 1
-    is 0.5; bit 3 the sign (XLA:CPU runs this ~1.3x faster than the 16-entry table)."""
-    c = codes.astype(jnp.uint32)
-    m = c & 7
-    bits = jnp.where(m >= 2, (m + 252) << 22, jnp.where(m == 1, jnp.uint32(0x3F000000), 0))
-    return jax.lax.bitcast_convert_type(bits | ((c & 8) << 28), jnp.float32)
-
-
-def _quantize(fmt: str, x: jax.Array) -> tuple[jax.Array, jax.Array, int]:
-    """x [..., C] -> (codes [..., nb, block]: e4m3 values ("fp8") or e2m1 codes (uint8),
-    scales [..., nb, 1] f32, C)."""
-    g, c = _blocks(x, CACHE_FORMATS[fmt])
-    amax = jnp.max(jnp.abs(g), axis=-1, keepdims=True)
-    if fmt == "fp8":
-        scale = pow2_ceil(jnp.maximum(amax, 1e-4) * np.float32(1 / 448))
-        return jnp.clip(g / scale, -448, 448).astype(jnp.float8_e4m3fn), scale, c
-    if fmt == "nvfp4":
-        scale = (jnp.maximum(amax, 6 * 2.0**-9) / 6).astype(jnp.float8_e4m3fn).astype(jnp.float32)
-    else:
-        scale = pow2_ceil(jnp.maximum(amax, 6 * 2.0**-126) * np.float32(1 / 6))
-    return _e2m1_codes(jnp.clip(g / scale, -6, 6)), scale, c
-
-
-def _dequantize(fmt: str, codes: jax.Array, scale: jax.Array, c: int, dtype: Any) -> jax.Array:
-    v = codes.astype(jnp.float32) if fmt == "fp8" else _e2m1_values(codes)
-    return _unblock(v * scale, c, dtype)
-
-
-def fp8_qdq(x: jax.Array) -> jax.Array:
-    """The window KV's rounding: FP8 e4m3 with one E8M0 scale per 32 channels."""
-    return _dequantize("fp8", *_quantize("fp8", x), x.dtype)
-
-
-def nvfp4_qdq(x: jax.Array) -> jax.Array:
-    """The compressed KV's rounding: FP4 e2m1 with one E4M3 scale (amax / 6) per 16."""
-    return _dequantize("nvfp4", *_quantize("nvfp4", x), x.dtype)
-
-
-def mxfp4_qdq(x: jax.Array) -> jax.Array:
-    """The index q / k rounding: FP4 e2m1 with one power-of-two scale per 32 channels."""
-    return _dequantize("mxfp4", *_quantize("mxfp4", x), x.dtype)
-
-
-_QDQ = {"fp8": fp8_qdq, "nvfp4": nvfp4_qdq, "mxfp4": mxfp4_qdq}
-
-
-@struct.dataclass
-class PackedEntries:
-    """Cache entries [..., width] held in a released format (`CACHE_FORMATS`).
-
-    codes:  [..., W] uint8 for "fp8" (the e4m3 bytes: XLA:CPU gathers and selects bytes
-            faster than float8, 3.5 ms of a 16 ms V4.1-mid decode step); FP4: [..., W / 2]
-            uint8, two e2m1 codes per byte: byte j holds channel j in its low nibble and
-            channel j + W / 2 in its high one (unpacked as two halves side by side; the
-            weights' even / odd interleave unpacked 3-5x slower on XLA:CPU)
-    scales: [..., W / block]: E8M0 bytes (uint8, 2 ** (byte - 127)) for "fp8" / "mxfp4",
-            float8_e4m3fn for "nvfp4"
-    W is `width` rounded up to whole blocks. Leading axes (batch, slot) are the leaves'
-    own, so ring reads, slot writes, gathers and row inserts map over both leaves."""
-
-    codes: jax.Array
-    scales: jax.Array
-    fmt: str = struct.field(pytree_node=False, default="fp8")
-    width: int = struct.field(pytree_node=False, default=0)
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        """The logical shape [..., width] of the float entries."""
-        return tuple(self.codes.shape[:-1]) + (self.width,)
-
-
-def _e8m0_byte(scale: jax.Array) -> jax.Array:
-    """A power-of-two f32 scale (normal) -> its E8M0 byte: the exponent bits."""
-    bits = jax.lax.bitcast_convert_type(scale, jnp.uint32)
-    return (bits >> 23).astype(jnp.uint8)
-
-
-def _e8m0_value(byte: jax.Array) -> jax.Array:
-    return jax.lax.bitcast_convert_type(byte.astype(jnp.uint32) << 23, jnp.float32)
-
-
-def pack_entries(fmt: str, x: jax.Array) -> PackedEntries:
-    """x [..., C] -> its packed form in `fmt`; `read_entries` gives back `*_qdq(x)`."""
-    codes, scale, c = _quantize(fmt, x)
-    lead = codes.shape[:-2]
-    codes = codes.reshape(lead + (-1,))
-    if fmt == "fp8":  # as bytes: XLA:CPU moves uint8 faster than float8 (gathers, selects)
-        codes = jax.lax.bitcast_convert_type(codes, jnp.uint8)
-    else:  # byte j: channel j (low nibble), channel j + W / 2 (high nibble)
-        half = codes.shape[-1] // 2
-        codes = codes[..., :half] | (codes[..., half:] << 4)
-    scales = scale[..., 0]
-    scales = scales.astype(jnp.float8_e4m3fn) if fmt == "nvfp4" else _e8m0_byte(scales)
-    return PackedEntries(codes=codes, scales=scales, fmt=fmt, width=c)
-
-
-def read_entries(e: jax.Array | PackedEntries, dtype: Any) -> jax.Array:
-    """Cache entries as `dtype` values: a float cache cast, a packed one unpacked (the
-    released formats' values are exact in bfloat16 and float32)."""
-    if not isinstance(e, PackedEntries):
-        return e.astype(dtype)
-    block = CACHE_FORMATS[e.fmt]
-    scale = (e.scales.astype(jnp.float32) if e.fmt == "nvfp4" else _e8m0_value(e.scales))
-    nb, lead = scale.shape[-1], e.codes.shape[:-1]
-    if e.fmt == "fp8":
-        codes = jax.lax.bitcast_convert_type(e.codes, jnp.float8_e4m3fn)
-    elif nb % 2 == 0:  # each half whole blocks, scaled apart, then side by side: on XLA:CPU
-        # 3x faster than scaling the joined halves at 64-128 channels, 5x than an interleave
-        h = nb // 2
-        lo = _e2m1_values(e.codes & 0xF).reshape(lead + (h, block)) * scale[..., :h, None]
-        hi = _e2m1_values(e.codes >> 4).reshape(lead + (h, block)) * scale[..., h:, None]
-        return _unblock(jnp.concatenate([lo, hi], axis=-2), e.width, dtype)
-    else:
-        codes = jnp.concatenate([e.codes & 0xF, e.codes >> 4], axis=-1)
-    return _dequantize(e.fmt, codes.reshape(lead + (nb, block)), scale[..., None], e.width,
-                       dtype)
-
-
-def empty_entries(cfg: DeepseekV41Config, fmt: str, shape: tuple[int, ...],
-                  dtype: Any) -> jax.Array | PackedEntries:
-    """Zeroed cache entries of logical `shape`: packed in `fmt` (`cache_qdq`), else float."""
-    if not cfg.cache_qdq:
-        return jnp.zeros(shape, dtype)
-    want = jax.eval_shape(lambda: pack_entries(fmt, jnp.zeros(shape, jnp.float32)))
-    return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), want)
-
-
-def cache_entries(cfg: DeepseekV41Config, fmt: str, x: jax.Array) -> jax.Array | PackedEntries:
-    """New entries x as the cache holds them: packed in `fmt` (`cache_qdq`), else x."""
-    return pack_entries(fmt, x) if cfg.cache_qdq else x
-
-
-def _qdq(cfg: DeepseekV41Config, fmt: str, x: jax.Array) -> jax.Array:
-    """x rounded to `fmt` and back, or x itself when the config keeps its caches float
-    (`cache_qdq=False`)."""
-    return _QDQ[fmt](x) if cfg.cache_qdq else x
 
 
 # ----------------------------------------------------------------------------- numerics
@@ -835,7 +658,7 @@ def index_scores(cfg: DeepseekV41Config, w: dict, x, q_res, positions, keys, spe
     packed entries: read once, in the query's dtype) -> [B,T,n] f32."""
     hi, ci = cfg.index_n_heads, cfg.index_head_dim
     q = lin("indexer.q_b", q_res, w["q_b"]).reshape(q_res.shape[:2] + (hi, ci))
-    q = _qdq(cfg, "mxfp4", _rope(q, spec, positions))
+    q = qdq(cfg, "mxfp4", _rope(q, spec, positions))
     head_w = lin("indexer.weights_proj", x, w["weights_proj"]) * (ci**-0.5 * hi**-0.5)
     return weighted_index_dots(q, read_entries(keys, q.dtype), head_w).astype(jnp.float32)
 
@@ -899,7 +722,7 @@ def attention(cfg: DeepseekV41Config, w: dict, layer: int, x: jax.Array, state: 
     kv = rms_norm(lin("kv", x, w["kv"]), w["kv_norm"], eps)
     kv = _rope(kv, spec, positions)
     kv_entries = None if cache is None else cache_entries(cfg, "fp8", kv)
-    kv = _qdq(cfg, "fp8", kv) if kv_entries is None else read_entries(kv_entries, kv.dtype)
+    kv = qdq(cfg, "fp8", kv) if kv_entries is None else read_entries(kv_entries, kv.dtype)
     valid = step.valid
     new = selected = None
     if cache is None:  # forward: the call's own tokens
@@ -932,7 +755,7 @@ def attention(cfg: DeepseekV41Config, w: dict, layer: int, x: jax.Array, state: 
                           w["indexer"]["k_norm"], eps)
             comp, ikeys = _rope(latent, spec, g * r), _rope(ik, spec, g * r)
             if cache is None:
-                comp, ikeys = _qdq(cfg, "nvfp4", comp), _qdq(cfg, "mxfp4", ikeys)
+                comp, ikeys = qdq(cfg, "nvfp4", comp), qdq(cfg, "mxfp4", ikeys)
             else:
                 # written first, then read (this layer's indexer and the Reuse / Reindex
                 # layers after it): the caches are updated in place (`_write_slots`)
@@ -1067,7 +890,7 @@ def weight_shapes(cfg: DeepseekV41Config, dtype: Any = jnp.float32) -> dict:
         return {"fn": s((n * d, (2 + n) * n), f32), "base": s(((2 + n) * n,), f32),
                 "scale": s((3,), f32)}
 
-    specs = {sp.layer_id: sp for sp in _engram_specs(cfg)}
+    specs = {sp.layer_id: sp for sp in active_engram_specs(cfg)}
     layers = []
     for li in range(cfg.num_layers):
         plan = cfg.plan(li)
@@ -1129,7 +952,7 @@ def init_weights(cfg: DeepseekV41Config, rng: jax.Array, dtype: Any = jnp.float3
 
 
 @functools.lru_cache(maxsize=64)
-def _engram_specs(cfg: DeepseekV41Config) -> tuple:
+def active_engram_specs(cfg: DeepseekV41Config) -> tuple:
     """The hash constants of the active Engram layers (pad class: the pad token's id; the
     model reads the real one from its token map)."""
     if not cfg.engram_layer_ids:
@@ -1137,321 +960,6 @@ def _engram_specs(cfg: DeepseekV41Config) -> tuple:
     from gsm_jax.models.engram import engram_specs
 
     return tuple(sp for sp in engram_specs(cfg) if sp.layer_id < cfg.num_layers)
-
-
-_VISION = re.compile(r"^(vision\.|aligner\.|image_(start|end|newline)$)")
-_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
-_EXPERT = re.compile(r"^ffn\.experts\.(\d+)\.(w[123])\.weight$")
-_SHARED = re.compile(r"^ffn\.shared_experts\.(w[123])\.weight$")
-# released name (after "layers.{i}.") -> path in the layer tree, a projection ([out, in]
-# stored: transposed, or kept as a block-quantized container)?
-_LAYER_NAMES = {
-    "attn_norm.weight": (("attn_norm",), False),
-    "ffn_norm.weight": (("ffn_norm",), False),
-    "hc_attn_fn": (("hc_attn", "fn"), True),
-    "hc_attn_base": (("hc_attn", "base"), False),
-    "hc_attn_scale": (("hc_attn", "scale"), False),
-    "hc_ffn_fn": (("hc_ffn", "fn"), True),
-    "hc_ffn_base": (("hc_ffn", "base"), False),
-    "hc_ffn_scale": (("hc_ffn", "scale"), False),
-    "attn.attn_sink": (("attn", "sinks"), False),
-    "attn.wq_a.weight": (("attn", "q_a"), True),
-    "attn.q_norm.weight": (("attn", "q_norm"), False),
-    "attn.wq_b.weight": (("attn", "q_b"), True),
-    "attn.wkv.weight": (("attn", "kv"), True),
-    "attn.kv_norm.weight": (("attn", "kv_norm"), False),
-    "attn.wo_b.weight": (("attn", "o_b"), True),
-    "attn.compressor.wkv.weight": (("attn", "compressor", "wkv"), True),
-    "attn.compressor.wgate.weight": (("attn", "compressor", "wgate"), True),
-    "attn.compressor.norm.weight": (("attn", "compressor", "norm"), False),
-    "attn.indexer.wq_b.weight": (("attn", "indexer", "q_b"), True),
-    "attn.indexer.weights_proj.weight": (("attn", "indexer", "weights_proj"), True),
-    "attn.indexer.wk.weight": (("attn", "indexer", "wk"), True),
-    "attn.indexer.k_norm.weight": (("attn", "indexer", "k_norm"), False),
-    "ffn.gate.weight": (("moe", "router"), True),
-    "ffn.gate.bias": (("moe", "bias"), False),
-    "ffn.gate.bias_vl": (("moe", "bias_vl"), False),
-    "engram.wkv.weight": (("engram", "wkv"), True),
-    "engram.q_weight": (("engram", "q_weight"), False),
-    "engram.k_weight": (("engram", "k_weight"), False),
-}
-
-
-class MtpTensors(dict):
-    """The DSpark draft's `mtp.*` tensors as read (name -> numpy [out, in], or the
-    checkpoint's FP8 / FP4 `StoredQuant`), kept in `params.extra["mtp"]`;
-    `deepseek_v41_dspark.draft_weights` turns them into the draft's weight tree (FP8 / FP4
-    kept as stored when `keep_quantized`, as the backbone was loaded). Hashed by identity
-    (ModelParams' extra is part of its static tree structure)."""
-
-    __hash__ = object.__hash__
-    keep_quantized: bool = False
-
-    def __eq__(self, other: object) -> bool:
-        return self is other
-
-    def __repr__(self) -> str:
-        return f"MtpTensors({len(self)} tensors)"
-
-
-def _is_stored_quant(v: Any) -> bool:
-    return hasattr(v, "fmt") and hasattr(v, "block") and hasattr(v, "dequantize") \
-        and not isinstance(v, BlockQuantWeight)
-
-
-def _resolve(v: Any) -> Any:
-    """numpy (float32 unless an integer), a StoredQuant, or an Engram table reference."""
-    if hasattr(v, "memmap") and hasattr(v, "rows"):  # deepseek_v41_checkpoint.EngramTableRef
-        return v
-    if hasattr(v, "load"):
-        v = v.load()
-    if hasattr(v, "detach"):  # a torch tensor
-        v = v.detach().float().cpu().numpy() if v.is_floating_point() \
-            else v.detach().cpu().numpy()
-    if _is_stored_quant(v):
-        return v
-    v = np.asarray(v)
-    return v if v.dtype.kind in "iub" else v.astype(np.float32)
-
-
-def _cat_rows(parts: list[Any]) -> Any:
-    """Stored [out, in] weights stacked along out (w1 | w3): one StoredQuant when every
-    part is one of the same format and the block grid allows, else float32 numpy."""
-    if all(_is_stored_quant(p) for p in parts):
-        f, blk = parts[0].fmt, parts[0].block
-        if all(p.fmt == f and p.block == blk and p.values.shape[-2] % blk[0] == 0
-               for p in parts):
-            return type(parts[0])(np.concatenate([p.values for p in parts], axis=-2),
-                                  np.concatenate([p.scale for p in parts], axis=-2), f, blk)
-    return np.concatenate([p.dequantize() if _is_stored_quant(p) else p for p in parts],
-                          axis=-2)
-
-
-def _stack(parts: list[Any]) -> Any:
-    """Per-expert stored [out, in] weights -> [E, ...] (one StoredQuant when all are)."""
-    if all(_is_stored_quant(p) for p in parts) and len(
-            {(p.fmt, p.block, p.values.shape, p.scale.shape) for p in parts}) == 1:
-        p0 = parts[0]
-        return type(p0)(np.stack([p.values for p in parts]), np.stack([p.scale for p in parts]),
-                        p0.fmt, p0.block)
-    return np.stack([p.dequantize() if _is_stored_quant(p) else p for p in parts])
-
-
-def _proj(v: Any, keep: bool) -> Any:
-    """A stored [..., out, in] projection -> the model's [..., in, out]: a
-    BlockQuantWeight (numpy leaves) when kept, else float32 numpy."""
-    if _is_stored_quant(v):
-        if keep:
-            return BlockQuantWeight(v.values, v.scale, v.fmt, tuple(v.block))
-        v = v.dequantize()
-    return np.swapaxes(v, -1, -2)
-
-
-def _o_a(v: Any, cfg: DeepseekV41Config, keep: bool) -> Any:
-    """wo_a [G * O, H * hd / G] -> [G, H * hd / G, O] (a container [G, O, in] when its
-    row blocks do not straddle groups)."""
-    g, o = cfg.o_groups, cfg.o_lora_rank
-    if _is_stored_quant(v):
-        if keep and o % v.block[0] == 0:
-            return BlockQuantWeight(v.values.reshape(g, o, -1),
-                                    v.scale.reshape(g, o // v.block[0], -1), v.fmt,
-                                    tuple(v.block))
-        v = v.dequantize()
-    return np.transpose(v.reshape(g, o, -1), (0, 2, 1))
-
-
-def _engram_table(v: Any, d: int) -> tuple[Any, Any]:
-    """(rows, scales) as stored: FP8 e4m3 [rows, d] + E8M0 bytes [rows, d / 32] from a
-    checkpoint (never dequantized), or a float table with float32 scales 1."""
-    if hasattr(v, "memmap"):  # an EngramTableRef: the shard's bytes, mapped
-        return v.memmap()
-    if _is_stored_quant(v):
-        return v.values, v.scale
-    v = np.asarray(v, np.float32)
-    return v, np.ones((v.shape[0], -(-d // 32)), np.float32)
-
-
-def _host_cast(tree: Any, want: Any) -> Any:
-    """Float numpy leaves to their dtypes in `want`; containers and int leaves as they are."""
-    def one(a, s):
-        if isinstance(a, BlockQuantWeight):
-            return a
-        a = np.asarray(a) if not isinstance(a, np.ndarray) else a
-        if a.dtype.kind in "iu" or a.dtype == np.dtype(ml_dtypes.float8_e4m3fn) \
-                or a.dtype == np.uint8:
-            return a
-        return a.astype(s.dtype, copy=False)
-
-    return jax.tree.map(one, tree, want, is_leaf=lambda a: isinstance(a, BlockQuantWeight))
-
-
-def _to_device(tree: Any, _prefix: tuple = ()) -> Any:
-    def put(a):
-        if isinstance(a, BlockQuantWeight):
-            return a.replace(values=jnp.asarray(a.values), scale=jnp.asarray(a.scale))
-        return jnp.asarray(a)
-
-    return jax.tree.map(put, tree, is_leaf=lambda a: isinstance(a, BlockQuantWeight))
-
-
-def _take(src: dict, key: str, where: str) -> Any:
-    if key not in src:
-        raise ModelLoadError(f"deepseek_v41: tensor {where + key!r} is missing")
-    return _resolve(src.pop(key))
-
-
-def layer_tree(cfg: DeepseekV41Config, src: dict[str, Any], p: str, keep: bool) -> dict:
-    """One block's weight tree from its released tensors `src` (names after the prefix `p`,
-    e.g. "layers.3." or "mtp.0."; consumed): a backbone layer, or a DSpark stage with its
-    stage-only tensors taken out first. Refuses a missing or an unexpected tensor by name."""
-    lw: dict[str, Any] = {}
-    for rest in [r for r in src if r in _LAYER_NAMES]:
-        path, is_proj = _LAYER_NAMES[rest]
-        v = _take(src, rest, p)
-        node = lw
-        for q in path[:-1]:
-            node = node.setdefault(q, {})
-        node[path[-1]] = _proj(v, keep) if is_proj else v
-    if "attn.wo_a.weight" in src:
-        lw.setdefault("attn", {})["o_a"] = _o_a(_take(src, "attn.wo_a.weight", p), cfg, keep)
-    if "engram.embed.weight" in src:
-        rows, scale = _engram_table(_take(src, "engram.embed.weight", p), cfg.engram_head_dim)
-        lw.setdefault("engram", {}).update(table=rows, table_scale=scale)
-    moe_w = lw.setdefault("moe", {})
-    gate_up, down = [], []
-    for k in range(cfg.n_routed_experts):
-        q = f"ffn.experts.{k}."
-        gate_up.append(_cat_rows([_take(src, q + "w1.weight", p), _take(src, q + "w3.weight", p)]))
-        down.append(_take(src, q + "w2.weight", p))
-    moe_w["experts_gate_up"] = _proj(_stack(gate_up), keep)
-    moe_w["experts_down"] = _proj(_stack(down), keep)
-    del gate_up, down
-    moe_w["shared_gate_up"] = _proj(_cat_rows(
-        [_take(src, "ffn.shared_experts.w1.weight", p),
-         _take(src, "ffn.shared_experts.w3.weight", p)]), keep)
-    moe_w["shared_down"] = _proj(_take(src, "ffn.shared_experts.w2.weight", p), keep)
-    if src:
-        raise ModelLoadError(f"deepseek_v41: unexpected tensors "
-                             f"{sorted(p + r for r in src)[:8]}")
-    return lw
-
-
-def weights_from_hf(cfg: DeepseekV41Config, tensors: dict[str, Any], dtype: Any = jnp.float32,
-                    *, keep_quantized: bool = False, mtp: dict | None = None,
-                    unused: list[str] | None = None, place: Any = None,
-                    token_map: Any = None) -> dict:
-    """The weight tree from the released tensor names (§9.2).
-
-    `tensors`: name -> float array ([out, in], torch or numpy), a lazy reference
-    (`.load()`), a `StoredQuant` (FP8 e4m3 32 x 32 or packed FP4 1 x 32, E8M0 scales) or
-    an Engram table reference: what `deepseek_v41_checkpoint.checkpoint_tensors` gives
-    (scales folded into their weights). Block-quantized weights become `BlockQuantWeight`s
-    as stored when `keep_quantized`, else they are dequantized (float32, then `dtype`).
-    Engram tables are kept as stored either way (rows are gathered and dequantized per
-    token); `token_map` (`engram.token_class_map` of the checkpoint's tokenizer.json) is
-    required when an Engram layer is active and becomes `weights["engram_token_map"]`.
-
-    `mtp.*` (the DSpark stages) go into `mtp` when given (as stored: [out, in]), else are
-    dropped. Vision / aligner tensors and those of layers past num_hidden_layers go into
-    `unused` when given, else are refused (text-only). `place(tree, prefix)` puts each
-    finished layer on its devices (default: the default device)."""
-    from gsm_jax.models.engram import engram_specs
-
-    place = place or _to_device
-    keep = keep_quantized
-    want = weight_shapes(cfg, dtype)
-    specs = _engram_specs(cfg)
-    if specs:
-        if token_map is None:
-            raise ModelLoadError(
-                f"deepseek_v41: engram_layer_ids {list(cfg.engram_layer_ids)} need the token "
-                "class map built from the checkpoint's tokenizer.json (token_map=)")
-        token_map = np.asarray(token_map, np.int32)
-        try:
-            engram_specs(cfg, token_map)
-        except ValueError as e:
-            raise ModelLoadError(f"deepseek_v41: tokenizer.json: {e}") from None
-        if token_map.shape[0] < cfg.vocab_size:
-            token_map = np.concatenate([token_map, np.full(
-                cfg.vocab_size - token_map.shape[0], token_map[cfg.engram_pad_token_id],
-                np.int32)])
-        token_map = token_map[:cfg.vocab_size]
-    by_layer: list[dict[str, Any]] = [{} for _ in range(cfg.num_layers)]
-    top: dict[str, Any] = {}
-    unknown, skipped = [], []
-    for name, value in tensors.items():
-        if name.startswith("mtp."):
-            if mtp is not None:  # as read (numpy [out, in] or a StoredQuant); converted by
-                mtp[name] = _resolve(value)  # deepseek_v41_dspark.draft_weights
-            continue
-        if _VISION.match(name):
-            if unused is None:
-                raise UnsupportedModelError(f"deepseek_v41: vision tensor {name!r}: this "
-                                            "model is text-only")
-            skipped.append(name)
-            continue
-        if name.endswith(".scale"):
-            raise UnsupportedModelError(
-                f"deepseek_v41: scale tensor {name!r} on its own: pass the checkpoint's "
-                "tensors with their scales folded in (deepseek_v41_checkpoint."
-                "checkpoint_tensors, or gsm_jax.load of the directory)")
-        if name in ("embed.weight", "head.weight", "norm.weight"):
-            top[name] = value
-            continue
-        m = _LAYER.match(name)
-        if m and int(m.group(1)) >= cfg.num_layers and unused is not None:
-            skipped.append(name)
-            continue
-        if not m or int(m.group(1)) >= cfg.num_layers:
-            unknown.append(name)
-            continue
-        li, rest = int(m.group(1)), m.group(2)
-        if rest.startswith("engram.") and li not in cfg.active_engram_layers:
-            unknown.append(name)
-            continue
-        by_layer[li][rest] = value
-    if unknown:
-        raise ModelLoadError(f"deepseek_v41: unexpected tensors {sorted(unknown)[:8]}"
-                             f"{' ...' if len(unknown) > 8 else ''}")
-
-    layers = []
-    for li in range(cfg.num_layers):
-        lw = layer_tree(cfg, by_layer[li], f"layers.{li}.", keep)
-        _check(lw, want["layers"][li], f"layers.{li}")
-        layers.append(place(_host_cast(lw, want["layers"][li]), ("layers", li)))
-        del lw
-    head = {"embed": _take(top, "embed.weight", ""),
-            "lm_head": _proj(_take(top, "head.weight", ""), False),
-            "final_norm": _take(top, "norm.weight", "")}
-    if specs:
-        head["engram_token_map"] = token_map
-    want_top = {k: v for k, v in want.items() if k != "layers"}
-    _check(head, want_top, "")
-    out = {**place(_host_cast(head, want_top), ()), "layers": tuple(layers)}
-    if unused is not None:
-        unused.extend(sorted(skipped))
-    return out
-
-
-def _check(tree: Any, want: Any, where: str) -> None:
-    if isinstance(want, dict):
-        if not isinstance(tree, dict):
-            raise ModelLoadError(f"deepseek_v41: {where} is not a subtree")
-        missing, extra = set(want) - set(tree), set(tree) - set(want)
-        if missing or extra:
-            raise ModelLoadError(f"deepseek_v41: {where or 'top'}: missing {sorted(missing)}, "
-                                 f"unexpected {sorted(extra)}")
-        for k in want:
-            _check(tree[k], want[k], f"{where}.{k}" if where else k)
-    elif isinstance(want, tuple):
-        for i, (a, s) in enumerate(zip(tree, want, strict=True)):
-            _check(a, s, f"{where}.{i}")
-    elif tuple(tree.shape) != tuple(want.shape):
-        packed = " (logical: packed FP4 holds two values per byte)" \
-            if isinstance(tree, BlockQuantWeight) and tree.fmt == "e2m1" else ""
-        raise ModelLoadError(f"deepseek_v41: {where} has shape {tuple(tree.shape)}{packed}, "
-                             f"expected {tuple(want.shape)}")
-
 
 
 # ----------------------------------------------------------------------------- entry points
@@ -1480,7 +988,7 @@ def _engram_inputs(weights: dict, cfg: DeepseekV41Config, tokens: jax.Array,
     """The Engram state of a call: (row ids per Engram layer {layer: [B,T,n_ids]}, valid
     [B,T], the cache's next n-gram history or None). Padding and image tokens are
     invalid: gate 0, and they block the n-gram lookback (NeMo's token_mask)."""
-    specs = _engram_specs(cfg)
+    specs = active_engram_specs(cfg)
     if not specs:
         return {}, None, None
     if "engram_token_map" not in weights:
@@ -1681,45 +1189,6 @@ def quantize_weights(weights: dict, q: Any, routed_experts: bool) -> dict:
     return {**weights, "layers": tuple(one(lw) for lw in weights["layers"])}
 
 
-def load_checkpoint(cfg: DeepseekV41Config, hf_config: dict, store: Any, dtype: Any,
-                    keep_quantized: bool, placer: Any, progress: Any) -> tuple[dict, dict]:
-    """`gsm_jax.load` of a released-layout directory (`store`): (weights, what
-    params.extra records). Every header is validated first
-    (`deepseek_v41_checkpoint.checkpoint_tensors`: scale grids, Engram tables against
-    their primes, tokenizer.json next to an Engram model). dtype None: bf16 for the float
-    tensors. FP8 / FP4 weights are kept as stored when `keep_quantized`, else dequantized;
-    Engram tables are kept as stored either way. extra: "checkpoint_quantization",
-    "unused_tensors" (the vision tower, layers past num_hidden_layers) and "mtp" (the DSpark
-    draft's tensors as stored, an `MtpTensors`, for speculative decoding)."""
-    from gsm_jax.models.deepseek_v41_checkpoint import checkpoint_tensors
-
-    ckpt = checkpoint_tensors(hf_config, store)
-    if dtype is None:
-        dtype = jnp.bfloat16
-    token_map = None
-    if cfg.active_engram_layers:
-        from gsm_jax.models.engram import token_class_map
-
-        progress(f"building the Engram token map from {ckpt.tokenizer_file}")
-        token_map = token_class_map(ckpt.tokenizer_file)
-    unused: list[str] = []
-    mtp = MtpTensors()
-    mtp.keep_quantized = keep_quantized
-    progress(f"converting {len(ckpt.tensors)} tensors "
-             f"({'FP8/FP4 kept as stored' if keep_quantized else jnp.dtype(dtype).name}; "
-             "Engram tables as stored)")
-    weights = weights_from_hf(cfg, ckpt.tensors, dtype, keep_quantized=keep_quantized,
-                              mtp=mtp, unused=unused, place=placer(), token_map=token_map)
-    extra: dict[str, Any] = {"checkpoint_quantization": "fp8-e4m3+fp4" + (
-        " (kept)" if keep_quantized else " (dequantized)")}
-    unused = sorted(set(unused) | set(ckpt.unused))
-    if unused:
-        extra["unused_tensors"] = tuple(unused)
-    if mtp:
-        extra["mtp"] = mtp
-    return weights, extra
-
-
 # ----------------------------------------------------------------------------- planner
 # `gsm_jax.plan` / `gsm-jax plan --model deepseek-v4.1-flash`: the weights counted from the
 # released layout itself (`deepseek_v41_checkpoint.released_layout`: every tensor's stored
@@ -1755,6 +1224,8 @@ def released_axes(name: str, ndim: int) -> tuple[str | None, ...]:
     weight), from the same rules as the weight tree (`logical_axes`): routed experts split
     whole per device, Engram tables by rows, the DSpark stages as layers, the rest of the
     draft and the vision tower replicated."""
+    from gsm_jax.models.deepseek_v41_checkpoint import _LAYER_NAMES
+
     base = re.sub(r"\.scale$", ".weight", name)
     if base in ("embed.weight", "head.weight"):
         return ("vocab", None)
@@ -1807,6 +1278,7 @@ def plan_weights(hf: dict, mesh: dict[str, int], weights_dtype: str, *,
     from gsm_jax.models.deepseek_v41_checkpoint import (
         STORED_BYTES,
         check_quantization_config,
+        is_vision,
         released_layout,
         released_part,
     )
@@ -1822,7 +1294,7 @@ def plan_weights(hf: dict, mesh: dict[str, int], weights_dtype: str, *,
         lines[part] = lines.get(part, 0.0) + b
         if not name.endswith(".scale"):
             params += int(np.prod(shape)) * (2 if dtype == "I8" else 1)
-        if not name.startswith("mtp.") and not _VISION.match(name):
+        if not name.startswith("mtp.") and not is_vision(name):
             loaded += b
     cfg = DeepseekV41Config.from_hf_config(hf)
     held = held_weight_bytes(cfg, check_quantization_config(hf), mesh, weights_dtype)
@@ -1836,7 +1308,7 @@ def plan_weights(hf: dict, mesh: dict[str, int], weights_dtype: str, *,
              "decoding runs it"]
     if not vision:
         skipped = sum(STORED_BYTES[d] * int(np.prod(s)) for n, (s, d) in
-                      released_layout(hf).items() if _VISION.match(n))
+                      released_layout(hf).items() if is_vision(n))
         notes.append(f"vision tower + aligner skipped (text only): {skipped:,} B not loaded")
     per_token, windows = released_cache_bytes(cfg)
     notes.append(f"released cache formats: {per_token:.0f} B per cached token + "

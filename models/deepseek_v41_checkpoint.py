@@ -26,6 +26,10 @@ read lazily, one at a time: FP8 / FP4 weights as `deepseek_common_checkpoint.Sto
 (bytes + E8M0 scales as stored), Engram tables as `EngramTableRef` (rows gathered on
 demand, never dequantized whole unless asked).
 
+Converting (`weights_from_hf`, `load_checkpoint`: the family's checkpoint hooks, which
+`models/deepseek_v41.py` exposes; `layer_tree`, which the DSpark draft's stages share):
+released names -> the model's weight tree, FP8 / FP4 kept as stored or dequantized.
+
 Writing (`write_checkpoint`): released-name float tensors -> that layout, the tests'
 stand-in for the 510 GB release.
 """
@@ -37,20 +41,26 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
 from gsm_jax.errors import ModelLoadError, UnsupportedModelError
 from gsm_jax.models import block_quant as bq
-from gsm_jax.models.deepseek_common_checkpoint import QuantRef, StoredQuant, TensorRef
+from gsm_jax.models.block_quant import BlockQuantWeight
+from gsm_jax.models.deepseek_common_checkpoint import QuantRef, StoredQuant, TensorRef, to_device
 from gsm_jax.models.safetensors_io import (
     DTYPES,
     INDEX_FILE,
     SafetensorsStore,
     write_safetensors,
 )
+
+if TYPE_CHECKING:
+    from gsm_jax.models.deepseek_v41 import DeepseekV41Config
 
 MODEL_TYPE = "deepseek_v41"
 TEXT_MODEL_TYPE = "deepseek_v41_text"
@@ -526,6 +536,349 @@ def read_checkpoint(path: str | os.PathLike) -> tuple[dict[str, Any], V41Checkpo
     except Exception:
         store.close()
         raise
+
+
+# ----------------------------------------------------------------------------- converting
+
+
+_LAYER_TENSOR = re.compile(r"^layers\.(\d+)\.(.+)$")
+# released name (after "layers.{i}.") -> path in the layer tree, a projection ([out, in]
+# stored: transposed, or kept as a block-quantized container)?
+_LAYER_NAMES = {
+    "attn_norm.weight": (("attn_norm",), False),
+    "ffn_norm.weight": (("ffn_norm",), False),
+    "hc_attn_fn": (("hc_attn", "fn"), True),
+    "hc_attn_base": (("hc_attn", "base"), False),
+    "hc_attn_scale": (("hc_attn", "scale"), False),
+    "hc_ffn_fn": (("hc_ffn", "fn"), True),
+    "hc_ffn_base": (("hc_ffn", "base"), False),
+    "hc_ffn_scale": (("hc_ffn", "scale"), False),
+    "attn.attn_sink": (("attn", "sinks"), False),
+    "attn.wq_a.weight": (("attn", "q_a"), True),
+    "attn.q_norm.weight": (("attn", "q_norm"), False),
+    "attn.wq_b.weight": (("attn", "q_b"), True),
+    "attn.wkv.weight": (("attn", "kv"), True),
+    "attn.kv_norm.weight": (("attn", "kv_norm"), False),
+    "attn.wo_b.weight": (("attn", "o_b"), True),
+    "attn.compressor.wkv.weight": (("attn", "compressor", "wkv"), True),
+    "attn.compressor.wgate.weight": (("attn", "compressor", "wgate"), True),
+    "attn.compressor.norm.weight": (("attn", "compressor", "norm"), False),
+    "attn.indexer.wq_b.weight": (("attn", "indexer", "q_b"), True),
+    "attn.indexer.weights_proj.weight": (("attn", "indexer", "weights_proj"), True),
+    "attn.indexer.wk.weight": (("attn", "indexer", "wk"), True),
+    "attn.indexer.k_norm.weight": (("attn", "indexer", "k_norm"), False),
+    "ffn.gate.weight": (("moe", "router"), True),
+    "ffn.gate.bias": (("moe", "bias"), False),
+    "ffn.gate.bias_vl": (("moe", "bias_vl"), False),
+    "engram.wkv.weight": (("engram", "wkv"), True),
+    "engram.q_weight": (("engram", "q_weight"), False),
+    "engram.k_weight": (("engram", "k_weight"), False),
+}
+
+
+class MtpTensors(dict):
+    """The DSpark draft's `mtp.*` tensors as read (name -> numpy [out, in], or the
+    checkpoint's FP8 / FP4 `StoredQuant`), kept in `params.extra["mtp"]`;
+    `deepseek_v41_dspark.draft_weights` turns them into the draft's weight tree (FP8 / FP4
+    kept as stored when `keep_quantized`, as the backbone was loaded). Hashed by identity
+    (ModelParams' extra is part of its static tree structure)."""
+
+    __hash__ = object.__hash__
+    keep_quantized: bool = False
+
+    def __eq__(self, other: object) -> bool:
+        return self is other
+
+    def __repr__(self) -> str:
+        return f"MtpTensors({len(self)} tensors)"
+
+
+def _is_stored_quant(v: Any) -> bool:
+    return hasattr(v, "fmt") and hasattr(v, "block") and hasattr(v, "dequantize") \
+        and not isinstance(v, BlockQuantWeight)
+
+
+def _resolve(v: Any) -> Any:
+    """numpy (float32 unless an integer), a StoredQuant, or an Engram table reference."""
+    if hasattr(v, "memmap") and hasattr(v, "rows"):  # deepseek_v41_checkpoint.EngramTableRef
+        return v
+    if hasattr(v, "load"):
+        v = v.load()
+    if hasattr(v, "detach"):  # a torch tensor
+        v = v.detach().float().cpu().numpy() if v.is_floating_point() \
+            else v.detach().cpu().numpy()
+    if _is_stored_quant(v):
+        return v
+    v = np.asarray(v)
+    return v if v.dtype.kind in "iub" else v.astype(np.float32)
+
+
+def _cat_rows(parts: list[Any]) -> Any:
+    """Stored [out, in] weights stacked along out (w1 | w3): one StoredQuant when every
+    part is one of the same format and the block grid allows, else float32 numpy."""
+    if all(_is_stored_quant(p) for p in parts):
+        f, blk = parts[0].fmt, parts[0].block
+        if all(p.fmt == f and p.block == blk and p.values.shape[-2] % blk[0] == 0
+               for p in parts):
+            return type(parts[0])(np.concatenate([p.values for p in parts], axis=-2),
+                                  np.concatenate([p.scale for p in parts], axis=-2), f, blk)
+    return np.concatenate([p.dequantize() if _is_stored_quant(p) else p for p in parts],
+                          axis=-2)
+
+
+def _stack(parts: list[Any]) -> Any:
+    """Per-expert stored [out, in] weights -> [E, ...] (one StoredQuant when all are)."""
+    if all(_is_stored_quant(p) for p in parts) and len(
+            {(p.fmt, p.block, p.values.shape, p.scale.shape) for p in parts}) == 1:
+        p0 = parts[0]
+        return type(p0)(np.stack([p.values for p in parts]), np.stack([p.scale for p in parts]),
+                        p0.fmt, p0.block)
+    return np.stack([p.dequantize() if _is_stored_quant(p) else p for p in parts])
+
+
+def _proj(v: Any, keep: bool) -> Any:
+    """A stored [..., out, in] projection -> the model's [..., in, out]: a
+    BlockQuantWeight (numpy leaves) when kept, else float32 numpy."""
+    if _is_stored_quant(v):
+        if keep:
+            return BlockQuantWeight(v.values, v.scale, v.fmt, tuple(v.block))
+        v = v.dequantize()
+    return np.swapaxes(v, -1, -2)
+
+
+def _o_a(v: Any, cfg: DeepseekV41Config, keep: bool) -> Any:
+    """wo_a [G * O, H * hd / G] -> [G, H * hd / G, O] (a container [G, O, in] when its
+    row blocks do not straddle groups)."""
+    g, o = cfg.o_groups, cfg.o_lora_rank
+    if _is_stored_quant(v):
+        if keep and o % v.block[0] == 0:
+            return BlockQuantWeight(v.values.reshape(g, o, -1),
+                                    v.scale.reshape(g, o // v.block[0], -1), v.fmt,
+                                    tuple(v.block))
+        v = v.dequantize()
+    return np.transpose(v.reshape(g, o, -1), (0, 2, 1))
+
+
+def _engram_table(v: Any, d: int) -> tuple[Any, Any]:
+    """(rows, scales) as stored: FP8 e4m3 [rows, d] + E8M0 bytes [rows, d / 32] from a
+    checkpoint (never dequantized), or a float table with float32 scales 1."""
+    if hasattr(v, "memmap"):  # an EngramTableRef: the shard's bytes, mapped
+        return v.memmap()
+    if _is_stored_quant(v):
+        return v.values, v.scale
+    v = np.asarray(v, np.float32)
+    return v, np.ones((v.shape[0], -(-d // 32)), np.float32)
+
+
+def _host_cast(tree: Any, want: Any) -> Any:
+    """Float numpy leaves to their dtypes in `want`; containers and int leaves as they are."""
+    def one(a, s):
+        if isinstance(a, BlockQuantWeight):
+            return a
+        a = np.asarray(a) if not isinstance(a, np.ndarray) else a
+        if a.dtype.kind in "iu" or a.dtype == np.dtype(ml_dtypes.float8_e4m3fn) \
+                or a.dtype == np.uint8:
+            return a
+        return a.astype(s.dtype, copy=False)
+
+    return jax.tree.map(one, tree, want, is_leaf=lambda a: isinstance(a, BlockQuantWeight))
+
+
+def _take(src: dict, key: str, where: str) -> Any:
+    if key not in src:
+        raise ModelLoadError(f"deepseek_v41: tensor {where + key!r} is missing")
+    return _resolve(src.pop(key))
+
+
+def layer_tree(cfg: DeepseekV41Config, src: dict[str, Any], p: str, keep: bool) -> dict:
+    """One block's weight tree from its released tensors `src` (names after the prefix `p`,
+    e.g. "layers.3." or "mtp.0."; consumed): a backbone layer, or a DSpark stage with its
+    stage-only tensors taken out first. Refuses a missing or an unexpected tensor by name."""
+    lw: dict[str, Any] = {}
+    for rest in [r for r in src if r in _LAYER_NAMES]:
+        path, is_proj = _LAYER_NAMES[rest]
+        v = _take(src, rest, p)
+        node = lw
+        for q in path[:-1]:
+            node = node.setdefault(q, {})
+        node[path[-1]] = _proj(v, keep) if is_proj else v
+    if "attn.wo_a.weight" in src:
+        lw.setdefault("attn", {})["o_a"] = _o_a(_take(src, "attn.wo_a.weight", p), cfg, keep)
+    if "engram.embed.weight" in src:
+        rows, scale = _engram_table(_take(src, "engram.embed.weight", p), cfg.engram_head_dim)
+        lw.setdefault("engram", {}).update(table=rows, table_scale=scale)
+    moe_w = lw.setdefault("moe", {})
+    gate_up, down = [], []
+    for k in range(cfg.n_routed_experts):
+        q = f"ffn.experts.{k}."
+        gate_up.append(_cat_rows([_take(src, q + "w1.weight", p), _take(src, q + "w3.weight", p)]))
+        down.append(_take(src, q + "w2.weight", p))
+    moe_w["experts_gate_up"] = _proj(_stack(gate_up), keep)
+    moe_w["experts_down"] = _proj(_stack(down), keep)
+    del gate_up, down
+    moe_w["shared_gate_up"] = _proj(_cat_rows(
+        [_take(src, "ffn.shared_experts.w1.weight", p),
+         _take(src, "ffn.shared_experts.w3.weight", p)]), keep)
+    moe_w["shared_down"] = _proj(_take(src, "ffn.shared_experts.w2.weight", p), keep)
+    if src:
+        raise ModelLoadError(f"deepseek_v41: unexpected tensors "
+                             f"{sorted(p + r for r in src)[:8]}")
+    return lw
+
+
+def weights_from_hf(cfg: DeepseekV41Config, tensors: dict[str, Any], dtype: Any = jnp.float32,
+                    *, keep_quantized: bool = False, mtp: dict | None = None,
+                    unused: list[str] | None = None, place: Any = None,
+                    token_map: Any = None) -> dict:
+    """The weight tree from the released tensor names (§9.2).
+
+    `tensors`: name -> float array ([out, in], torch or numpy), a lazy reference
+    (`.load()`), a `StoredQuant` (FP8 e4m3 32 x 32 or packed FP4 1 x 32, E8M0 scales) or
+    an Engram table reference: what `deepseek_v41_checkpoint.checkpoint_tensors` gives
+    (scales folded into their weights). Block-quantized weights become `BlockQuantWeight`s
+    as stored when `keep_quantized`, else they are dequantized (float32, then `dtype`).
+    Engram tables are kept as stored either way (rows are gathered and dequantized per
+    token); `token_map` (`engram.token_class_map` of the checkpoint's tokenizer.json) is
+    required when an Engram layer is active and becomes `weights["engram_token_map"]`.
+
+    `mtp.*` (the DSpark stages) go into `mtp` when given (as stored: [out, in]), else are
+    dropped. Vision / aligner tensors and those of layers past num_hidden_layers go into
+    `unused` when given, else are refused (text-only). `place(tree, prefix)` puts each
+    finished layer on its devices (default: the default device)."""
+    from gsm_jax.models import deepseek_v41 as dv
+    from gsm_jax.models.engram import engram_specs
+
+    place = place or to_device
+    keep = keep_quantized
+    want = dv.weight_shapes(cfg, dtype)
+    specs = dv.active_engram_specs(cfg)
+    if specs:
+        if token_map is None:
+            raise ModelLoadError(
+                f"deepseek_v41: engram_layer_ids {list(cfg.engram_layer_ids)} need the token "
+                "class map built from the checkpoint's tokenizer.json (token_map=)")
+        token_map = np.asarray(token_map, np.int32)
+        try:
+            engram_specs(cfg, token_map)
+        except ValueError as e:
+            raise ModelLoadError(f"deepseek_v41: tokenizer.json: {e}") from None
+        if token_map.shape[0] < cfg.vocab_size:
+            token_map = np.concatenate([token_map, np.full(
+                cfg.vocab_size - token_map.shape[0], token_map[cfg.engram_pad_token_id],
+                np.int32)])
+        token_map = token_map[:cfg.vocab_size]
+    by_layer: list[dict[str, Any]] = [{} for _ in range(cfg.num_layers)]
+    top: dict[str, Any] = {}
+    unknown, skipped = [], []
+    for name, value in tensors.items():
+        if name.startswith("mtp."):
+            if mtp is not None:  # as read (numpy [out, in] or a StoredQuant); converted by
+                mtp[name] = _resolve(value)  # deepseek_v41_dspark.draft_weights
+            continue
+        if is_vision(name):
+            if unused is None:
+                raise UnsupportedModelError(f"deepseek_v41: vision tensor {name!r}: this "
+                                            "model is text-only")
+            skipped.append(name)
+            continue
+        if name.endswith(".scale"):
+            raise UnsupportedModelError(
+                f"deepseek_v41: scale tensor {name!r} on its own: pass the checkpoint's "
+                "tensors with their scales folded in (deepseek_v41_checkpoint."
+                "checkpoint_tensors, or gsm_jax.load of the directory)")
+        if name in ("embed.weight", "head.weight", "norm.weight"):
+            top[name] = value
+            continue
+        m = _LAYER_TENSOR.match(name)
+        if m and int(m.group(1)) >= cfg.num_layers and unused is not None:
+            skipped.append(name)
+            continue
+        if not m or int(m.group(1)) >= cfg.num_layers:
+            unknown.append(name)
+            continue
+        li, rest = int(m.group(1)), m.group(2)
+        if rest.startswith("engram.") and li not in cfg.active_engram_layers:
+            unknown.append(name)
+            continue
+        by_layer[li][rest] = value
+    if unknown:
+        raise ModelLoadError(f"deepseek_v41: unexpected tensors {sorted(unknown)[:8]}"
+                             f"{' ...' if len(unknown) > 8 else ''}")
+
+    layers = []
+    for li in range(cfg.num_layers):
+        lw = layer_tree(cfg, by_layer[li], f"layers.{li}.", keep)
+        _check(lw, want["layers"][li], f"layers.{li}")
+        layers.append(place(_host_cast(lw, want["layers"][li]), ("layers", li)))
+        del lw
+    head = {"embed": _take(top, "embed.weight", ""),
+            "lm_head": _proj(_take(top, "head.weight", ""), False),
+            "final_norm": _take(top, "norm.weight", "")}
+    if specs:
+        head["engram_token_map"] = token_map
+    want_top = {k: v for k, v in want.items() if k != "layers"}
+    _check(head, want_top, "")
+    out = {**place(_host_cast(head, want_top), ()), "layers": tuple(layers)}
+    if unused is not None:
+        unused.extend(sorted(skipped))
+    return out
+
+
+def _check(tree: Any, want: Any, where: str) -> None:
+    if isinstance(want, dict):
+        if not isinstance(tree, dict):
+            raise ModelLoadError(f"deepseek_v41: {where} is not a subtree")
+        missing, extra = set(want) - set(tree), set(tree) - set(want)
+        if missing or extra:
+            raise ModelLoadError(f"deepseek_v41: {where or 'top'}: missing {sorted(missing)}, "
+                                 f"unexpected {sorted(extra)}")
+        for k in want:
+            _check(tree[k], want[k], f"{where}.{k}" if where else k)
+    elif isinstance(want, tuple):
+        for i, (a, s) in enumerate(zip(tree, want, strict=True)):
+            _check(a, s, f"{where}.{i}")
+    elif tuple(tree.shape) != tuple(want.shape):
+        packed = " (logical: packed FP4 holds two values per byte)" \
+            if isinstance(tree, BlockQuantWeight) and tree.fmt == "e2m1" else ""
+        raise ModelLoadError(f"deepseek_v41: {where} has shape {tuple(tree.shape)}{packed}, "
+                             f"expected {tuple(want.shape)}")
+
+
+def load_checkpoint(cfg: DeepseekV41Config, hf_config: dict, store: Any, dtype: Any,
+                    keep_quantized: bool, placer: Any, progress: Any) -> tuple[dict, dict]:
+    """`gsm_jax.load` of a released-layout directory (`store`): (weights, what
+    params.extra records). Every header is validated first
+    (`deepseek_v41_checkpoint.checkpoint_tensors`: scale grids, Engram tables against
+    their primes, tokenizer.json next to an Engram model). dtype None: bf16 for the float
+    tensors. FP8 / FP4 weights are kept as stored when `keep_quantized`, else dequantized;
+    Engram tables are kept as stored either way. extra: "checkpoint_quantization",
+    "unused_tensors" (the vision tower, layers past num_hidden_layers) and "mtp" (the DSpark
+    draft's tensors as stored, an `MtpTensors`, for speculative decoding)."""
+    ckpt = checkpoint_tensors(hf_config, store)
+    if dtype is None:
+        dtype = jnp.bfloat16
+    token_map = None
+    if cfg.active_engram_layers:
+        from gsm_jax.models.engram import token_class_map
+
+        progress(f"building the Engram token map from {ckpt.tokenizer_file}")
+        token_map = token_class_map(ckpt.tokenizer_file)
+    unused: list[str] = []
+    mtp = MtpTensors()
+    mtp.keep_quantized = keep_quantized
+    progress(f"converting {len(ckpt.tensors)} tensors "
+             f"({'FP8/FP4 kept as stored' if keep_quantized else jnp.dtype(dtype).name}; "
+             "Engram tables as stored)")
+    weights = weights_from_hf(cfg, ckpt.tensors, dtype, keep_quantized=keep_quantized,
+                              mtp=mtp, unused=unused, place=placer(), token_map=token_map)
+    extra: dict[str, Any] = {"checkpoint_quantization": "fp8-e4m3+fp4" + (
+        " (kept)" if keep_quantized else " (dequantized)")}
+    unused = sorted(set(unused) | set(ckpt.unused))
+    if unused:
+        extra["unused_tensors"] = tuple(unused)
+    if mtp:
+        extra["mtp"] = mtp
+    return weights, extra
 
 
 # ----------------------------------------------------------------------------- writing

@@ -37,8 +37,11 @@ import numpy as np
 from gsm_jax.errors import InvalidInputError, ModelLoadError
 from gsm_jax.models import common
 from gsm_jax.models import deepseek_v41 as dv
+from gsm_jax.models import deepseek_v41_checkpoint as ck
 from gsm_jax.models.block_quant import BlockQuantWeight
 from gsm_jax.models.deepseek_common import hc_expand, rms_norm, sink_attention, weighted_streams
+from gsm_jax.models.deepseek_common_checkpoint import to_device
+from gsm_jax.models.deepseek_v41_cache import qdq
 
 # stage-only tensors (after "mtp.{s}."): name -> (key in the draft tree, is a projection)
 _FIRST = {"main_proj.weight": ("main_proj", True), "main_norm.weight": ("main_norm", False)}
@@ -117,16 +120,16 @@ def draft_weights(cfg: dv.DeepseekV41Config, mtp: dict, dtype: Any = jnp.float32
         p = f"mtp.{s}."
         own = {**(_FIRST if s == 0 else {}), **(_LAST if s == n - 1 else {})}
         for rest, (key, is_proj) in own.items():
-            v = dv._take(src, rest, p)
-            out[key] = dv._proj(v, keep) if is_proj else v
-        lw = dv.layer_tree(sc, src, p, keep)
-        dv._check(lw, want["stages"][s], f"mtp.{s}")
-        stages.append(dv._to_device(dv._host_cast(lw, want["stages"][s])))
+            v = ck._take(src, rest, p)
+            out[key] = ck._proj(v, keep) if is_proj else v
+        lw = ck.layer_tree(sc, src, p, keep)
+        ck._check(lw, want["stages"][s], f"mtp.{s}")
+        stages.append(to_device(ck._host_cast(lw, want["stages"][s])))
     top = {k: v for k, v in want.items() if k != "stages"}
     if isinstance(out.get("markov_embed"), BlockQuantWeight):  # a lookup table: rows as floats
         out["markov_embed"] = np.asarray(out["markov_embed"].dequantize())
-    dv._check(out, top, "mtp")
-    return {**dv._to_device(dv._host_cast(out, top)), "stages": tuple(stages)}
+    ck._check(out, top, "mtp")
+    return {**to_device(ck._host_cast(out, top)), "stages": tuple(stages)}
 
 
 def init_weights(cfg: dv.DeepseekV41Config, rng: jax.Array, dtype: Any = jnp.float32) -> dict:
@@ -160,7 +163,7 @@ def _attention(cfg, w: dict, s: int, x, target, block_pos, ctx_pos, anchor, step
 
     def keys_of(a, pos):
         kv = rms_norm(lin("kv", a, w["kv"]), w["kv_norm"], eps)
-        return dv._qdq(cfg, "fp8", dv._rope(kv, spec, jnp.maximum(pos, 0)))
+        return qdq(cfg, "fp8", dv._rope(kv, spec, jnp.maximum(pos, 0)))
 
     q = lin("q_b", rms_norm(lin("q_a", x, w["q_a"]), w["q_norm"], eps), w["q_b"])
     q = dv._rope(q.reshape(b, k, cfg.num_heads, cfg.head_dim), spec, block_pos)

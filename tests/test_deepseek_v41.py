@@ -29,6 +29,8 @@ import pytest
 from gsm_jax.errors import InvalidInputError, ModelLoadError, UnsupportedModelError
 from gsm_jax.models import deepseek_common as dc
 from gsm_jax.models import deepseek_v41 as dv
+from gsm_jax.models import deepseek_v41_cache as dcache
+from gsm_jax.models import deepseek_v41_checkpoint as ck
 
 REL_TOL = 1e-4
 
@@ -166,18 +168,18 @@ def test_unsupported_config_keys():
 def test_qdq_hand_values():
     # FP8: one block with amax 448 -> scale 1 -> e4m3 values kept; amax 449 -> scale 2
     x = jnp.asarray([[448.0, 1.0, -3.0, 0.1] + [0.0] * 28], jnp.float32)
-    y = np.asarray(dv.fp8_qdq(x))
+    y = np.asarray(dcache.fp8_qdq(x))
     assert y[0, 0] == 448 and y[0, 1] == 1 and y[0, 2] == -3 and abs(y[0, 3] - 0.1) < 0.004
-    assert float(dv.pow2_ceil(jnp.float32(449 / 448))) == 2.0
-    assert float(dv.pow2_ceil(jnp.float32(1.0))) == 1.0
+    assert float(dcache.pow2_ceil(jnp.float32(449 / 448))) == 2.0
+    assert float(dcache.pow2_ceil(jnp.float32(1.0))) == 1.0
     # MXFP4: amax 6 -> scale 1; ties go to the even level
     v = [6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -2.5, 0.3]
     x = jnp.asarray([v + [0.0] * 22], jnp.float32)
-    y = np.asarray(dv.mxfp4_qdq(x))[0, :10]
+    y = np.asarray(dcache.mxfp4_qdq(x))[0, :10]
     np.testing.assert_array_equal(y, [6, 0, 1, 1, 2, 2, 4, 4, -2, 0.5])
     # NVFP4: E4M3 scale amax / 6 (amax 12 -> 2), per 16 channels
     x = jnp.asarray([[12.0, 5.0, 3.0] + [0.0] * 13 + [0.6] + [0.0] * 15], jnp.float32)
-    y = np.asarray(dv.nvfp4_qdq(x))
+    y = np.asarray(dcache.nvfp4_qdq(x))
     np.testing.assert_allclose(y[0, :3], [12, 4, 3])
     assert y[0, 16] == 6 * 0.1015625  # its own block: scale e4m3(0.1) = 0.1015625
 
@@ -188,9 +190,9 @@ def test_qdq_bitwise_against_reference():
     rng = np.random.default_rng(0)
     for scale in (1e-3, 1.0, 30.0, 400.0):
         x = (rng.standard_normal((64, 96)) * scale * rng.random((64, 1))).astype(np.float32)
-        for fmt, block, fn in (("fp8", 32, dv.fp8_qdq), ("nvfp4", 16, dv.nvfp4_qdq),
-                               ("mxfp4", 32, dv.mxfp4_qdq)):
-            assert dv.CACHE_FORMATS[fmt] == block
+        for fmt, block, fn in (("fp8", 32, dcache.fp8_qdq), ("nvfp4", 16, dcache.nvfp4_qdq),
+                               ("mxfp4", 32, dcache.mxfp4_qdq)):
+            assert dcache.CACHE_FORMATS[fmt] == block
             ref = quant.quantize_cache(torch.from_numpy(x), format=fmt, block_size=block)
             np.testing.assert_array_equal(np.asarray(fn(jnp.asarray(x))), ref.numpy(),
                                           err_msg=f"{fmt} scale {scale}")
@@ -210,13 +212,14 @@ def test_packed_entries_read_back_as_the_qdq(width):
     for scale in (1e-3, 1.0, 400.0):
         x = (rng.standard_normal((5, 7, width)) * scale * rng.random((5, 7, 1)))
         x[0, 0, :3] = [-1e-9, 0.0, -0.0]  # signed zeros through the rounding
-        for fmt, qdq in (("fp8", dv.fp8_qdq), ("nvfp4", dv.nvfp4_qdq), ("mxfp4", dv.mxfp4_qdq)):
-            block = dv.CACHE_FORMATS[fmt]
+        for fmt, qdq in (("fp8", dcache.fp8_qdq), ("nvfp4", dcache.nvfp4_qdq),
+                         ("mxfp4", dcache.mxfp4_qdq)):
+            block = dcache.CACHE_FORMATS[fmt]
             for dtype in (jnp.float32, jnp.bfloat16):
                 xj = jnp.asarray(x, dtype)
-                e = dv.pack_entries(fmt, xj)
+                e = dcache.pack_entries(fmt, xj)
                 want = np.asarray(qdq(xj))
-                got = np.asarray(dv.read_entries(e, dtype))
+                got = np.asarray(dcache.read_entries(e, dtype))
                 assert e.shape == xj.shape and got.dtype == want.dtype
                 np.testing.assert_array_equal(got.view(np.uint16 if dtype == jnp.bfloat16
                                                        else np.uint32),
@@ -668,12 +671,12 @@ def test_engram_history_rows_and_image_tokens(tiny):
     want_valid = (np.arange(5) < np.asarray(lengths)[:, None]) & (tokens != 100)
     np.testing.assert_array_equal(np.asarray(valid), want_valid)
     cmap = np.asarray(w["engram_token_map"])
-    for sp in dv._engram_specs(cfg):
+    for sp in dv.active_engram_specs(cfg):
         np.testing.assert_array_equal(
             np.asarray(ids[sp.layer_id]),
             hash_ids_np(cmap[tokens], dataclasses.replace(sp, pad_class=int(cmap[2])),
                         want_valid))
-    want_hist = update_history(None, cmap[tokens], dv._engram_specs(cfg)[0], want_valid,
+    want_hist = update_history(None, cmap[tokens], dv.active_engram_specs(cfg)[0], want_valid,
                                np.asarray(lengths), xp=np)
     np.testing.assert_array_equal(np.asarray(history), want_hist)
     assert (want_hist[0] == [-1, cmap[7], cmap[8]]).all()  # blocked by the image token
@@ -706,7 +709,7 @@ def test_self_speculative_drafter_config(tiny):
     cut = draft_config(cfg, 2)
     dw = draft_weights(w, 2)
     assert len(dw["layers"]) == 2 and dw["embed"] is w["embed"]
-    dv._check(dw, dv.weight_shapes(cut), "draft")  # the tree the cut config expects
+    ck._check(dw, dv.weight_shapes(cut), "draft")  # the tree the cut config expects
 
 
 def test_reindex_top_k_over_gathered_candidates_equals_the_masked_form():

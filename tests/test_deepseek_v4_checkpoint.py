@@ -25,6 +25,7 @@ import pytest
 import gsm_jax
 from gsm_jax.errors import ModelLoadError, UnsupportedModelError
 from gsm_jax.models import deepseek_v4 as dv
+from gsm_jax.models import deepseek_v4_checkpoint as ck
 from gsm_jax.models.block_quant import BlockQuantWeight
 from gsm_jax.models.deepseek_v4_checkpoint import official_config, write_checkpoint
 from gsm_jax.models.safetensors_io import INDEX_FILE, SafetensorsStore, write_safetensors
@@ -274,8 +275,8 @@ def test_hugging_face_names_load_the_same(checkpoint, tmp_path):
         stem, suffix = (name[: -len(".weight_scale_inv")], ".weight_scale_inv") \
             if name.endswith(".weight_scale_inv") else (name, "")
         if suffix:
-            return dv._canonical_name(stem + ".weight").removesuffix(".weight") + suffix
-        return dv._canonical_name(name)
+            return ck._canonical_name(stem + ".weight").removesuffix(".weight") + suffix
+        return ck._canonical_name(name)
 
     other = _rewritten(path, tmp_path / "hf_names", rename=hf_name)
     assert "model.layers.0.self_attn.q_a_proj.weight_scale_inv" in SafetensorsStore(other)
