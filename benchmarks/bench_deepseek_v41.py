@@ -210,10 +210,11 @@ def release_bytes_ratio() -> dict:
         is_vision,
         released_layout,
     )
+    from gsm_jax.models.deepseek_v41_plan import held_weight_bytes
 
     hf = json.loads(planner.KNOWN_CONFIGS["deepseek-v4.1-flash"].read_text())
-    held = dv.held_weight_bytes(dv.DeepseekV41Config.from_hf_config(hf),
-                                check_quantization_config(hf), {}, "bfloat16")
+    held = held_weight_bytes(dv.DeepseekV41Config.from_hf_config(hf),
+                             check_quantization_config(hf), {}, "bfloat16")
     params = stored = 0
     for name, (shape, dtype) in released_layout(hf).items():
         if name.startswith("mtp.") or is_vision(name):

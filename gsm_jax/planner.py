@@ -26,9 +26,11 @@ divides by its mesh axis; replicated weights count whole on every device):
   attention scores, which dominate at long prompts (None: one call, [H, T, T + entries]).
 
 The shapes come from the model code itself (`weight_shapes`, `init_cache` under
-`jax.eval_shape`), so the plan follows the implementation. It is an estimate: XLA's
-temporaries are not modelled beyond the activation line (compare with
-`compiled.memory_analysis()` of the real program).
+`jax.eval_shape`), so the plan follows the implementation; what a family counts otherwise
+(stored dtypes, a released layout, cache labels, activation widths) its `PLANNER` says
+(`models/family_planner.py`). It is an estimate: XLA's temporaries are not modelled
+beyond the activation line (compare with `compiled.memory_analysis()` of the real
+program).
 """
 
 from __future__ import annotations
@@ -185,7 +187,7 @@ def plan(model: Any, mesh_shape: tuple[int, int] = (1, 1), device_memory: Any = 
          vision: bool = False, engram_memory: str = "device",
          kv_cache_dtype: str | None = None, prefill_chunk: int | None = PREFILL_CHUNK) -> Plan:
     """Per-device memory of `model` (a config or its path / name) on a data x model mesh.
-    A family with its own released layout (`plan_weights`: DeepSeek-V4.1) counts its
+    A family with its own released layout (`PLANNER.plan_weights`: DeepSeek-V4.1) counts its
     weights from it, by part; `vision` counts a vision tower too (skipped by default:
     gsm_jax runs text only). engram_memory="host": V4.1's Engram tables in pinned host
     memory (`load(..., engram_memory=)`), listed apart and not counted against the device.
@@ -220,15 +222,17 @@ def plan(model: Any, mesh_shape: tuple[int, int] = (1, 1), device_memory: Any = 
     mesh = {"data": data, "model": tp}
     check_model(cfg, _FakeMesh(mesh))
     family = family_module(cfg.family)
+    planner = family.PLANNER  # models/family_planner.py: the family's answers
     shapes = family.weight_shapes(cfg, jnp.dtype(weights_dtype))
-    stored_bytes = getattr(family, "stored_weight_bytes", None)  # a checkpoint's own dtypes
     lines: dict[str, float] = {}
     params = 0
     per_layer: list[float] = []
     notes: list[str] = []
-    by_part = getattr(family, "plan_weights", None)
-    if by_part is not None and hf is not None and quant:
-        lines, params, notes = by_part(hf, mesh, weights_dtype, vision=vision)
+    by_part = None  # counted from the family's released layout, or None: from its tree
+    if hf is not None and quant:
+        by_part = planner.plan_weights(hf, mesh, weights_dtype, vision=vision)
+    if by_part is not None:
+        lines, params, notes = by_part
         shapes = {}  # counted by part
     for path, leaf in jax.tree_util.tree_flatten_with_path(shapes)[0]:
         name = str(getattr(path[-1], "key", path[-1]))
@@ -237,18 +241,15 @@ def plan(model: Any, mesh_shape: tuple[int, int] = (1, 1), device_memory: Any = 
             label, b = "float32", math.prod(leaf.shape) * 4
         elif np.dtype(leaf.dtype).kind in "iu":
             label, b = "int32 (hash tables)", math.prod(leaf.shape) * 4
-        elif stored_bytes is not None:
-            label, b = stored_bytes(name, leaf.shape, quant, expert_dtype, weights_dtype)
-        else:
-            label, b = weights_dtype, math.prod(leaf.shape) * _BYTES[weights_dtype]
+        else:  # as a checkpoint stores it
+            label, b = planner.stored_weight_bytes(name, leaf.shape, quant, expert_dtype,
+                                                   weights_dtype)
         b /= _shard_factor(cfg.family, path, len(leaf.shape), mesh)
         lines[f"weights: {label}"] = lines.get(f"weights: {label}", 0) + b
         if str(getattr(path[0], "key", "")) == "layers" and len(path) > 1 \
                 and getattr(path[1], "idx", None) == 0:
             per_layer.append(b)
-    mtp_layers = getattr(family, "mtp_layers", None)
-    mtp = mtp_layers(cfg, quant) if mtp_layers is not None else int(
-        getattr(cfg, "num_nextn_predict_layers", 0) or 0)
+    mtp = planner.mtp_layers(cfg, quant)
     if mtp and by_part is None:
         lines["weights: MTP block (as a layer)"] = mtp * sum(per_layer)
     # caches, from the model's own init_cache
@@ -258,7 +259,7 @@ def plan(model: Any, mesh_shape: tuple[int, int] = (1, 1), device_memory: Any = 
         names = [str(getattr(p, "name", getattr(p, "key", getattr(p, "idx", p)))) for p in path]
         if "lengths" in names:
             continue
-        kind = _cache_kind(names, getattr(family, "CACHE_KINDS", {}))
+        kind = _cache_kind(names, planner.cache_kinds)
         lines[kind] = lines.get(kind, 0) + leaf.size * leaf.dtype.itemsize / data
     lines["activations (estimate)"] = _activations(cfg, batch // data, context,
                                                    prefill_tokens, weights_dtype, tp,
@@ -292,7 +293,8 @@ class _FakeMesh:
 
 
 def _cache_kind(names: list[str], kinds: dict[str, str]) -> str:
-    """The line of a cache leaf: its family's label for it (`CACHE_KINDS`), else its name."""
+    """The line of a cache leaf: its family's label for it (`PLANNER.cache_kinds`), else its
+    name."""
     if "rings" in names:
         return "cache: GSM ring buffers"
     # the nearest named field: per-layer tuples (k/0, ...) and packed entries' leaves
@@ -312,8 +314,7 @@ def _activations(cfg: Any, rows: int, context: int, prefill_tokens: int | None,
     t = min(prefill_tokens or context, context)
     d = cfg.hidden_size * getattr(cfg, "hc_mult", 1)
     heads = cfg.num_heads // tp if cfg.num_heads % tp == 0 else cfg.num_heads
-    widths = getattr(family_module(cfg.family), "activation_widths", None)
-    inter, keys = widths(cfg, t) if widths is not None else (2 * cfg.intermediate_size, t)
+    inter, keys = family_module(cfg.family).PLANNER.activation_widths(cfg, t)
     q = t if chunk is None else min(t, chunk)  # queries of one prefill call
     scores = rows * heads * q * keys * 4  # f32 scores, materialised
     stream = rows * q * (4 * d + inter) * b
@@ -327,14 +328,13 @@ def _activations(cfg: Any, rows: int, context: int, prefill_tokens: int | None,
 def abstract_weights(cfg: Any, quant: dict | None, expert_dtype: str,
                      dtype: str = "bfloat16") -> Any:
     """The weight tree as ShapeDtypeStructs, block-quantized leaves as stored (a family's
-    `abstract_stored_weights`, given a quantization_config: DeepSeek-V4's FP8 dense
+    `PLANNER.abstract_stored_weights`, given a quantization_config: DeepSeek-V4's FP8 dense
     projections, FP4 or FP8 routed experts)."""
     family = family_module(cfg.family)
     shapes = family.weight_shapes(cfg, jnp.dtype(dtype))
-    stored = getattr(family, "abstract_stored_weights", None)
-    if stored is None or not quant:
+    if not quant:
         return shapes
-    return stored(shapes, quant, expert_dtype)
+    return family.PLANNER.abstract_stored_weights(shapes, quant, expert_dtype)
 
 
 def compile_check(model: Any, mesh_shape: tuple[int, int], batch: int, context: int,

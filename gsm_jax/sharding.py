@@ -306,9 +306,7 @@ def check_model(config: Any, mesh: Any) -> None:
     sharded size is checked when it is placed.)"""
     n = mesh.shape["model"]
     sizes = {"vocabulary": config.vocab_size}
-    more = families.hook(config.family, "model_axis_sizes")
-    if more is not None:
-        sizes.update(more(config))
+    sizes.update(family_module(config.family).PLANNER.model_axis_sizes(config))
     for name, size in sizes.items():
         if n > 1 and size % n:
             raise InvalidInputError(

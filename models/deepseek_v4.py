@@ -1,11 +1,13 @@
 """DeepSeek-V4 decoder in Flax, with per-layer-type decode caches and GSM sites.
 
-One file for the family, laid out like `llama.py`: the config, the modules, one
+The family's model, laid out like `llama.py`: the config, the modules, one
 `layer` (`DecoderLayer.__call__`, the same code in every step mode of
 `models/common.py`), and the entry points, thin wrappers over `common.run_layers`:
 `hidden_states` / `forward` (teacher forcing), `prefill`, `extend` (a chunk after what
 each row holds: chunked prefill) and `decode_step`; plus `init_cache`, `cache_insert`,
-`weights_from_hf`, `init_weights`.
+`init_weights`. Beside it: `deepseek_v4_checkpoint.py` (checkpoints read and converted:
+`weights_from_hf`, `load_checkpoint`), `deepseek_v4_plan.py` (the planner's `PLANNER`) and
+`deepseek_common.py` (what V4.1 computes alike).
 
 The architecture, block by block (names follow the Hugging Face reference,
 `transformers.models.deepseek_v4`):
@@ -67,7 +69,6 @@ hyper-connections are not projections through the hooks.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 import flax.linen as nn
@@ -80,12 +81,13 @@ from gsm_jax.errors import UnsupportedModelError
 from gsm_jax.in_place import scatter_set
 from gsm_jax.models import common
 from gsm_jax.models import deepseek_common as dc
-from gsm_jax.models.block_quant import BlockQuantWeight, projection_param
+from gsm_jax.models.block_quant import projection_param
 from gsm_jax.models.common import Step
 from gsm_jax.models.deepseek_v4_checkpoint import (  # noqa: F401  (contract hooks)
     load_checkpoint,
     weights_from_hf,
 )
+from gsm_jax.models.deepseek_v4_plan import PLANNER  # noqa: F401  (contract: the planner's)
 from gsm_jax.models.hf_config import PRETRAINED_KEYS, ConfigReader, rope_settings
 from gsm_jax.models.linear import linear
 from gsm_jax.models.moe import DISPATCHES, routed_experts, swiglu
@@ -1181,9 +1183,12 @@ def decode_step(weights: dict, cfg: DeepseekV4Config, tokens: jax.Array, cache: 
     h, cache, _ = _run(weights, cfg, tokens[:, None], cache, step)
     return logits(weights, cfg, h[:, 0]), cache
 
+
 # ----------------------------------------------------------------------------- family contract
 # What the runtime (gsm_jax.families and the tools above it) reads from this module beside
-# its entry points; docs/adding_a_family.md lists every name.
+# its entry points; docs/adding_a_family.md lists every name. Imported above from their own
+# modules: `weights_from_hf` and `load_checkpoint` (models/deepseek_v4_checkpoint.py) and
+# `PLANNER` (models/deepseek_v4_plan.py: what the planner and `sharding.check_model` ask).
 
 FAMILY = "deepseek_v4"
 TITLE = "DeepSeek-V4"  # in messages
@@ -1216,79 +1221,6 @@ def logical_axes(names: list[str], ndim: int) -> tuple[str | None, ...]:
     if any(n in REPLICATED_UNDER for n in names[:-1]):
         return (None,) * ndim
     return table_axes(LOGICAL_AXES, names[-1], ndim)
-
-
-def model_axis_sizes(cfg: DeepseekV4Config) -> dict[str, int]:
-    """What the mesh's model axis splits whole, besides the vocabulary (checked up front)."""
-    return {"experts": cfg.n_routed_experts, "heads": cfg.num_heads,
-            "output_groups": cfg.o_groups}
-
-
-# Planner: labels of the cache leaves (`init_cache`), by leaf name
-CACHE_KINDS = {"window": "sliding-window K=V", "comp": "compressed entries",
-               "index": "indexer entries", "comp_ring": "compressor rings",
-               "index_ring": "compressor rings"}
-# Planner: weights a checkpoint with a quantization_config stores as FP8 e4m3 in 128 x 128
-# blocks (the indexer's q_b too; compressors stay bf16), and the routed experts (FP4 or FP8)
-FP8_WEIGHTS = frozenset({"q_a", "q_b", "kv", "o_a", "o_b", "shared_gate_up", "shared_down"})
-EXPERT_WEIGHTS = frozenset({"experts_gate_up", "experts_down"})
-
-
-def stored_weight_bytes(name: str, shape: tuple[int, ...], quant: dict | None,
-                        expert_dtype: str, dtype: str) -> tuple[str, float]:
-    """Planner: (dtype label, bytes) of one weight as `gsm_jax.load` keeps it."""
-
-    n = math.prod(shape)
-    if quant and name in EXPERT_WEIGHTS and expert_dtype == "fp4":
-        return "fp4 (+e8m0 scales)", n * (0.5 + 1 / 32)
-    if quant and (name in FP8_WEIGHTS or name in EXPERT_WEIGHTS):
-        bo, bi = quant.get("weight_block_size", [128, 128])
-        blocks = math.prod(shape[:-2]) * math.ceil(shape[-1] / bo) * math.ceil(shape[-2] / bi)
-        return "fp8 e4m3 (+e8m0 scales)", n + blocks
-    return dtype, n * jnp.dtype(dtype).itemsize
-
-
-def abstract_stored_weights(shapes: Any, quant: dict, expert_dtype: str) -> Any:
-    """Planner: `weight_shapes`' tree with the leaves a checkpoint with `quant` (its
-    quantization_config) stores block-quantized as stored (FP8 dense projections, FP4 or
-    FP8 routed experts)."""
-
-
-    bo, bi = quant.get("weight_block_size", [128, 128])
-
-    def stored(path, leaf):
-        name = str(getattr(path[-1], "key", path[-1]))
-        if any(str(getattr(p, "key", "")) in ("indexer", "compressor") for p in path[:-1]):
-            fp8 = name == "q_b"  # the indexer's wq_b is FP8 too; compressors stay bf16
-        else:
-            fp8 = name in FP8_WEIGHTS
-        if not (fp8 or name in EXPERT_WEIGHTS):
-            return leaf
-        *lead, inp, out = leaf.shape
-        if name in EXPERT_WEIGHTS and expert_dtype == "fp4":
-            return BlockQuantWeight(
-                jax.ShapeDtypeStruct((*lead, out, inp // 2), jnp.uint8),
-                jax.ShapeDtypeStruct((*lead, out, math.ceil(inp / 32)), jnp.uint8),
-                "e2m1", (1, 32))
-        return BlockQuantWeight(
-            jax.ShapeDtypeStruct((*lead, out, inp), jnp.float8_e4m3fn),
-            jax.ShapeDtypeStruct((*lead, math.ceil(out / bo), math.ceil(inp / bi)), jnp.uint8),
-            "e4m3", (bo, bi))
-
-    return jax.tree_util.tree_map_with_path(stored, shapes)
-
-
-def mtp_layers(cfg: DeepseekV4Config, quant: dict | None) -> int:
-    """Planner: MTP blocks counted as one more layer each (a release checkpoint has one)."""
-    return int(getattr(cfg, "num_nextn_predict_layers", 0) or 0) or (1 if quant else 0)
-
-
-def activation_widths(cfg: DeepseekV4Config, tokens: int) -> tuple[int, int]:
-    """Planner: (intermediate width per token, attention keys per query) of a prefill of
-    `tokens`: the routed experts' or the heads' width; raw plus compressed entries."""
-    inter = max(cfg.num_experts_per_tok * cfg.moe_intermediate_size * 2,
-                cfg.num_heads * cfg.head_dim)
-    return inter, tokens + tokens // max(min(cfg.compress_rate_csa, cfg.compress_rate_hca), 1)
 
 
 # Quantization: the dense attention projections (plus the compressors' kv_gate and the

@@ -544,7 +544,7 @@ def read_checkpoint(path: str | os.PathLike) -> tuple[dict[str, Any], V41Checkpo
 _LAYER_TENSOR = re.compile(r"^layers\.(\d+)\.(.+)$")
 # released name (after "layers.{i}.") -> path in the layer tree, a projection ([out, in]
 # stored: transposed, or kept as a block-quantized container)?
-_LAYER_NAMES = {
+LAYER_NAMES = {
     "attn_norm.weight": (("attn_norm",), False),
     "ffn_norm.weight": (("ffn_norm",), False),
     "hc_attn_fn": (("hc_attn", "fn"), True),
@@ -695,8 +695,8 @@ def layer_tree(cfg: DeepseekV41Config, src: dict[str, Any], p: str, keep: bool) 
     e.g. "layers.3." or "mtp.0."; consumed): a backbone layer, or a DSpark stage with its
     stage-only tensors taken out first. Refuses a missing or an unexpected tensor by name."""
     lw: dict[str, Any] = {}
-    for rest in [r for r in src if r in _LAYER_NAMES]:
-        path, is_proj = _LAYER_NAMES[rest]
+    for rest in [r for r in src if r in LAYER_NAMES]:
+        path, is_proj = LAYER_NAMES[rest]
         v = _take(src, rest, p)
         node = lw
         for q in path[:-1]:

@@ -53,6 +53,7 @@ from gsm_jax.models.common import (
     stack_layers,
     unstack_layers,
 )
+from gsm_jax.models.family_planner import FamilyPlanner
 from gsm_jax.models.hf_config import PRETRAINED_KEYS, ConfigReader, rope_settings
 from gsm_jax.models.llama import cache_insert, init_cache  # the same KV cache as Llama
 from gsm_jax.models.sites import ATTN_OUT, FFN_MID, Sites
@@ -464,8 +465,10 @@ LOGICAL_AXES = {
     "down": ("mlp", None),
 }
 
-# Planner: labels of the cache leaves (`init_cache`), by leaf name
-CACHE_KINDS = {"k": "K/V", "v": "K/V", "k_scale": "K/V scales", "v_scale": "K/V scales"}
+# Planner (`models/family_planner.py`): the defaults, and the labels of the cache leaves
+# (`init_cache`) by leaf name
+PLANNER = FamilyPlanner(cache_kinds={"k": "K/V", "v": "K/V", "k_scale": "K/V scales",
+                                     "v_scale": "K/V scales"})
 
 
 def stack_dense(weights: dict) -> tuple[dict, bool]:

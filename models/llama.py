@@ -38,6 +38,7 @@ from gsm_jax.models.common import (  # noqa: F401  (re-exported: the family's pu
     stack_layers,
     unstack_layers,
 )
+from gsm_jax.models.family_planner import FamilyPlanner
 from gsm_jax.models.hf_config import PRETRAINED_KEYS, ConfigReader, rope_settings
 from gsm_jax.models.rope import RopeSpec
 from gsm_jax.models.sites import ATTN_OUT, FFN_MID, Sites
@@ -492,8 +493,10 @@ LOGICAL_AXES = {
     "down": ("mlp", None),
 }
 
-# Planner: labels of the cache leaves (`init_cache`), by leaf name
-CACHE_KINDS = {"k": "K/V", "v": "K/V", "k_scale": "K/V scales", "v_scale": "K/V scales"}
+# Planner (`models/family_planner.py`): the defaults, and the labels of the cache leaves
+# (`init_cache`) by leaf name
+PLANNER = FamilyPlanner(cache_kinds={"k": "K/V", "v": "K/V", "k_scale": "K/V scales",
+                                     "v_scale": "K/V scales"})
 
 # Speculative decoding: the cache is "KV slot s = position s, nothing else", so a rejected
 # draft suffix is forgotten by moving `lengths` back (stale slots are masked out and later

@@ -31,6 +31,7 @@ from gsm_jax.models import deepseek_common as dc
 from gsm_jax.models import deepseek_v41 as dv
 from gsm_jax.models import deepseek_v41_cache as dcache
 from gsm_jax.models import deepseek_v41_checkpoint as ck
+from gsm_jax.models import deepseek_v41_plan as dplan
 
 REL_TOL = 1e-4
 
@@ -256,9 +257,9 @@ def test_caches_hold_the_released_bytes():
                    for leaf in jax.tree.leaves(getattr(layer, name)))
 
     per_token = (entry_bytes(cfg, 8192) - entry_bytes(cfg, 4096)) / 4096
-    assert per_token == 890.0 == dv.released_cache_bytes(cfg)[0]
+    assert per_token == 890.0 == dplan.released_cache_bytes(cfg)[0]
     windows = entry_bytes(cfg, 4096) - 4096 * per_token
-    assert windows == 40 * 128 * (512 + 16) == dv.released_cache_bytes(cfg)[1]
+    assert windows == 40 * 128 * (512 + 16) == dplan.released_cache_bytes(cfg)[1]
     float_cfg = dataclasses.replace(cfg, cache_qdq=False)
     assert (entry_bytes(float_cfg, 8192) - entry_bytes(float_cfg, 4096)) / 4096 == \
         3 * (512 + 128) * 2 / 2 + (512 + 128) * 2  # bf16; Full layers 2, 8, 14 (r2), 20 (r1)

@@ -176,7 +176,7 @@ def test_engram_tables_row_sharded_on_a_mesh(tiny_nemo, tmp_path):
 import dataclasses
 import jax, numpy as np
 import gsm_jax
-from gsm_jax.models.deepseek_v41 import held_weight_bytes
+from gsm_jax.models.deepseek_v41_plan import held_weight_bytes
 from gsm_jax.models.deepseek_v41_checkpoint import check_quantization_config
 
 def rel(a, b):

@@ -37,6 +37,7 @@ import gsm_jax
 from gsm_jax.families import family_module
 from gsm_jax.families import names as registered_families
 from gsm_jax.gsm_runtime import gsm_inputs_for_batch
+from gsm_jax.models.family_planner import FamilyPlanner
 from gsm_jax.models.sites import SITES, Sites
 from gsm_jax.params import ModelParams
 from gsm_jax.quant import LinearInputs
@@ -60,6 +61,12 @@ TINY = {"llama": tiny_gsm_llama, "gemma3": tiny_gemma3, "deepseek_v4": tiny_dsv4
 
 def test_every_registered_family_has_a_tiny_model():
     assert set(registered_families()) == set(TINY)
+
+
+def test_every_family_has_one_planner_object():
+    """The planner's hooks are one object per family, `PLANNER` (docs/adding_a_family.md)."""
+    for family in registered_families():
+        assert isinstance(family_module(family).PLANNER, FamilyPlanner), family
 
 
 @pytest.fixture(scope="module", params=sorted(TINY))
