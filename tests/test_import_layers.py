@@ -3,7 +3,7 @@
 The layers, lowest first (`LAYERS` below is the same map, as data):
 
 0 base        gsm_jax.errors; gsm_jax.pallas_kernels.* (the Pallas kernels and their
-              pure-JAX references).
+              pure-JAX references); gsm_jax.data (where the packaged data is).
 1 GSM core    gsm_jax.smoothing (the filter); gsm_jax.gsm.* (GSMConfig, profiles, what a
               config selects, hot reload) and gsm_jax.config, its re-export module.
 2 models      gsm_jax.models.* (the model families, their sites hooks, weight formats and
@@ -13,10 +13,11 @@ The layers, lowest first (`LAYERS` below is the same map, as data):
               hook, for one call: it builds a models-layer object, so it sits above them);
               generation, speculative, quant, sharding, planner, collectives, loading,
               families; gsm_jax.serving.* (engine, scheduler, live GSM state, HTTP app,
-              metrics, protocol).
+              metrics, protocol; bench_client and launch, the HTTP load test and the
+              server process it drives: the workflow's engine benchmark takes its
+              statistics from the load test, not the other way round).
 4 workflow    gsm_jax.workflow.* (profile, calibrate, evaluate, bench, data, metrics,
-              plots); gsm_jax.serving.bench_client and gsm_jax.serving.launch (the HTTP
-              load test and the server process it drives: measurement tools, not serving).
+              plots).
 5 evidence    gsm_jax.workflow.evidence.*, gsm_jax.workflow.report and what only the report
   / report    and the evidence share: report_sections, results, overhead.
 6 CLI/facade  gsm_jax (the package `__init__`: the public API), gsm_jax.cli and every
@@ -58,6 +59,7 @@ LAYERS: dict[str, int] = {
     "gsm_jax.errors": 0,
     "gsm_jax.compile_cache": 0,  # standard library and jax only
     "gsm_jax.in_place": 0,  # jax only: in-place scatters into donated buffers
+    "gsm_jax.data": 0,  # the standard library only: where the packaged data is
     "gsm_jax.pallas_kernels": 0,
     # 1 GSM core
     "gsm_jax.smoothing": 1,
@@ -81,8 +83,6 @@ LAYERS: dict[str, int] = {
     "gsm_jax.serving": 3,
     # 4 workflow
     "gsm_jax.workflow": 4,
-    "gsm_jax.serving.bench_client": 4,
-    "gsm_jax.serving.launch": 4,
     # 5 evidence / report
     "gsm_jax.workflow.evidence": 5,
     "gsm_jax.workflow.report": 5,
@@ -221,7 +221,8 @@ def test_layer_lookup():
     assert layer_of("gsm_jax") == 6
     assert layer_of("gsm_jax.models.llama") == 2
     assert layer_of("gsm_jax.serving.engine") == 3
-    assert layer_of("gsm_jax.serving.bench_client") == 4
+    assert layer_of("gsm_jax.serving.bench_client") == 3  # below the workflow's bench
+    assert layer_of("gsm_jax.data") == 0
     assert layer_of("gsm_jax.serving.cli") == 6
     assert layer_of("gsm_jax.workflow.evidence.runner") == 5
     assert layer_of("gsm_jax.not_a_module") is None  # the facade covers only itself

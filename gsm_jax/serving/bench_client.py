@@ -32,13 +32,14 @@ import os
 import random
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-__all__ = ["BenchRequest", "Outcome", "run_bench", "summarize"]
+__all__ = ["BenchRequest", "Outcome", "percentiles", "run_bench", "summarize"]
 
 PERCENTILES = (50, 90, 95, 99)
 
@@ -158,12 +159,16 @@ async def _run(url: str, model: str, requests: list[BenchRequest], *, clients: i
     return outs  # type: ignore[return-value]
 
 
-def _pct(values: list[float]) -> dict[str, float | None]:
-    v = [x for x in values if not math.isnan(x)]
-    out: dict[str, float | None] = {f"p{p}": (float(np.percentile(v, p)) if v else None)
-                                    for p in PERCENTILES}
-    out["mean"] = float(np.mean(v)) if v else None
-    out["n"] = len(v)
+def percentiles(values: Sequence[float | None], qs: Sequence[float]
+                ) -> dict[str, float | int | None]:
+    """{"n", "mean", "p<q>" for each q in qs} of the finite values (None where there are
+    none); numpy's default (linear interpolation between closest ranks). The engine's
+    benchmark (`gsm_jax.workflow.bench`) reports its latencies with it too."""
+    arr = np.asarray([v for v in values if v is not None and math.isfinite(v)], np.float64)
+    out: dict[str, float | int | None] = {"n": int(arr.size)}
+    out["mean"] = float(arr.mean()) if arr.size else None
+    for q in qs:
+        out[f"p{q:g}"] = float(np.percentile(arr, q)) if arr.size else None
     return out
 
 
@@ -180,8 +185,10 @@ def summarize(outs: list[Outcome], wall: float, slo: dict[str, float]) -> dict[s
     return {
         "requests": len(outs), "completed": len(ok), "failed": len(outs) - len(ok),
         "statuses": {str(s): sum(o.status == s for o in outs) for s in {o.status for o in outs}},
-        "ttft_s": _pct([o.ttft for o in ok]), "tpot_s": _pct([o.tpot for o in ok]),
-        "itl_s": _pct([x for o in ok for x in o.itl]), "e2e_s": _pct([o.e2e for o in ok]),
+        "ttft_s": percentiles([o.ttft for o in ok], PERCENTILES),
+        "tpot_s": percentiles([o.tpot for o in ok], PERCENTILES),
+        "itl_s": percentiles([x for o in ok for x in o.itl], PERCENTILES),
+        "e2e_s": percentiles([o.e2e for o in ok], PERCENTILES),
         "output_tokens": tokens, "output_tok_per_s": tokens / wall if wall > 0 else None,
         "request_per_s": len(ok) / wall if wall > 0 else None,
         "goodput_req_per_s": (sum(meets(o) for o in ok) / wall) if slo and wall > 0 else None,
@@ -202,7 +209,7 @@ def wikitext_requests(n: int, *, short: tuple[int, int] = (16, 64), long: tuple[
         256, 512), long_share: float = 0.25, short_new: int = 16, long_new: int = 64,
         seed: int = 0, source: str | Path | None = None) -> list[BenchRequest]:
     """A fixed request set: prompts are WikiText-2 word spans (about 1.3 tokens a word)."""
-    from gsm_jax.workflow.data import default_wikitext_path
+    from gsm_jax.data import default_wikitext_path
 
     words = Path(source or default_wikitext_path()).read_text(encoding="utf-8").split()
     rng = random.Random(seed)

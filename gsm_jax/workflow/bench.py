@@ -62,6 +62,7 @@ import numpy as np
 
 from gsm_jax.errors import InvalidInputError
 from gsm_jax.generation import MIN_PROMPT_BUCKET, bucket
+from gsm_jax.serving import bench_client
 from gsm_jax.serving.engine import Engine, Request, RequestRecord
 
 __all__ = [
@@ -94,16 +95,9 @@ MODE_LABELS = {
 
 def percentiles(values: Sequence[float | None], qs: Sequence[float] = PERCENTILES
                 ) -> dict[str, float | int | None]:
-    """{"n", "mean", "p50", "p95", "p99"} of the finite values (None where there are none).
-
-    numpy's default (linear interpolation between closest ranks).
-    """
-    arr = np.asarray([v for v in values if v is not None and math.isfinite(v)], np.float64)
-    out: dict[str, float | int | None] = {"n": int(arr.size)}
-    out["mean"] = float(arr.mean()) if arr.size else None
-    for q in qs:
-        out[f"p{q:g}"] = float(np.percentile(arr, q)) if arr.size else None
-    return out
+    """{"n", "mean", "p50", "p95", "p99"} of the finite values (None where there are none):
+    the HTTP load test's statistics (`gsm_jax.serving.bench_client.percentiles`)."""
+    return bench_client.percentiles(values, qs)
 
 
 def run_wall(records: Sequence[Mapping[str, Any]], t_start: float = 0.0) -> float:
@@ -199,8 +193,8 @@ def compare_modes(summary: Mapping[str, Any], mode: str = "on",
 
 def default_data_path() -> Path:
     """The WikiText-2 raw test split shipped with the package
-    (`gsm_jax.workflow.data.default_wikitext_path`)."""
-    from gsm_jax.workflow.data import default_wikitext_path
+    (`gsm_jax.data.default_wikitext_path`)."""
+    from gsm_jax.data import default_wikitext_path
 
     return default_wikitext_path()
 

@@ -3,7 +3,7 @@
 The evaluation data ships with the package (``gsm_jax/data/wikitext2_test.txt``, the
 WikiText-2 raw test split, and ``gsm_jax/data/lambada_dev.jsonl``, 2000 LAMBADA examples;
 source and licences in ``gsm_jax/data/README.md``), found with `importlib.resources`
-(see `default_data_dir`; the environment variable GSM_JAX_DATA_DIR points the defaults at
+(`gsm_jax.data.default_data_dir`; the environment variable GSM_JAX_DATA_DIR points the defaults at
 another folder). A user's own file works everywhere a path is taken; a name ending in
 ``.gz`` is read through gzip. Every reader raises `InvalidInputError` naming the file
 and the problem for missing, empty or too small data; `check_file_option` does the same
@@ -28,12 +28,9 @@ punctuation ('... said "'). The word-boundary rule for scoring is in
 
 from __future__ import annotations
 
-import atexit
-import contextlib
 import dataclasses
 import functools
 import gzip
-import importlib.resources
 import json
 import os
 import re
@@ -43,10 +40,16 @@ from typing import Any
 
 import numpy as np
 
+from gsm_jax.data import (  # noqa: F401  (re-exported: where the packaged data lives)
+    LAMBADA_FILE,
+    WIKITEXT_FILE,
+    default_data_dir,
+    default_lambada_path,
+    default_wikitext_path,
+    packaged_data_dir,
+)
 from gsm_jax.errors import InvalidInputError
 
-WIKITEXT_FILE = "wikitext2_test.txt"
-LAMBADA_FILE = "lambada_dev.jsonl"
 _LAST_WORD = re.compile(r"(\w+)\s*$")
 
 
@@ -55,38 +58,6 @@ def repo_root() -> Path:
     return Path(__file__).resolve().parents[2]
 
 
-_RESOURCE_FILES = contextlib.ExitStack()
-atexit.register(_RESOURCE_FILES.close)
-
-
-@functools.lru_cache(maxsize=1)
-def packaged_data_dir() -> Path:
-    """The folder of the package data (``gsm_jax/data``), as a real path.
-
-    Found with `importlib.resources`, so it works from a checkout, an editable install and
-    a wheel; a package imported from a zip file gets a temporary copy (kept until exit).
-    """
-    resource = importlib.resources.files("gsm_jax").joinpath("data")
-    return Path(_RESOURCE_FILES.enter_context(importlib.resources.as_file(resource)))
-
-
-def default_data_dir() -> Path:
-    """The packaged data (`packaged_data_dir`), or the folder the environment variable
-    GSM_JAX_DATA_DIR names (it must hold files named like the packaged ones)."""
-    env = os.environ.get("GSM_JAX_DATA_DIR")
-    if env:
-        return Path(env)
-    return packaged_data_dir()
-
-
-def default_wikitext_path() -> Path:
-    """The WikiText-2 raw test split the workflow uses by default."""
-    return default_data_dir() / WIKITEXT_FILE
-
-
-def default_lambada_path() -> Path:
-    """The LAMBADA examples (jsonl) the workflow uses by default."""
-    return default_data_dir() / LAMBADA_FILE
 
 
 def read_text(path: str | os.PathLike) -> str:
