@@ -28,7 +28,7 @@ import numpy as np
 
 from gsm_jax.compile_cache import cached_call
 from gsm_jax.errors import InvalidInputError
-from gsm_jax.families import family_module, hook
+from gsm_jax.families import family_module
 from gsm_jax.models.gsm_sites import GSMInputs
 from gsm_jax.params import ModelParams
 from gsm_jax.sharding import mesh_of
@@ -123,13 +123,13 @@ def _to_host(x: jax.Array) -> np.ndarray:
 
 
 def chunked_prefill(family: Any, weights, config, tokens, lengths, cache, gsm, chunk: int | None):
-    """The family's `prefill` of right-padded prompts [B, T], or, when T > chunk and the
-    family has `extend`, the same prefill as a `lax.scan` of `extend` over chunks of
+    """The family's `prefill` of right-padded prompts [B, T], or, when T > chunk, the same
+    prefill as a `lax.scan` of `extend` over chunks of
     `chunk` tokens (one compiled chunk body; a row whose prompt ended gets n_new = 0 and
     keeps the logits of its last token). Returns (last-token logits [B, V], cache)."""
     t = tokens.shape[1]
-    extend = getattr(family, "extend", None)
-    if chunk is None or t <= chunk or extend is None:
+    extend = family.extend
+    if chunk is None or t <= chunk:
         return family.prefill(weights, config, tokens, lengths, cache, gsm)
     n = -(-t // chunk)
     chunks = jnp.pad(tokens, ((0, 0), (0, n * chunk - t)))
@@ -224,22 +224,20 @@ def check_params(params: Any) -> ModelParams:
     return params
 
 
-# Config fields naming token ids a prompt may not hold, when the family's contract does not
-# say (`REFUSED_PROMPT_TOKEN_FIELDS`): a text-only model refuses its image placeholder.
-DEFAULT_REFUSED_PROMPT_TOKEN_FIELDS = ("image_token_id",)
+# Config fields naming token ids a prompt may not hold: every family here runs text only,
+# so a config's image placeholder is refused in a prompt (a field the config lacks, or set
+# below 0, refuses nothing).
+REFUSED_PROMPT_TOKEN_FIELDS = ("image_token_id",)
 
 
 def refused_token_ids(config: Any) -> dict[int, str]:
     """{token id: the config field naming it} of the ids a prompt may not contain.
 
-    The fields are the family's contract name `REFUSED_PROMPT_TOKEN_FIELDS` (default
-    `DEFAULT_REFUSED_PROMPT_TOKEN_FIELDS`); a field the config lacks, or set below 0, refuses
-    nothing. DeepSeek-V4.1 runs text only: its `image_token_id` (129264 in the release)
-    would be routed with the text router bias and never see an image."""
-    fields = hook(config.family, "REFUSED_PROMPT_TOKEN_FIELDS",
-                  DEFAULT_REFUSED_PROMPT_TOKEN_FIELDS)
+    The fields are `REFUSED_PROMPT_TOKEN_FIELDS`; a field the config lacks, or set below 0,
+    refuses nothing. DeepSeek-V4.1 runs text only: its `image_token_id` (129264 in the
+    release) would be routed with the text router bias and never see an image."""
     out = {}
-    for field in fields:
+    for field in REFUSED_PROMPT_TOKEN_FIELDS:
         value = getattr(config, field, None)
         if isinstance(value, int | np.integer) and not isinstance(value, bool) and value >= 0:
             out[int(value)] = field

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -45,14 +44,15 @@ from gsm_jax.generation import (
     check_refused_tokens,
     on_mesh,
 )
+from gsm_jax.models.common import KVCache
 from gsm_jax.models.gsm_sites import GSMInputs
 from gsm_jax.params import ModelParams
 
-# A family whose cache is "KV slot s = position s, nothing else" says so with
-# `LENGTH_ROLLBACK = True` in its module: there a rejected suffix is forgotten by moving
-# `lengths` back (stale slots are masked out and later overwritten). Others (DeepSeek-V4's
-# compressed KV and indexer entries fold blocks of tokens into state) are always rolled
-# back by re-running from the saved cache.
+# In the dense families' cache (`models.common.KVCache`) KV slot s holds position s and
+# nothing else: there a rejected suffix is forgotten by moving `lengths` back (stale slots
+# are masked out and later overwritten). Other caches (DeepSeek-V4's compressed KV and
+# indexer entries fold blocks of tokens into state) are rolled back by re-running from
+# the saved cache.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,47 +120,26 @@ def _gsm_inputs(gsm: Any, num_layers: int, k: int, total: int) -> GSMInputs | No
 # ----------------------------------------------------------------------------- appending tokens
 
 
-def _has_all_logits(fam: Any) -> bool:
-    """Whether the family's chunked prefill can return every position's logits."""
-    extend = getattr(fam, "extend", None)
-    return extend is not None and "all_logits" in inspect.signature(extend).parameters
-
-
 def verify_mode(family: str) -> str:
-    """How the verifier scores a round: "chunked" (one `extend(..., all_logits=True)`
-    call) or "decode_steps" (the fallback: one decode step per position)."""
-    return "chunked" if _has_all_logits(family_module(family)) else "decode_steps"
+    """How the verifier scores a round: "chunked", one `extend(..., all_logits=True)` call
+    (the family contract's `extend`, models/contract.py: every family has it)."""
+    family_module(family)  # an unknown family is refused by name
+    return "chunked"
 
 
 def _append(fam: Any, weights: dict, config: Any, tokens: jax.Array, n_new: jax.Array,
             cache: Any, gsm: GSMInputs | None, *, want_logits: bool):
-    """Append tokens [1, C] (the first n_new [1] real) to the cache.
-
-    Returns (logits [1, C, V] of every position, or None; the cache). With the
-    family's `extend(..., all_logits=True)` it is one chunked forward. Without it,
-    one `decode_step` per position under `lax.scan`: no speed win, but the same
-    arithmetic as plain greedy decoding. Positions >= n_new are inactive steps: the
-    length does not advance and the rings are not touched.
-    """
-    if _has_all_logits(fam):
-        logits, cache = fam.extend(weights, config, tokens, n_new, cache, gsm,
-                                   all_logits=want_logits)
-        return (logits if want_logits else None), cache
-
-    def body(cache, step_tok):
-        step, tok = step_tok
-        logits, cache = fam.decode_step(weights, config, tok, cache, gsm, step < n_new)
-        return cache, (logits if want_logits else None)
-
-    steps = jnp.arange(tokens.shape[1])
-    cache, logits = jax.lax.scan(body, cache, (steps, tokens.T))
-    return (jnp.swapaxes(logits, 0, 1) if want_logits else None), cache
+    """Append tokens [1, C] (the first n_new [1] real) to the cache: one chunked forward,
+    the family's `extend(..., all_logits=True)`. Returns (logits [1, C, V] of every
+    position, or None; the cache)."""
+    logits, cache = fam.extend(weights, config, tokens, n_new, cache, gsm,
+                               all_logits=want_logits)
+    return (logits if want_logits else None), cache
 
 
 def _can_rewind(cache: Any, config: Any) -> bool:
     """Whether moving `lengths` back forgets a rejected suffix (see `_rollback`)."""
-    return getattr(cache, "rings", None) is None and bool(
-        getattr(family_module(config.family), "LENGTH_ROLLBACK", False))
+    return isinstance(cache, KVCache) and cache.rings is None
 
 
 def _rollback(fam: Any, weights: dict, config: Any, saved: Any, grown: Any,
@@ -388,11 +367,23 @@ def speculative_generate(
 
 
 # ----------------------------------------------------------------------------- DSpark
-# DeepSeek-V4.1's own drafter (models/deepseek_v41_dspark.py): one parallel draft call per
-# round proposes dspark_block_size tokens from the target's features of the last
-# sliding_window positions, the verifier scores [cur, proposals] in one chunked call that
-# also returns those positions' features, and the features of the accepted positions enter
-# a ring of sliding_window rows (slot = position % window) that the next draft reads.
+# A family's own drafter, its module's `DRAFTER` (models/contract.py, `Drafter`; today
+# DeepSeek-V4.1's DSpark, models/deepseek_v41_dspark.py): one parallel draft call per round
+# proposes block_size tokens from the target's features of the last feature_window
+# positions, the verifier scores [cur, proposals] in one chunked call that also returns
+# those positions' features, and the features of the accepted positions enter a ring of
+# feature_window rows (slot = position % window) that the next draft reads.
+
+
+def _drafter(cfg: Any) -> Any:
+    """The family's own drafter; refused by name for a family without one."""
+    family = getattr(cfg, "family", None)
+    drafter = None if family is None else family_module(family).DRAFTER
+    if drafter is None:
+        raise InvalidInputError(
+            f"DSpark drafting needs a model whose family has its own drafter (DeepSeek-V4.1), "
+            f"not {family or type(cfg).__name__!r}")
+    return drafter
 
 
 def _ring_write(ring: jax.Array, ring_pos: jax.Array, feats: jax.Array, pos: jax.Array,
@@ -411,14 +402,13 @@ def _ring_write(ring: jax.Array, ring_pos: jax.Array, feats: jax.Array, pos: jax
 @functools.partial(jax.jit, static_argnames=("config", "cache_len"))
 def _dspark_prefill(weights, tokens, lengths, gsm, *, config, cache_len: int):
     """A fresh cache holding the prompt, the greedy first token [1], and the feature ring."""
-    from gsm_jax.models import deepseek_v41 as dv
-
-    cache = dv.init_cache(config, tokens.shape[0], cache_len,
-                          dtype=jax.tree.leaves(weights)[0].dtype,
-                          gsm_max_window=None if gsm is None else gsm.max_window)
-    logits, feats, cache = dv.prefill_with_features(weights, config, tokens, lengths, cache,
-                                                    gsm)
-    w = config.sliding_window
+    drafter = _drafter(config)
+    cache = family_module(config.family).init_cache(
+        config, tokens.shape[0], cache_len, dtype=jax.tree.leaves(weights)[0].dtype,
+        gsm_max_window=None if gsm is None else gsm.max_window)
+    logits, feats, cache = drafter.prefill_with_features(weights, config, tokens, lengths,
+                                                         cache, gsm)
+    w = drafter.feature_window(config)
     ring = jnp.zeros((1, w, feats.shape[-1]), feats.dtype)
     ring_pos = jnp.full((1, w), -1, jnp.int32)
     pos = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
@@ -429,9 +419,7 @@ def _dspark_prefill(weights, tokens, lengths, gsm, *, config, cache_len: int):
 @functools.partial(jax.jit, static_argnames=("config", "draft_len"))
 def _dspark_draft(weights, dw, cur, anchor, ring, ring_pos, *, config, draft_len: int):
     """The draft's proposals [1, draft_len] after cur [1] at position anchor [1]."""
-    from gsm_jax.models import deepseek_v41_dspark as ds
-
-    picks, _ = ds.propose(weights, dw, config, cur, anchor, ring, ring_pos)
+    picks, _ = _drafter(config).propose(weights, dw, config, cur, anchor, ring, ring_pos)
     return picks[:, :draft_len]
 
 
@@ -440,11 +428,10 @@ def _dspark_verify(weights, cur, drafts, cache, gsm, *, config):
     """The verifier's greedy token after cur and after each proposal, v [1, K+1]; the
     number m [1] of leading proposals it agrees with; the features [1, K+1, F] of those
     positions; the cache grown by all K+1."""
-    from gsm_jax.models import deepseek_v41 as dv
-
     tokens = jnp.concatenate([cur[:, None], drafts], axis=1)
     n = jnp.full((1,), tokens.shape[1], jnp.int32)
-    logits, feats, cache = dv.extend_with_features(weights, config, tokens, n, cache, gsm)
+    logits, feats, cache = _drafter(config).extend_with_features(weights, config, tokens, n,
+                                                                  cache, gsm)
     v, m = _agreement(logits, drafts)
     return v, m, feats, cache
 
@@ -466,12 +453,7 @@ def _dspark_commit(weights, saved, grown, cur, drafts, m, gsm, ring, ring_pos, f
 
 
 def _check_dspark_model(cfg: Any) -> None:
-    from gsm_jax.models import deepseek_v41_dspark as ds
-
-    if getattr(cfg, "family", None) != "deepseek_v41":
-        raise InvalidInputError(f"DSpark drafting needs a DeepSeek-V4.1 model, not "
-                                f"{getattr(cfg, 'family', type(cfg).__name__)!r}")
-    ds.check_config(cfg)
+    _drafter(cfg).check_config(cfg)
 
 
 def _draft_on_mesh(cfg: Any, draft: dict, mesh: Any) -> dict:
@@ -488,7 +470,6 @@ def _draft_on_mesh(cfg: Any, draft: dict, mesh: Any) -> dict:
 def dspark_weights(params: ModelParams) -> dict:
     """The DSpark draft's weight tree of a loaded V4.1 checkpoint (`params.extra["mtp"]`),
     built on first use and kept with those tensors (on the backbone's mesh, if it has one)."""
-    from gsm_jax.models import deepseek_v41_dspark as ds
     from gsm_jax.sharding import mesh_of
 
     cfg = params.config
@@ -504,7 +485,8 @@ def dspark_weights(params: ModelParams) -> dict:
         mtp._draft_trees = built  # an MtpTensors: hashed by identity, may carry attributes
     mesh = mesh_of(params.weights)
     if (dtype, mesh) not in built:
-        built[dtype, mesh] = _draft_on_mesh(cfg, ds.draft_weights(cfg, mtp, dtype), mesh)
+        built[dtype, mesh] = _draft_on_mesh(cfg, _drafter(cfg).draft_weights(cfg, mtp, dtype),
+                                             mesh)
     return built[dtype, mesh]
 
 
@@ -536,7 +518,7 @@ def dspark_generate(
     cfg = params.config
     _check_dspark_model(cfg)
     max_new = _check_int("max_new_tokens", max_new_tokens, 1)
-    k = cfg.dspark_block_size
+    k = _drafter(cfg).block_size(cfg)
     n_draft = k if draft_len is None else _check_int("draft_len", draft_len, 1, k)
     _, eos, total, cache_len, tokens, lengths = _one_prompt(
         params, prompt_ids, max_new, n_draft, eos_ids, "dspark_generate")

@@ -92,7 +92,7 @@ from gsm_jax.models.hf_config import PRETRAINED_KEYS, ConfigReader, rope_setting
 from gsm_jax.models.linear import linear
 from gsm_jax.models.moe import DISPATCHES, routed_experts, swiglu
 from gsm_jax.models.rope import RopeSpec  # noqa: F401  (re-exported: old imports)
-from gsm_jax.models.sites import ATTN_OUT, FFN_MID, Sites
+from gsm_jax.models.sites import ATTN_OUT, FFN_MID, Sites, takes_sites
 
 SLIDING = "sliding_attention"
 CSA = "compressed_sparse_attention"
@@ -1124,10 +1124,11 @@ def hidden_states(weights: dict, cfg: DeepseekV4Config, tokens: jax.Array, lengt
     return h, sown
 
 
+@takes_sites
 def forward(weights: dict, cfg: DeepseekV4Config, tokens: jax.Array, lengths: jax.Array,
-            gsm: Sites | None = None) -> jax.Array:
+            sites: Sites | None = None) -> jax.Array:
     """Teacher-forced logits [B, T, V] (f32) over right-padded rows of `lengths` tokens."""
-    return logits(weights, cfg, hidden_states(weights, cfg, tokens, lengths, gsm)[0])
+    return logits(weights, cfg, hidden_states(weights, cfg, tokens, lengths, sites)[0])
 
 
 def layer_outputs(weights: dict, cfg: DeepseekV4Config, tokens: jax.Array,
@@ -1143,17 +1144,19 @@ def layer_outputs(weights: dict, cfg: DeepseekV4Config, tokens: jax.Array,
     return list(sown["layer_output"])
 
 
+@takes_sites
 def prefill(weights: dict, cfg: DeepseekV4Config, tokens: jax.Array, lengths: jax.Array,
-            cache: DeepseekV4Cache, gsm: Sites | None = None
+            cache: DeepseekV4Cache, sites: Sites | None = None
             ) -> tuple[jax.Array, DeepseekV4Cache]:
     """Fill a fresh cache with right-padded prompts; return each row's last-token logits [B, V]."""
-    step = common.prefill_step(lengths, tokens.shape[1], cache, gsm)
+    step = common.prefill_step(lengths, tokens.shape[1], cache, sites)
     h, cache, _ = _run(weights, cfg, tokens, cache, step)
     return logits(weights, cfg, common.last_token(h, lengths)), cache
 
 
+@takes_sites
 def extend(weights: dict, cfg: DeepseekV4Config, tokens: jax.Array, n_new: jax.Array,
-           cache: DeepseekV4Cache, gsm: Sites | None = None, *,
+           cache: DeepseekV4Cache, sites: Sites | None = None, *,
            all_logits: bool = False, hidden: bool = False) -> tuple[jax.Array, DeepseekV4Cache]:
     """Append a chunk of prompt tokens [B, C] (the first `n_new` [B] of each row real) to
     rows already holding `cache.lengths` tokens: chunked prefill. Returns the logits of
@@ -1161,7 +1164,7 @@ def extend(weights: dict, cfg: DeepseekV4Config, tokens: jax.Array, n_new: jax.A
     the cache; the same as one prefill over the whole prompt (tested), with chunks that
     split compression blocks and the window, GSM windows included. The chunk attends over
     the window ring, itself and every compressed entry (`Attention._extend_keys`)."""
-    step = common.extend_step(n_new, tokens.shape[1], cache, gsm)
+    step = common.extend_step(n_new, tokens.shape[1], cache, sites)
     h, cache, _ = _run(weights, cfg, tokens, cache, step)
     if hidden:  # what `logits` takes, every position: the serving engine's
         return h, cache
@@ -1170,8 +1173,9 @@ def extend(weights: dict, cfg: DeepseekV4Config, tokens: jax.Array, n_new: jax.A
     return logits(weights, cfg, common.last_token(h, n_new)), cache
 
 
+@takes_sites
 def decode_step(weights: dict, cfg: DeepseekV4Config, tokens: jax.Array, cache: DeepseekV4Cache,
-                gsm: Sites | None = None,
+                sites: Sites | None = None,
                 active: jax.Array | None = None) -> tuple[jax.Array, DeepseekV4Cache]:
     """One token per row at position `cache.lengths`; returns logits [B, V] and the new cache.
 
@@ -1179,7 +1183,7 @@ def decode_step(weights: dict, cfg: DeepseekV4Config, tokens: jax.Array, cache: 
     cache writes are masked and GSM leaves their output unsmoothed (the ring slot it
     touches is the one the row's next real token overwrites).
     """
-    step = common.decode_step_ctx(cache, active, gsm)
+    step = common.decode_step_ctx(cache, active, sites)
     h, cache, _ = _run(weights, cfg, tokens[:, None], cache, step)
     return logits(weights, cfg, h[:, 0]), cache
 
@@ -1193,6 +1197,7 @@ def decode_step(weights: dict, cfg: DeepseekV4Config, tokens: jax.Array, cache: 
 FAMILY = "deepseek_v4"
 TITLE = "DeepSeek-V4"  # in messages
 HF_MODEL_TYPES = ("deepseek_v4",)  # Hugging Face model_type values it loads
+DRAFTER = None  # no speculative drafter of its own (models/contract.py, `Drafter`)
 
 # Logical axes of each weight of the float layout ([..., in, out] projections), by leaf
 # name; a leaf not listed is replicated whole (norms, routers, compressors, the indexer,

@@ -98,7 +98,7 @@ from gsm_jax.models.engram import engram_update, hash_ids, update_history
 from gsm_jax.models.hf_config import PRETRAINED_KEYS, ConfigReader, rope_settings
 from gsm_jax.models.moe import routed_experts, swiglu
 from gsm_jax.models.rope import RopeSpec
-from gsm_jax.models.sites import ATTN_OUT, FFN_MID, Sites
+from gsm_jax.models.sites import ATTN_OUT, FFN_MID, Sites, takes_sites
 
 SWA, FULL, REINDEX, REUSE = "swa", "full", "reindex", "reuse"
 
@@ -1045,50 +1045,55 @@ def hidden_states(weights: dict, cfg: DeepseekV41Config, tokens: jax.Array, leng
     return weighted_streams(pre, h), sown
 
 
+@takes_sites
 def forward(weights: dict, cfg: DeepseekV41Config, tokens: jax.Array, lengths: jax.Array,
-            gsm: Sites | None = None) -> jax.Array:
+            sites: Sites | None = None) -> jax.Array:
     """Teacher-forced logits [B, T, V] (f32) over right-padded rows of `lengths` tokens."""
-    return logits(weights, cfg, hidden_states(weights, cfg, tokens, lengths, gsm)[0])
+    return logits(weights, cfg, hidden_states(weights, cfg, tokens, lengths, sites)[0])
 
 
+@takes_sites
 def prefill(weights: dict, cfg: DeepseekV41Config, tokens: jax.Array, lengths: jax.Array,
-            cache: DeepseekV41Cache, gsm: Sites | None = None
+            cache: DeepseekV41Cache, sites: Sites | None = None
             ) -> tuple[jax.Array, DeepseekV41Cache]:
     """Right-padded prompts into a fresh cache; each row's last-token logits [B, V]."""
-    step = common.prefill_step(lengths, tokens.shape[1], cache, gsm)
+    step = common.prefill_step(lengths, tokens.shape[1], cache, sites)
     h, pre, _, cache, _ = _run(weights, cfg, tokens, step, cache)
     last = weighted_streams(common.last_token(pre, lengths), common.last_token(h, lengths))
     return logits(weights, cfg, last), cache
 
 
+@takes_sites
 def prefill_with_features(weights: dict, cfg: DeepseekV41Config, tokens: jax.Array,
-                          lengths: jax.Array, cache: DeepseekV41Cache, gsm: Sites | None = None
+                          lengths: jax.Array, cache: DeepseekV41Cache, sites: Sites | None = None
                           ) -> tuple[jax.Array, jax.Array, DeepseekV41Cache]:
     """`prefill` that also returns the DSpark target features [B, T, n_target * D] of every
     prompt position: (last-token logits [B, V], features, cache)."""
-    step = common.prefill_step(lengths, tokens.shape[1], cache, gsm)
+    step = common.prefill_step(lengths, tokens.shape[1], cache, sites)
     h, pre, _, cache, feats = _run(weights, cfg, tokens, step, cache, features=True)
     last = weighted_streams(common.last_token(pre, lengths), common.last_token(h, lengths))
     return logits(weights, cfg, last), feats, cache
 
 
+@takes_sites
 def extend_with_features(weights: dict, cfg: DeepseekV41Config, tokens: jax.Array,
-                         n_new: jax.Array, cache: DeepseekV41Cache, gsm: Sites | None = None
+                         n_new: jax.Array, cache: DeepseekV41Cache, sites: Sites | None = None
                          ) -> tuple[jax.Array, jax.Array, DeepseekV41Cache]:
     """`extend(..., all_logits=True)` that also returns the DSpark target features
     [B, C, n_target * D] of every position of the chunk (a fresh cache: a prefill):
     (logits [B, C, V], features, cache). Speculative decoding's verifier."""
-    step = common.extend_step(n_new, tokens.shape[1], cache, gsm)
+    step = common.extend_step(n_new, tokens.shape[1], cache, sites)
     h, pre, _, cache, feats = _run(weights, cfg, tokens, step, cache, features=True)
     return logits(weights, cfg, weighted_streams(pre, h)), feats, cache
 
 
+@takes_sites
 def extend(weights: dict, cfg: DeepseekV41Config, tokens: jax.Array, n_new: jax.Array,
-           cache: DeepseekV41Cache, gsm: Sites | None = None, *,
+           cache: DeepseekV41Cache, sites: Sites | None = None, *,
            all_logits: bool = False, hidden: bool = False) -> tuple[jax.Array, DeepseekV41Cache]:
     """A chunk [B, C] (the first n_new [B] real) after each row's cache.lengths tokens:
     chunked prefill; logits of each row's last new token [B, V] (all_logits: [B, C, V])."""
-    step = common.extend_step(n_new, tokens.shape[1], cache, gsm)
+    step = common.extend_step(n_new, tokens.shape[1], cache, sites)
     h, pre, _, cache, _ = _run(weights, cfg, tokens, step, cache)
     if hidden:  # what `logits` takes, every position: the serving engine's
         return weighted_streams(pre, h), cache
@@ -1098,12 +1103,13 @@ def extend(weights: dict, cfg: DeepseekV41Config, tokens: jax.Array, n_new: jax.
     return logits(weights, cfg, last), cache
 
 
+@takes_sites
 def decode_step(weights: dict, cfg: DeepseekV41Config, tokens: jax.Array,
-                cache: DeepseekV41Cache, gsm: Sites | None = None,
+                cache: DeepseekV41Cache, sites: Sites | None = None,
                 active: jax.Array | None = None) -> tuple[jax.Array, DeepseekV41Cache]:
     """One token per row at position cache.lengths -> logits [B, V] and the new cache.
     Inactive rows compute but neither advance nor write."""
-    step = common.decode_step_ctx(cache, active, gsm)
+    step = common.decode_step_ctx(cache, active, sites)
     h, pre, _, cache, _ = _run(weights, cfg, tokens[:, None], step, cache)
     return logits(weights, cfg, weighted_streams(pre[:, 0], h[:, 0])), cache
 
@@ -1138,6 +1144,16 @@ LOGICAL_AXES = {
     "table_scale": ("engram_rows", None),
 }
 REPLICATED_UNDER = ("indexer", "compressor")
+
+
+def __getattr__(name: str):
+    """`DRAFTER`: the family's own speculative drafter, DSpark (models/deepseek_v41_dspark.py:
+    a `Drafter`, models/contract.py), imported on first use (that module imports this one)."""
+    if name == "DRAFTER":
+        from gsm_jax.models.deepseek_v41_dspark import DRAFTER
+
+        return DRAFTER
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def first_layers_config(cfg: DeepseekV41Config, k: int) -> DeepseekV41Config:

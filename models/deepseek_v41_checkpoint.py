@@ -579,7 +579,7 @@ LAYER_NAMES = {
 class MtpTensors(dict):
     """The DSpark draft's `mtp.*` tensors as read (name -> numpy [out, in], or the
     checkpoint's FP8 / FP4 `StoredQuant`), kept in `params.extra["mtp"]`;
-    `deepseek_v41_dspark.draft_weights` turns them into the draft's weight tree (FP8 / FP4
+    `draft_weights` (below) turns them into the draft's weight tree (FP8 / FP4
     kept as stored when `keep_quantized`, as the backbone was loaded). Hashed by identity
     (ModelParams' extra is part of its static tree structure)."""
 
@@ -773,7 +773,7 @@ def weights_from_hf(cfg: DeepseekV41Config, tensors: dict[str, Any], dtype: Any 
     for name, value in tensors.items():
         if name.startswith("mtp."):
             if mtp is not None:  # as read (numpy [out, in] or a StoredQuant); converted by
-                mtp[name] = _resolve(value)  # deepseek_v41_dspark.draft_weights
+                mtp[name] = _resolve(value)  # draft_weights, below
             continue
         if is_vision(name):
             if unused is None:
@@ -1184,3 +1184,53 @@ def layout_totals(layout: dict[str, tuple[tuple[int, ...], str]]) -> dict[str, i
         out["bytes"] += b
         out[dtype] = out.get(dtype, 0) + b // STORED_BYTES[dtype]
     return out
+
+
+# ----------------------------------------------------------------------------- the DSpark draft
+
+# stage-only tensors (after "mtp.{s}."): name -> (key in the draft tree, is a projection)
+_DSPARK_FIRST = {"main_proj.weight": ("main_proj", True),
+                 "main_norm.weight": ("main_norm", False)}
+_DSPARK_LAST = {"norm.weight": ("norm", False),
+                "markov_head.embed.weight": ("markov_embed", False),
+                "markov_head.head.weight": ("markov_head", True),
+                "confidence_head.proj.weight": ("confidence", True)}
+
+
+def draft_weights(cfg: Any, mtp: dict, dtype: Any = jnp.float32,
+                  keep_quantized: bool | None = None) -> dict:
+    """The draft's weight tree from the `mtp.*` tensors as read (`params.extra["mtp"]`, or
+    name -> [out, in] arrays), on the default device. keep_quantized (default: as the
+    tensors were loaded) keeps FP8 / FP4 projections as stored. (The draft model itself:
+    models/deepseek_v41_dspark.py.)"""
+    from gsm_jax.models import deepseek_v41_dspark as ds
+
+    ds.check_config(cfg)
+    keep = getattr(mtp, "keep_quantized", False) if keep_quantized is None else keep_quantized
+    n = cfg.num_nextn_predict_layers
+    by_stage: list[dict] = [{} for _ in range(n)]
+    for name, value in mtp.items():
+        parts = name.split(".", 2)
+        if len(parts) != 3 or parts[0] != "mtp" or not parts[1].isdigit() \
+                or int(parts[1]) >= n:
+            raise ModelLoadError(f"deepseek_v41: unexpected DSpark tensor {name!r} "
+                                 f"(num_nextn_predict_layers = {n})")
+        by_stage[int(parts[1])][parts[2]] = value
+    sc = ds.stage_config(cfg)
+    want = ds.weight_shapes(cfg, dtype)
+    out: dict[str, Any] = {}
+    stages = []
+    for s, src in enumerate(by_stage):
+        p = f"mtp.{s}."
+        own = {**(_DSPARK_FIRST if s == 0 else {}), **(_DSPARK_LAST if s == n - 1 else {})}
+        for rest, (key, is_proj) in own.items():
+            v = _take(src, rest, p)
+            out[key] = _proj(v, keep) if is_proj else v
+        lw = layer_tree(sc, src, p, keep)
+        _check(lw, want["stages"][s], f"mtp.{s}")
+        stages.append(to_device(_host_cast(lw, want["stages"][s])))
+    top = {k: v for k, v in want.items() if k != "stages"}
+    if isinstance(out.get("markov_embed"), BlockQuantWeight):  # a lookup table: rows as floats
+        out["markov_embed"] = np.asarray(out["markov_embed"].dequantize())
+    _check(out, top, "mtp")
+    return {**to_device(_host_cast(out, top)), "stages": tuple(stages)}

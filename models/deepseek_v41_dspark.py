@@ -34,20 +34,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gsm_jax.errors import InvalidInputError, ModelLoadError
+from gsm_jax.errors import InvalidInputError
 from gsm_jax.models import common
 from gsm_jax.models import deepseek_v41 as dv
-from gsm_jax.models import deepseek_v41_checkpoint as ck
-from gsm_jax.models.block_quant import BlockQuantWeight
 from gsm_jax.models.deepseek_common import hc_expand, rms_norm, sink_attention, weighted_streams
-from gsm_jax.models.deepseek_common_checkpoint import to_device
 from gsm_jax.models.deepseek_v41_cache import qdq
-
-# stage-only tensors (after "mtp.{s}."): name -> (key in the draft tree, is a projection)
-_FIRST = {"main_proj.weight": ("main_proj", True), "main_norm.weight": ("main_norm", False)}
-_LAST = {"norm.weight": ("norm", False), "markov_head.embed.weight": ("markov_embed", False),
-         "markov_head.head.weight": ("markov_head", True),
-         "confidence_head.proj.weight": ("confidence", True)}
+from gsm_jax.models.deepseek_v41_checkpoint import draft_weights  # noqa: F401 (conversion)
 
 
 @functools.lru_cache(maxsize=16)
@@ -94,42 +86,6 @@ def weight_shapes(cfg: dv.DeepseekV41Config, dtype: Any = jnp.float32) -> dict:
             "markov_embed": jax.ShapeDtypeStruct((v, r), dtype),
             "markov_head": jax.ShapeDtypeStruct((r, v), dtype),
             "confidence": jax.ShapeDtypeStruct((d + r, 1), f32)}
-
-
-def draft_weights(cfg: dv.DeepseekV41Config, mtp: dict, dtype: Any = jnp.float32,
-                  keep_quantized: bool | None = None) -> dict:
-    """The draft's weight tree from the `mtp.*` tensors as read (`params.extra["mtp"]`, or
-    name -> [out, in] arrays), on the default device. keep_quantized (default: as the
-    tensors were loaded) keeps FP8 / FP4 projections as stored."""
-    check_config(cfg)
-    keep = getattr(mtp, "keep_quantized", False) if keep_quantized is None else keep_quantized
-    n = cfg.num_nextn_predict_layers
-    by_stage: list[dict] = [{} for _ in range(n)]
-    for name, value in mtp.items():
-        parts = name.split(".", 2)
-        if len(parts) != 3 or parts[0] != "mtp" or not parts[1].isdigit() \
-                or int(parts[1]) >= n:
-            raise ModelLoadError(f"deepseek_v41: unexpected DSpark tensor {name!r} "
-                                 f"(num_nextn_predict_layers = {n})")
-        by_stage[int(parts[1])][parts[2]] = value
-    sc = stage_config(cfg)
-    want = weight_shapes(cfg, dtype)
-    out: dict[str, Any] = {}
-    stages = []
-    for s, src in enumerate(by_stage):
-        p = f"mtp.{s}."
-        own = {**(_FIRST if s == 0 else {}), **(_LAST if s == n - 1 else {})}
-        for rest, (key, is_proj) in own.items():
-            v = ck._take(src, rest, p)
-            out[key] = ck._proj(v, keep) if is_proj else v
-        lw = ck.layer_tree(sc, src, p, keep)
-        ck._check(lw, want["stages"][s], f"mtp.{s}")
-        stages.append(to_device(ck._host_cast(lw, want["stages"][s])))
-    top = {k: v for k, v in want.items() if k != "stages"}
-    if isinstance(out.get("markov_embed"), BlockQuantWeight):  # a lookup table: rows as floats
-        out["markov_embed"] = np.asarray(out["markov_embed"].dequantize())
-    ck._check(out, top, "mtp")
-    return {**to_device(ck._host_cast(out, top)), "stages": tuple(stages)}
 
 
 def init_weights(cfg: dv.DeepseekV41Config, rng: jax.Array, dtype: Any = jnp.float32) -> dict:
@@ -255,3 +211,33 @@ def propose(weights: dict, dw: dict, cfg: dv.DeepseekV41Config, token: jax.Array
 
     _, (picks, conf) = jax.lax.scan(pick, token, jnp.arange(k))
     return picks.T, conf.T
+
+
+# ----------------------------------------------------------------------------- the drafter
+class DSparkDrafter:
+    """This module as DeepSeek-V4.1's `Drafter` (models/contract.py): what
+    `gsm_jax.speculative.dspark_generate` runs, reached as the family module's `DRAFTER`."""
+
+    def check_config(self, cfg: dv.DeepseekV41Config) -> None:
+        check_config(cfg)
+
+    def feature_window(self, cfg: dv.DeepseekV41Config) -> int:
+        return cfg.sliding_window
+
+    def block_size(self, cfg: dv.DeepseekV41Config) -> int:
+        return cfg.dspark_block_size
+
+    def prefill_with_features(self, weights, cfg, tokens, lengths, cache, gsm):
+        return dv.prefill_with_features(weights, cfg, tokens, lengths, cache, gsm)
+
+    def extend_with_features(self, weights, cfg, tokens, n_new, cache, gsm):
+        return dv.extend_with_features(weights, cfg, tokens, n_new, cache, gsm)
+
+    def propose(self, weights, draft, cfg, cur, anchor, ring, ring_pos):
+        return propose(weights, draft, cfg, cur, anchor, ring, ring_pos)
+
+    def draft_weights(self, cfg, tensors, dtype):
+        return draft_weights(cfg, tensors, dtype)
+
+
+DRAFTER = DSparkDrafter()

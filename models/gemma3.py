@@ -54,9 +54,10 @@ from gsm_jax.models.common import (
     unstack_layers,
 )
 from gsm_jax.models.family_planner import FamilyPlanner
+from gsm_jax.models.gemma3_checkpoint import weights_from_hf  # the checkpoint reader
 from gsm_jax.models.hf_config import PRETRAINED_KEYS, ConfigReader, rope_settings
 from gsm_jax.models.llama import cache_insert, init_cache  # the same KV cache as Llama
-from gsm_jax.models.sites import ATTN_OUT, FFN_MID, Sites
+from gsm_jax.models.sites import ATTN_OUT, FFN_MID, Sites, takes_sites
 
 __all__ = ["CONFIG_CLASS", "Gemma3Config", "KVCache", "cache_insert", "decode_step", "embed",
            "extend", "forward", "hidden_states", "init_cache", "init_weights", "layer",
@@ -339,28 +340,31 @@ def hidden_states(weights: dict, cfg: Gemma3Config, tokens: jax.Array, lengths: 
     return x, sown
 
 
+@takes_sites
 def forward(weights: dict, cfg: Gemma3Config, tokens: jax.Array, lengths: jax.Array,
-            gsm: Sites | None = None) -> jax.Array:
+            sites: Sites | None = None) -> jax.Array:
     """Teacher-forced logits [B, T, V] (f32) over right-padded rows of `lengths` tokens."""
-    return logits(weights, cfg, hidden_states(weights, cfg, tokens, lengths, gsm)[0])
+    return logits(weights, cfg, hidden_states(weights, cfg, tokens, lengths, sites)[0])
 
 
+@takes_sites
 def prefill(weights: dict, cfg: Gemma3Config, tokens: jax.Array, lengths: jax.Array,
-            cache: KVCache, gsm: Sites | None = None) -> tuple[jax.Array, KVCache]:
+            cache: KVCache, sites: Sites | None = None) -> tuple[jax.Array, KVCache]:
     """Fill a fresh cache with right-padded prompts; return each row's last-token logits."""
-    step = common.prefill_step(lengths, tokens.shape[1], cache, gsm)
+    step = common.prefill_step(lengths, tokens.shape[1], cache, sites)
     x, cache, _ = _run(weights, cfg, tokens, cache, step)
     return logits(weights, cfg, common.last_token(x, lengths)), cache
 
 
+@takes_sites
 def extend(weights: dict, cfg: Gemma3Config, tokens: jax.Array, n_new: jax.Array,
-           cache: KVCache, gsm: Sites | None = None, *,
+           cache: KVCache, sites: Sites | None = None, *,
            all_logits: bool = False, hidden: bool = False) -> tuple[jax.Array, KVCache]:
     """Append a chunk of prompt tokens [B, C] (the first `n_new` [B] of each row real) to
     rows holding `cache.lengths` tokens (chunked prefill). Returns the logits of each
     row's last new token [B, V] (all_logits: of every chunk position, [B, C, V]) and the
     cache; equal to one prefill over the whole prompt, GSM windows included."""
-    step = common.extend_step(n_new, tokens.shape[1], cache, gsm)
+    step = common.extend_step(n_new, tokens.shape[1], cache, sites)
     x, cache, _ = _run(weights, cfg, tokens, cache, step)
     if hidden:  # what `logits` takes, every position: the serving engine's
         return x, cache
@@ -369,12 +373,13 @@ def extend(weights: dict, cfg: Gemma3Config, tokens: jax.Array, n_new: jax.Array
     return logits(weights, cfg, common.last_token(x, n_new)), cache
 
 
+@takes_sites
 def decode_step(weights: dict, cfg: Gemma3Config, tokens: jax.Array, cache: KVCache,
-                gsm: Sites | None = None,
+                sites: Sites | None = None,
                 active: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
     """One token per row at position `cache.lengths`; returns logits [B, V] and the cache.
     Rows with active=False compute but do not advance (as in `llama.decode_step`)."""
-    step = common.decode_step_ctx(cache, active, gsm)
+    step = common.decode_step_ctx(cache, active, sites)
     x, cache, _ = _run(weights, cfg, tokens[:, None], cache, step)
     return logits(weights, cfg, x[:, 0]), cache
 
@@ -403,48 +408,6 @@ def weight_shapes(cfg: Gemma3Config, dtype: Any = jnp.float32) -> dict:
     return jax.eval_shape(lambda: init_weights(cfg, jax.random.key(0), dtype))
 
 
-def weights_from_hf(cfg: Gemma3Config, tensors: dict[str, Any], dtype: Any = jnp.float32) -> dict:
-    """Hugging Face Gemma3ForCausalLM names and [out, in] shapes -> this module's tree.
-
-    Fuses q/k/v and gate/up, transposes to [in, out], turns every norm weight w into
-    the multiplier 1 + w. Raises UnsupportedModelError naming a missing tensor.
-    """
-    import numpy as np
-
-    def get(name: str) -> np.ndarray:
-        if name not in tensors:
-            raise UnsupportedModelError(f"weight {name!r} is missing from the checkpoint")
-        return np.asarray(tensors[name], dtype=np.float32)
-
-    def norm(name: str) -> np.ndarray:
-        return 1.0 + get(name)
-
-    def layer(p: str) -> dict:
-        lw = {
-            "attn_norm": norm(p + "input_layernorm.weight"),
-            "qkv": np.concatenate([get(p + f"self_attn.{n}_proj.weight") for n in "qkv"]).T,
-            "q_norm": norm(p + "self_attn.q_norm.weight"),
-            "k_norm": norm(p + "self_attn.k_norm.weight"),
-            "o": get(p + "self_attn.o_proj.weight").T,
-            "post_attn_norm": norm(p + "post_attention_layernorm.weight"),
-            "ffn_norm": norm(p + "pre_feedforward_layernorm.weight"),
-            "gate_up": np.concatenate([get(p + "mlp.gate_proj.weight"),
-                                       get(p + "mlp.up_proj.weight")]).T,
-            "down": get(p + "mlp.down_proj.weight").T,
-            "post_ffn_norm": norm(p + "post_feedforward_layernorm.weight"),
-        }
-        return {k: jnp.asarray(v, dtype=dtype) for k, v in lw.items()}
-
-    weights = {
-        "embed": jnp.asarray(get("model.embed_tokens.weight"), dtype=dtype),
-        "layers": tuple(layer(f"model.layers.{i}.") for i in range(cfg.num_layers)),
-        "final_norm": jnp.asarray(norm("model.norm.weight"), dtype=dtype),
-    }
-    if not cfg.tie_word_embeddings:
-        weights["lm_head"] = jnp.asarray(get("lm_head.weight").T, dtype=dtype)
-    return weights
-
-
 # ----------------------------------------------------------------------------- family contract
 # What the runtime (gsm_jax.families and the tools above it) reads from this module beside
 # its entry points; docs/adding_a_family.md lists every name.
@@ -452,6 +415,7 @@ def weights_from_hf(cfg: Gemma3Config, tensors: dict[str, Any], dtype: Any = jnp
 FAMILY = "gemma3"
 TITLE = "Gemma 3"  # in messages
 HF_MODEL_TYPES = ("gemma3_text", "gemma3")  # Hugging Face model_type values it loads
+DRAFTER = None  # no speculative drafter of its own (models/contract.py, `Drafter`)
 
 # Logical axes of each weight of the float layout ([..., in, out] projections), by leaf
 # name: the same projection names as Llama; q/k norms and the four block norms replicated

@@ -40,8 +40,9 @@ from gsm_jax.models.common import (  # noqa: F401  (re-exported: the family's pu
 )
 from gsm_jax.models.family_planner import FamilyPlanner
 from gsm_jax.models.hf_config import PRETRAINED_KEYS, ConfigReader, rope_settings
+from gsm_jax.models.llama_checkpoint import weights_from_hf  # noqa: F401 (the contract)
 from gsm_jax.models.rope import RopeSpec
-from gsm_jax.models.sites import ATTN_OUT, FFN_MID, Sites
+from gsm_jax.models.sites import ATTN_OUT, FFN_MID, Sites, takes_sites
 
 # Keys transformers' Llama / Qwen2 / Qwen3 / Mistral configs (and checkpoints on the Hub)
 # write that do not change inference, with a one-word reason; every other key is read.
@@ -385,29 +386,32 @@ def hidden_states(weights: dict, cfg: LlamaConfig, tokens: jax.Array, lengths: j
     return x, sown
 
 
+@takes_sites
 def forward(weights: dict, cfg: LlamaConfig, tokens: jax.Array, lengths: jax.Array,
-            gsm: Sites | None = None) -> jax.Array:
+            sites: Sites | None = None) -> jax.Array:
     """Teacher-forced logits [B, T, V] (f32) over right-padded rows of `lengths` tokens."""
-    return logits(weights, cfg, hidden_states(weights, cfg, tokens, lengths, gsm)[0])
+    return logits(weights, cfg, hidden_states(weights, cfg, tokens, lengths, sites)[0])
 
 
+@takes_sites
 def prefill(weights: dict, cfg: LlamaConfig, tokens: jax.Array, lengths: jax.Array,
-            cache: KVCache, gsm: Sites | None = None) -> tuple[jax.Array, KVCache]:
+            cache: KVCache, sites: Sites | None = None) -> tuple[jax.Array, KVCache]:
     """Fill a fresh cache with right-padded prompts; return each row's last-token logits [B, V]."""
-    step = common.prefill_step(lengths, tokens.shape[1], cache, gsm)
+    step = common.prefill_step(lengths, tokens.shape[1], cache, sites)
     x, cache, _ = _run(weights, cfg, tokens, cache, step)
     return logits(weights, cfg, common.last_token(x, lengths)), cache
 
 
+@takes_sites
 def extend(weights: dict, cfg: LlamaConfig, tokens: jax.Array, n_new: jax.Array,
-           cache: KVCache, gsm: Sites | None = None, *,
+           cache: KVCache, sites: Sites | None = None, *,
            all_logits: bool = False, hidden: bool = False) -> tuple[jax.Array, KVCache]:
     """Append a chunk of prompt tokens [B, C] (the first `n_new` [B] of each row real) to
     rows already holding `cache.lengths` tokens: chunked prefill. Returns the logits of
     each row's last new token [B, V] (all_logits: of every chunk position, [B, C, V],
     what a speculative verifier needs) and the cache; the same as one prefill over the
     whole prompt (tested), GSM windows included."""
-    step = common.extend_step(n_new, tokens.shape[1], cache, gsm)
+    step = common.extend_step(n_new, tokens.shape[1], cache, sites)
     x, cache, _ = _run(weights, cfg, tokens, cache, step)
     if hidden:  # what `logits` takes, every position: the serving engine's
         return x, cache
@@ -416,60 +420,18 @@ def extend(weights: dict, cfg: LlamaConfig, tokens: jax.Array, n_new: jax.Array,
     return logits(weights, cfg, common.last_token(x, n_new)), cache
 
 
+@takes_sites
 def decode_step(weights: dict, cfg: LlamaConfig, tokens: jax.Array, cache: KVCache,
-                gsm: Sites | None = None,
+                sites: Sites | None = None,
                 active: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
     """One token per row at position `cache.lengths`; returns logits [B, V] and the new cache.
 
     Rows with active=False still compute (static shapes) but do not advance and
     their GSM rings are left untouched; their cache slot is overwritten later.
     """
-    step = common.decode_step_ctx(cache, active, gsm)
+    step = common.decode_step_ctx(cache, active, sites)
     x, cache, _ = _run(weights, cfg, tokens[:, None], cache, step)
     return logits(weights, cfg, x[:, 0]), cache
-
-
-def weights_from_hf(cfg: LlamaConfig, tensors: dict[str, Any], dtype: Any = jnp.float32) -> dict:
-    """Hugging Face state-dict names and [out, in] shapes -> this module's per-layer tree.
-
-    Fuses q/k/v and gate/up and transposes to [in, out]; "layers" is a tuple of one
-    dict per layer (the layout `unstack_layers` gives, built directly so loading never
-    holds the weights twice). Raises UnsupportedModelError naming any missing tensor.
-    """
-    import numpy as np
-
-    def get(name: str) -> np.ndarray:
-        if name not in tensors:
-            raise UnsupportedModelError(f"weight {name!r} is missing from the checkpoint")
-        return np.asarray(tensors[name], dtype=np.float32)
-
-    def layer(p: str) -> dict:
-        lw = {
-            "attn_norm": get(p + "input_layernorm.weight"),
-            "qkv": np.concatenate([get(p + f"self_attn.{n}_proj.weight") for n in "qkv"]).T,
-            "o": get(p + "self_attn.o_proj.weight").T,
-            "ffn_norm": get(p + "post_attention_layernorm.weight"),
-            "gate_up": np.concatenate([get(p + "mlp.gate_proj.weight"),
-                                       get(p + "mlp.up_proj.weight")]).T,
-            "down": get(p + "mlp.down_proj.weight").T,
-        }
-        if cfg.attention_bias:
-            lw["qkv_bias"] = np.concatenate([get(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
-        if cfg.o_bias:
-            lw["o_bias"] = get(p + "self_attn.o_proj.bias")
-        if cfg.qk_norm:
-            lw["q_norm"] = get(p + "self_attn.q_norm.weight")
-            lw["k_norm"] = get(p + "self_attn.k_norm.weight")
-        return {k: jnp.asarray(v, dtype=dtype) for k, v in lw.items()}
-
-    weights = {
-        "embed": jnp.asarray(get("model.embed_tokens.weight"), dtype=dtype),
-        "layers": tuple(layer(f"model.layers.{i}.") for i in range(cfg.num_layers)),
-        "final_norm": jnp.asarray(get("model.norm.weight"), dtype=dtype),
-    }
-    if not cfg.tie_word_embeddings:
-        weights["lm_head"] = jnp.asarray(get("lm_head.weight").T, dtype=dtype)
-    return weights
 
 
 # ----------------------------------------------------------------------------- family contract
@@ -479,6 +441,7 @@ def weights_from_hf(cfg: LlamaConfig, tensors: dict[str, Any], dtype: Any = jnp.
 FAMILY = "llama"
 TITLE = "Llama"  # in messages
 HF_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")  # Hugging Face model_types it loads
+DRAFTER = None  # no speculative drafter of its own (models/contract.py, `Drafter`)
 
 # Logical axes of each weight of the float layout ([..., in, out] projections), by leaf name
 # (mesh axes by `partitioning.RULES`); a leaf not listed is replicated whole, a leading
@@ -497,11 +460,6 @@ LOGICAL_AXES = {
 # (`init_cache`) by leaf name
 PLANNER = FamilyPlanner(cache_kinds={"k": "K/V", "v": "K/V", "k_scale": "K/V scales",
                                      "v_scale": "K/V scales"})
-
-# Speculative decoding: the cache is "KV slot s = position s, nothing else", so a rejected
-# draft suffix is forgotten by moving `lengths` back (stale slots are masked out and later
-# overwritten) instead of re-running the kept tokens from the saved cache.
-LENGTH_ROLLBACK = True
 
 
 def stack_dense(weights: dict) -> tuple[dict, bool]:

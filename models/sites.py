@@ -9,7 +9,7 @@ Every family's one `layer(...)` function calls two hooks, through the `Step` it 
 - `step.linear(layer, name, x, w)` for each projection (`name` is the weight's leaf name),
   and returns the product.
 
-The object behind both is a `Sites` implementation, passed to the model as its `gsm=`
+The object behind both is a `Sites` implementation, passed to the model as its `sites=`
 argument (a `GSMInputs` is one). Implementations in the library:
 
 | implementation | where | what it does |
@@ -32,6 +32,9 @@ argument like the weights do.
 
 from __future__ import annotations
 
+import functools
+import warnings
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -71,12 +74,29 @@ class Sites:
 NO_SITES = Sites()
 
 
-def as_sites(gsm: Any) -> Sites:
-    """What a model's `gsm=` argument may be: None (no hooks), a `GSMInputs`, or any
+def as_sites(sites: Any) -> Sites:
+    """What a model's `sites=` argument may be: None (no hooks), a `GSMInputs`, or any
     other `Sites` implementation."""
-    if gsm is None:
+    if sites is None:
         return NO_SITES
-    if not isinstance(gsm, Sites):
-        raise TypeError(f"gsm= must be None or a models.sites.Sites (such as GSMInputs), "
-                        f"got {type(gsm).__name__}")
-    return gsm
+    if not isinstance(sites, Sites):
+        raise TypeError(f"sites= must be None or a models.sites.Sites (such as GSMInputs), "
+                        f"got {type(sites).__name__}")
+    return sites
+
+
+def takes_sites(fn: Callable) -> Callable:
+    """A model entry point whose hooks argument is `sites=` (any `Sites`), still taking the
+    name it had before, `gsm=`, with a DeprecationWarning (the public `gsm=` of
+    `gsm_jax.generate` / `forward` takes a GSM config, not hooks)."""
+    @functools.wraps(fn)
+    def call(*args: Any, **kw: Any) -> Any:
+        if "gsm" in kw:
+            if "sites" in kw:
+                raise TypeError(f"{fn.__name__}() got both sites= and its old name gsm=")
+            warnings.warn(f"{fn.__module__}.{fn.__name__}(gsm=...) is now sites=...",
+                          DeprecationWarning, stacklevel=2)
+            kw["sites"] = kw.pop("gsm")
+        return fn(*args, **kw)
+
+    return call

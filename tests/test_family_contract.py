@@ -20,11 +20,13 @@ must then pass (docs/adding_a_family.md). Every registered family needs a builde
 from __future__ import annotations
 
 import gc
+import inspect
 import json
 import os
 import subprocess
 import sys
 import textwrap
+import types
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +39,7 @@ import gsm_jax
 from gsm_jax.families import family_module
 from gsm_jax.families import names as registered_families
 from gsm_jax.gsm_runtime import gsm_inputs_for_batch
+from gsm_jax.models import contract
 from gsm_jax.models.family_planner import FamilyPlanner
 from gsm_jax.models.sites import SITES, Sites
 from gsm_jax.params import ModelParams
@@ -67,6 +70,44 @@ def test_every_family_has_one_planner_object():
     """The planner's hooks are one object per family, `PLANNER` (docs/adding_a_family.md)."""
     for family in registered_families():
         assert isinstance(family_module(family).PLANNER, FamilyPlanner), family
+
+
+def test_every_family_module_provides_the_typed_contract():
+    """Every name of `models.contract.FamilyModule` (entry points with the parameters the
+    runtime passes by name, `PLANNER`, `DRAFTER`), on every registered family; and the
+    check itself names what a module lacks."""
+    for family in registered_families():
+        module = family_module(family)
+        assert contract.missing(module) == [], family
+        assert module.FAMILY == family == module.CONFIG_CLASS.family
+    assert isinstance(family_module("deepseek_v41").DRAFTER, contract.Drafter)
+    assert family_module("llama").DRAFTER is None
+    bare = types.SimpleNamespace(**{n: getattr(family_module("llama"), n)
+                                    for n in contract.required_names() if n != "TITLE"})
+    bare.extend = lambda weights, cfg, tokens, n_new, cache, gsm=None: None
+    assert contract.missing(bare) == ["TITLE: missing",
+                                      "extend: no parameter all_logits, hidden"]
+
+
+def test_model_entry_points_take_sites_and_their_old_name():
+    """The model-level hooks argument is `sites=`; `gsm=`, its old name, still works with a
+    DeprecationWarning (`models.sites.takes_sites`), and both at once are refused."""
+    from gsm_jax.models.sites import takes_sites
+
+    @takes_sites
+    def entry(x, sites=None):
+        return x, sites
+
+    assert entry(1, sites="s") == (1, "s")
+    with pytest.warns(DeprecationWarning, match=r"entry\(gsm=...\) is now sites="):
+        assert entry(1, gsm="g") == (1, "g")
+    with pytest.raises(TypeError, match="both sites= and its old name gsm="):
+        entry(1, sites="s", gsm="g")
+    for family in registered_families():
+        module = family_module(family)
+        for name in ("forward", "prefill", "extend", "decode_step"):
+            params = inspect.signature(getattr(module, name)).parameters
+            assert "sites" in params and "gsm" not in params, (family, name)
 
 
 @pytest.fixture(scope="module", params=sorted(TINY))
@@ -328,6 +369,11 @@ SHARDED_ELSEWHERE = {
     # agreement equal one device's
     "llama": "tests/test_sharding.py::test_smollm2_sharded_equals_one_device, "
              "tests/test_sharding.py::test_workflow_tools_accept_sharded_params",
+    # tiny DeepSeek-V4, GSM on, 2 x 4 (int8 routed experts, all-to-all dispatch): logits and
+    # greedy tokens; float psum / all-to-all without GSM on 1 x 8 and 2 x 4:
+    # test_bench_mesh_tiny's greedy tokens
+    "deepseek_v4": "tests/test_sharding.py::test_tiny_deepseek_v4_sharded_equals_one_device, "
+                   "tests/test_bench_mesh.py::test_bench_mesh_tiny",
 }
 SHARDED_HERE = sorted(set(TINY) - set(SHARDED_ELSEWHERE))
 
@@ -372,7 +418,7 @@ def test_sharded_equals_one_device():
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(r.stdout.strip().splitlines()[-1])
     assert set(SHARDED_ELSEWHERE) <= set(TINY)  # no stale names
-    assert set(res) == set(SHARDED_HERE) and "deepseek_v4" in res
+    assert set(res) == set(SHARDED_HERE) and "deepseek_v41" in res
     for name, v in res.items():
         assert v["err"] < 1e-5, (name, v)
         assert v["greedy_equal"], name

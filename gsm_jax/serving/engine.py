@@ -213,11 +213,6 @@ class Engine:
         self._mesh = mesh_of(params.weights)  # sharded params: the mesh, for expert parallelism
         self.config = params.config
         self.family = family_module(self.config.family)
-        if not hasattr(self.family, "extend"):
-            raise InvalidInputError(
-                f"model family {self.config.family!r} has no extend: the engine prefills "
-                "prompts in place, in their slots of the running cache"
-            )
         context = self.config.max_position_embeddings
         if not 1 <= int(max_len) <= context:
             raise InvalidInputError(f"max_len must be in [1, {context}] (the model's context), "
@@ -411,15 +406,17 @@ class Engine:
             hit = self._row_params_cache[cfg] = (strength, window)
         return hit
 
-    def _gsm_inputs(self, rows: np.ndarray, strength: np.ndarray,
+    def _gsm_inputs(self, smoothed: np.ndarray, strength: np.ndarray,
                     window: np.ndarray) -> GSMInputs | None:
+        """The GSM arrays of a step: `smoothed` [r] 1 for each row whose request is smoothed
+        (0: bypassed or rolled out), strength and window per row."""
         if not self.gsm_compiled:
             return None
         max_window, precision, impl = self._gsm_static
         # numpy leaves: the jitted step takes them as they are (a jnp.asarray per array
         # was an eager op each, ~0.1 ms apiece per decode step)
         return GSMInputs(strength=np.asarray(strength, np.float32),
-                         row_enabled=np.asarray(rows, np.float32),
+                         row_enabled=np.asarray(smoothed, np.float32),
                          window=np.asarray(window, np.int32),
                          protect_first=np.asarray(self._protect, np.int32),
                          max_window=max_window, precision=precision, impl=impl)
@@ -703,9 +700,9 @@ class Engine:
         # the outputs' tree structures, known without tracing the model (a warm start
         # builds each program from its saved form and never traces it)
         lp, pen = (0, 0, 0), (0, 0, 0)
-        for rows in self.rows_bounds():
-            ps.add("decode", rows, programs.decode, self._decode_example(rows),
-                   {"config": self.config, "rows": rows}, donate=(1, 2),
+        for bound in self.rows_bounds():
+            ps.add("decode", bound, programs.decode, self._decode_example(bound),
+                   {"config": self.config, "row_bound": bound}, donate=(1, 2),
                    out=(0, lp, self._cache, pen))
         for w in self.widths():
             ps.add("extend", w, programs.extend, self._extend_example(w),
@@ -746,10 +743,10 @@ class Engine:
         """The extend width of a chunk of n real tokens: the smallest bucket >= n."""
         return next(w for w in self.widths() if w >= n)
 
-    def _decode_example(self, rows: int | None) -> tuple:
-        """A decode call's arguments for row bound `rows` (the cache and counters as their
+    def _decode_example(self, bound: int | None) -> tuple:
+        """A decode call's arguments for row bound `bound` (the cache and counters as their
         shapes): what the program is planned from."""
-        args = self._decode_call_args(np.zeros((self.max_batch,), bool), rows,
+        args = self._decode_call_args(np.zeros((self.max_batch,), bool), bound,
                                       np.zeros((self.max_batch,), np.int32), False)
         return (args[0], abstract(args[1]), abstract(args[2])) + args[3:]
 
@@ -760,9 +757,9 @@ class Engine:
                                       None, False)
         return (args[0], abstract(args[1]), abstract(args[2])) + args[3:]
 
-    def _decode_call_args(self, active: np.ndarray, rows: int | None, counts: np.ndarray,
+    def _decode_call_args(self, active: np.ndarray, bound: int | None, counts: np.ndarray,
                           copy: bool) -> tuple:
-        d = self._state.decode_inputs(active, rows, counts, copy)
+        d = self._state.decode_inputs(active, bound, counts, copy)
         gsm = self._gsm_inputs(d["smoothed"], d["strength"], d["window"])
         return (self.params.weights, self._cache, self._pen, self._prev, d["host"],
                 d["use_prev"], d["active"], gsm, d["sampling"], d["fpr"], d["flags"])
@@ -899,10 +896,10 @@ class Engine:
         `jax.stages.Lowered`): for inspecting its program (`.compile().as_text()`)."""
         pending = self._pending(self._ahead)
         active = self._next_active(pending)
-        rows = self.rows_bound(active)
-        args = self._decode_call_args(active, rows, self._counts(pending), False)
+        bound = self.rows_bound(active)
+        args = self._decode_call_args(active, bound, self._counts(pending), False)
         with on_mesh(self._mesh):
-            return programs.decode.lower(*args, config=self.config, rows=rows)
+            return programs.decode.lower(*args, config=self.config, row_bound=bound)
 
     def _pending(self, step: _InFlight | None) -> np.ndarray:
         """[max_batch] int32: 1 where `step` (in flight) holds a token of the request
@@ -946,10 +943,10 @@ class Engine:
         # rows still running take their token from the step in flight, on device; the
         # others (just admitted) the host's
         self._state.use_prev[:] = (pending > 0) & active
-        rows = self.rows_bound(active)
+        bound = self.rows_bound(active)
         t = clock()
-        args = self._decode_call_args(active, rows, self._counts(pending), copy=not sync)
-        self._prev, lp, self._cache, self._pen = self._call("decode", rows, *args)
+        args = self._decode_call_args(active, bound, self._counts(pending), copy=not sync)
+        self._prev, lp, self._cache, self._pen = self._call("decode", bound, *args)
         step = _InFlight(self._prev, lp, active, list(self.slots), t)
         if sync:
             return done + self._read(step)

@@ -127,10 +127,12 @@ def _rows_of(pen, r: int):
 # ----------------------------------------------------------------------------- programs
 
 
-@functools.partial(jax.jit, static_argnames=("config", "rows"), donate_argnames=("cache", "pen"))
+@functools.partial(jax.jit, static_argnames=("config", "row_bound"),
+                   donate_argnames=("cache", "pen"))
 def decode(weights, cache, pen, prev, host, use_prev, active, gsm, sampling, fpr, flags, *,
-           config, rows: int | None):
-    """One decode step over the first `rows` slots (None: all).
+           config, row_bound: int | None):
+    """One decode step over the first `row_bound` slots (None: all; the engine's static
+    bound of the running slots, `Engine.rows_bound`).
 
     prev [max_batch]: the step before's picks (on device: async scheduling feeds them
     without a round trip); host [r]: the host's tokens (a just-admitted row's first);
@@ -141,14 +143,15 @@ def decode(weights, cache, pen, prev, host, use_prev, active, gsm, sampling, fpr
     pen)."""
     family = family_module(config.family)
     b = prev.shape[0]
-    r = b if rows is None else rows
+    r = b if row_bound is None else row_bound
     tokens = jnp.where(use_prev, prev[:r], host)
     with jax.named_scope("model"):
-        if rows is None:
+        if row_bound is None:
             logits, cache = family.decode_step(weights, config, tokens, cache, gsm, active)
         else:
             logits, part = family.decode_step(weights, config, tokens,
-                                              common.first_rows(cache, rows), gsm, active)
+                                              common.first_rows(cache, row_bound), gsm,
+                                              active)
             cache = common.put_first_rows(cache, part)
     with jax.named_scope("pick"):
         tok, lp = pick(logits, sampling, (*fpr, *_rows_of(pen, r)), flags)

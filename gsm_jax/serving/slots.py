@@ -77,13 +77,13 @@ class SlotState:
                  if self.sampling[i] is not None]
         return pick_flags(items)
 
-    def decode_inputs(self, active: np.ndarray, rows: int | None, counts: np.ndarray,
+    def decode_inputs(self, active: np.ndarray, bound: int | None, counts: np.ndarray,
                       copy: bool) -> dict[str, Any]:
-        """What a decode step over the first `rows` slots (None: all) takes from the host,
+        """What a decode step over the first `bound` slots (None: all) takes from the host,
         cut to those rows. `counts` [max_batch]: the index of the token each row draws.
         `copy`: copies of the arrays (a step that runs while the host changes them, async
         scheduling), else views."""
-        cut = slice(rows)
+        cut = slice(bound)
         own = functools.partial(np.array, copy=copy)
         return {
             "host": own(self.last[cut]), "use_prev": own(self.use_prev[cut]),

@@ -105,13 +105,8 @@ def _compare_recompute(weights, tokens, gsm, *, config):
 def _greedy_at(weights, tokens, lengths, positions, gsm, *, config):
     """argmax of the next-token logits at `positions` [B, K] only (no full-vocab logits
     elsewhere): the hidden states are gathered before the LM head (the family contract:
-    `logits(weights, cfg, hidden_states(...)[0])` is `forward`; a family without the two
-    gets its full teacher-forced logits, gathered at `positions`)."""
+    `logits(weights, cfg, hidden_states(...)[0])` is `forward`)."""
     fam = family_module(config.family)
-    if not (hasattr(fam, "hidden_states") and hasattr(fam, "logits")):  # both optional
-        logits = fam.forward(weights, config, tokens, lengths, gsm)
-        return jnp.argmax(jnp.take_along_axis(logits, positions[..., None], axis=1),
-                          axis=-1).astype(jnp.int32)
     h, _ = fam.hidden_states(weights, config, tokens, lengths, gsm)
     idx = positions.reshape(positions.shape + (1,) * (h.ndim - 2))
     logits = fam.logits(weights, config, jnp.take_along_axis(h, idx, axis=1))

@@ -141,9 +141,6 @@ def capture_partials(params: ModelParams, tokens: Any, lengths: Any, center: Any
     """Run the model over right-padded ``tokens`` [B, T] and return, per site, the
     `site_partials` of every layer stacked on a leading layer axis ([L, B, T] ...)."""
     cfg = params.config
-    fam = family_module(cfg.family)
-    if not hasattr(fam, "hidden_states"):
-        raise UnsupportedModelError(f"model family {cfg.family!r} cannot be profiled")
     shape = (cfg.num_layers, len(SITES))
     center = jnp.zeros(shape, jnp.float32) if center is None else jnp.asarray(center, jnp.float32)
     scale = (jnp.full(shape, jnp.nan, jnp.float32) if scale is None

@@ -392,7 +392,7 @@ def capture_linear_inputs(recorder: Recorder, gsm: Any = None, *,
                           unfuse_sites: bool = True) -> LowpSites:
     """The hooks that record `activation_counts` of every activation entering a quantized
     linear into `recorder`, around `gsm` (None or a `GSMInputs`): pass them as the
-    model's `gsm=`. Labels are the weights' leaf names."""
+    model's `sites=`. Labels are the weights' leaf names."""
     return LowpSites(as_sites(gsm), _Identity(recorder), unfuse_sites)
 
 
