@@ -113,12 +113,11 @@ result = dict(a2a_w8a8=compare(gsm_jax.quantize(a2a, "w8a8", routed_experts=True
                                [(2, 4)], gsm=gsm))
 """)
     # int8 routed experts with the all-to-all dispatch on 2 x 4, GSM on (each mesh compiles
-    # its own programs, so one variant here). Float weights: the psum dispatch with GSM on
-    # is the family contract's 4 x 2 mesh (tests/test_family_contract.py, both DeepSeek
-    # families; Llama and Gemma 3 have their own mesh tests, its SHARDED_ELSEWHERE),
-    # and psum / all-to-all on 1 x 8 and 2 x 4 without GSM are test_bench_mesh_tiny's
-    # variants (tests/test_bench_mesh.py). The batch-only split: the contract's 4 x 2,
-    # test_caches_and_gsm_rings_follow_the_batch and the workflow tools' 4 x 2 test.
+    # its own programs, so one variant here): the family contract's sharded check for V4
+    # (tests/test_family_contract.py, SHARDED_ELSEWHERE). Float weights: psum / all-to-all
+    # on 1 x 8 and 2 x 4 without GSM are test_bench_mesh_tiny's variants
+    # (tests/test_bench_mesh.py). The batch-only split: test_caches_and_gsm_rings_follow_
+    # the_batch and the workflow tools' 4 x 2 test.
     # Tolerance: W8A8 rounds each token's activations to int8 levels of 1/127 of its max,
     # from sums the mesh reorders, so an element at a rounding midpoint may land one level
     # off on one side (CPU-dependent: 8.0e-3 of the logit scale in one CI run, < 1e-5 in the
