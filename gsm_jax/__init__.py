@@ -14,8 +14,8 @@ Compilation: ``gsm_jax.enable_compilation_cache()`` turns JAX's persistent compi
 not: the setting is process-wide (`gsm_jax/compile_cache.py`).
 """
 
-from gsm_jax.compile_cache import enable_compilation_cache
-from gsm_jax.config import ConfigWatcher, GSMConfig, describe
+from typing import TYPE_CHECKING
+
 from gsm_jax.errors import (
     GSMConfigError,
     GSMJaxError,
@@ -24,13 +24,27 @@ from gsm_jax.errors import (
     ModelNotFoundError,
     UnsupportedModelError,
 )
-from gsm_jax.generation import forward, generate, generate_tokens, with_kv_cache_dtype
-from gsm_jax.gsm_runtime import kernel_impl, set_kernel_impl
-from gsm_jax.loading import DEFAULT_MODEL, REGISTERED_MODELS, load, save
-from gsm_jax.params import ModelParams
 
-# Imported on first use, so `import gsm_jax` stays fast (no matplotlib, no workflow code).
+# The public API, imported on first use: `import gsm_jax` (and the `gsm-jax` command's
+# argument parsing) loads no jax, so the command can set up its process (huge pages,
+# `gsm_jax/cli.py`) before anything heavy is imported; `gsm_jax.generate` and
+# `from gsm_jax import generate` import their module then.
 _LAZY = {
+    "enable_compilation_cache": ("gsm_jax.compile_cache", "enable_compilation_cache"),
+    "ConfigWatcher": ("gsm_jax.config", "ConfigWatcher"),
+    "GSMConfig": ("gsm_jax.config", "GSMConfig"),
+    "describe": ("gsm_jax.config", "describe"),
+    "forward": ("gsm_jax.generation", "forward"),
+    "generate": ("gsm_jax.generation", "generate"),
+    "generate_tokens": ("gsm_jax.generation", "generate_tokens"),
+    "with_kv_cache_dtype": ("gsm_jax.generation", "with_kv_cache_dtype"),
+    "kernel_impl": ("gsm_jax.gsm_runtime", "kernel_impl"),
+    "set_kernel_impl": ("gsm_jax.gsm_runtime", "set_kernel_impl"),
+    "DEFAULT_MODEL": ("gsm_jax.loading", "DEFAULT_MODEL"),
+    "REGISTERED_MODELS": ("gsm_jax.loading", "REGISTERED_MODELS"),
+    "load": ("gsm_jax.loading", "load"),
+    "save": ("gsm_jax.loading", "save"),
+    "ModelParams": ("gsm_jax.params", "ModelParams"),
     "smooth": ("gsm_jax.smoothing", "smooth"),
     "profile": ("gsm_jax.workflow.profile", "profile"),
     "calibrate": ("gsm_jax.workflow.calibrate", "calibrate"),
@@ -43,6 +57,14 @@ _LAZY = {
     "dspark_generate": ("gsm_jax.speculative", "dspark_generate"),
 }
 
+if TYPE_CHECKING:  # what the names are, for type checkers and editors
+    from gsm_jax.compile_cache import enable_compilation_cache
+    from gsm_jax.config import ConfigWatcher, GSMConfig, describe
+    from gsm_jax.generation import forward, generate, generate_tokens, with_kv_cache_dtype
+    from gsm_jax.gsm_runtime import kernel_impl, set_kernel_impl
+    from gsm_jax.loading import DEFAULT_MODEL, REGISTERED_MODELS, load, save
+    from gsm_jax.params import ModelParams
+
 
 def __getattr__(name: str):
     if name in _LAZY:
@@ -53,6 +75,10 @@ def __getattr__(name: str):
         globals()[name] = value
         return value
     raise AttributeError(f"module 'gsm_jax' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
 
 
 __all__ = [

@@ -387,3 +387,43 @@ def test_bad_penalties_are_named(tiny, field, value, match):
     eng = Engine(tiny, max_batch=1, max_len=MAX_LEN, eos_ids=[])
     with pytest.raises(InvalidInputError, match=match):
         eng.submit(Request([5, 6], 2, **{field: value}))
+
+
+def test_running_state_is_made_while_the_programs_build(tiny, requests, monkeypatch):
+    """The engine's running state (cache, penalty counters, token feed) is made on a worker
+    thread: the constructor returns and the programs build from its shapes while it is
+    still being made (a large cache takes seconds to fill); the first read waits for it,
+    and the engine then serves exactly as one whose state was ready at once. A failure
+    to make it surfaces at that first read, naming the error."""
+    import threading
+
+    from gsm_jax.serving import programs
+
+    real = programs.fresh_state
+    gate = threading.Event()
+
+    def held(*args):  # the worker thread's call waits; shape tracing does not
+        if threading.current_thread().name == "gsm-jax-fresh-state":
+            assert gate.wait(60)
+        return real(*args)
+
+    monkeypatch.setattr(programs, "fresh_state", held)
+    eng = Engine(tiny, max_batch=2, max_len=MAX_LEN, gsm=GSM, eos_ids=[])
+    assert eng._fresh is not None and not eng._fresh.done()
+    eng.programs.compile(threads=1)  # every program built, the state still not made
+    assert eng.programs.compiled == len(eng.programs) and not eng._fresh.done()
+    threading.Timer(0.2, gate.set).start()
+    got = eng.run(requests)  # waits for the state
+    monkeypatch.setattr(programs, "fresh_state", real)
+    want = Engine(tiny, max_batch=2, max_len=MAX_LEN, gsm=GSM, eos_ids=[]).run(requests)
+    assert [r.tokens for r in got] == [r.tokens for r in want]
+
+    def broken(*args):
+        if threading.current_thread().name == "gsm-jax-fresh-state":
+            raise MemoryError("no room for the cache")
+        return real(*args)
+
+    monkeypatch.setattr(programs, "fresh_state", broken)
+    eng = Engine(tiny, max_batch=2, max_len=MAX_LEN, eos_ids=[])
+    with pytest.raises(MemoryError, match="no room for the cache"):
+        eng.run(requests[:1])

@@ -73,9 +73,11 @@ from __future__ import annotations
 import functools
 import math
 import os
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -95,7 +97,7 @@ from gsm_jax.models.gsm_sites import GSMInputs
 from gsm_jax.params import ModelParams
 from gsm_jax.serving import programs
 from gsm_jax.serving.prefix_cache import PrefixCache, check_capacity
-from gsm_jax.serving.programs import ProgramMissing, ProgramSet, abstract
+from gsm_jax.serving.programs import ProgramMissing, ProgramSet
 from gsm_jax.serving.requests import (
     DEFAULT,
     MAX_LOGPROBS,
@@ -132,6 +134,27 @@ ROW_BOUND_FACTOR = 2
 
 
 # ----------------------------------------------------------------------------- engine
+
+# the engine's running state, as `programs.fresh_state` returns it: the attributes it lands in
+_STATE_FIELDS = ("_cache_now", "_pen_now", "_prev_now")
+
+
+def _in_background(fn: Callable[[], Any]) -> Future:
+    """`fn()` on a daemon thread (a process stopping during the warm-up does not wait for
+    it): its Future."""
+    future: Future = Future()
+
+    def run() -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            future.set_result(fn())
+        except BaseException as e:  # noqa: BLE001 - raised where the result is read
+            future.set_exception(e)
+
+    threading.Thread(target=run, name="gsm-jax-fresh-state", daemon=True).start()
+    return future
+
 
 
 @dataclass
@@ -241,7 +264,6 @@ class Engine:
         self._read_at = 0.0  # when the last decode step's tokens reached the host
         # the last decode step's picks [max_batch], on device: the next step's token feed
         # (made with the cache: `_new_cache`)
-        self._prev = None
         if eos_ids is None:
             tok = params.tokenizer
             eos_ids = tok.eos_ids if tok is not None else self.config.eos_token_ids
@@ -261,14 +283,15 @@ class Engine:
         self._gsm_static: tuple[int, str, str] | None = None
         self._row_params_cache: dict[Any, tuple[np.ndarray, int]] = {}
         self._protect = 0  # the batch's protect_first
-        self._cache = None
+        self._fresh = None  # the running state being made (`_new_cache`)
+        self._state_like = None  # its shapes (ShapeDtypeStructs): what programs are planned from
         self.waiting: deque[_Waiting] = deque()
         self._prefilling: _Prefilling | None = None
         b, n_layers = self.max_batch, self.config.num_layers
         # who holds each slot and what its next decode step needs (`serving/slots.py`)
         self._state = SlotState(b, n_layers)
         self.slots: list[RequestRecord | None] = self._state.records
-        self._pen = None  # penalty counters [max_batch, V] (made with the cache)
+        # the penalty counters [max_batch, V] (`_pen`) are made with the cache
         self._pen_dirty = np.zeros((b,), bool)  # a penalized request's values still there
         if self.gsm_compiled:
             self.set_gsm(gsm)
@@ -376,7 +399,7 @@ class Engine:
             resolve_mask(cfg, self.config.num_layers)
             static = self._static_of(cfg)
         self._gsm_cfg = cfg
-        if static != self._gsm_static or self._cache is None:
+        if static != self._gsm_static or self._state_like is None:
             self._gsm_static = static
             self._new_cache()
 
@@ -386,11 +409,46 @@ class Engine:
         if self.prefix_cache is not None:  # its states have the old cache's structure
             self.prefix_cache.clear()
         # one program makes the running cache, the penalty counters and the token feed
-        # (eager zeros would be a little program per shape: ten more at start-up)
-        self._cache, self._pen, self._prev = programs.fresh_state(
-            self.config, self.max_batch, self.max_len, np.dtype(self.params.dtype), window)
+        # (eager zeros would be a little program per shape: ten more at start-up). It runs
+        # on a worker thread: filling a large cache takes seconds (16 slots x 8192 tokens
+        # of SmolLM2 are 6 GB, first-touched memory), which `warmup`'s compiling or loading
+        # of the programs overlaps; the first read of the state waits for it. The programs
+        # are planned from its shapes meanwhile.
+        make = functools.partial(programs.fresh_state, self.config, self.max_batch,
+                                 self.max_len, np.dtype(self.params.dtype), window)
+        self._fresh = None
+        self._state_like = jax.eval_shape(make)
+        if self._mesh is None:
+            self._fresh = _in_background(make)
+        else:
+            self._cache, self._pen, self._prev = make()
         self._pen_dirty[:] = False
         self._plan()  # the programs for this cache's structure
+
+    def _take_fresh(self) -> None:
+        """The running state `_new_cache` had made on its worker thread, now in place."""
+        fresh, self._fresh = self._fresh, None
+        state = fresh.result()
+        for name, value in zip(_STATE_FIELDS, state, strict=True):
+            self.__dict__[name] = value
+
+    def _state_field(name: str) -> property:  # noqa: N805 - a property factory
+        def get(self: Engine) -> Any:
+            if self.__dict__.get("_fresh") is not None:
+                self._take_fresh()
+            return self.__dict__.get(name)
+
+        def put(self: Engine, value: Any) -> None:
+            if self.__dict__.get("_fresh") is not None:  # never overwritten by it later
+                self._take_fresh()
+            self.__dict__[name] = value
+
+        return property(get, put, doc=f"the running {name[1:]} (waits for `_new_cache`)")
+
+    _cache = _state_field("_cache_now")
+    _pen = _state_field("_pen_now")
+    _prev = _state_field("_prev_now")
+    del _state_field
 
     def _row_params(self, cfg: Any) -> tuple[np.ndarray, int]:
         """(strength [layers, 2], window) of one smoothed row under `cfg`."""
@@ -700,26 +758,26 @@ class Engine:
         # the outputs' tree structures, known without tracing the model (a warm start
         # builds each program from its saved form and never traces it)
         lp, pen = (0, 0, 0), (0, 0, 0)
+        cache, pens, _ = self._state_like
         for bound in self.rows_bounds():
             ps.add("decode", bound, programs.decode, self._decode_example(bound),
                    {"config": self.config, "row_bound": bound}, donate=(1, 2),
-                   out=(0, lp, self._cache, pen))
+                   out=(0, lp, cache, pen))
         for w in self.widths():
             ps.add("extend", w, programs.extend, self._extend_example(w),
-                   {"config": self.config}, donate=(1, 2), out=(0, lp, lp, self._cache, pen))
+                   {"config": self.config}, donate=(1, 2), out=(0, lp, lp, cache, pen))
         v = self.config.vocab_size
         ps.add("penalty_row", None, programs.penalty_row,
-               (abstract(self._pen), np.int32(0), np.zeros((v,), bool),
+               (pens, np.int32(0), np.zeros((v,), bool),
                 np.zeros((v,), np.float32)), donate=(0,), out=pen)
         if self.prefix_cache is not None and self.prefill_chunk < self.max_len:
             block = self.prefill_chunk  # (a chunk >= max_len: no prompt has a boundary)
             ps.add("snapshot", block, programs.snapshot,
-                   (abstract(self._cache), np.int32(0), np.int32(0)), {"block": block})
+                   (cache, np.int32(0), np.int32(0)), {"block": block})
             saved = jax.eval_shape(functools.partial(programs.snapshot, block=block),
-                                   self._cache, np.int32(0), np.int32(0))
+                                   cache, np.int32(0), np.int32(0))
             ps.add("restore", block, programs.restore,
-                   (abstract(self._cache), saved, np.int32(0), np.int32(0)), donate=(0,),
-                   out=self._cache)
+                   (cache, saved, np.int32(0), np.int32(0)), donate=(0,), out=cache)
         self.programs = ps
 
     def _call(self, name: str, bucket: Any, *args: Any) -> Any:
@@ -746,34 +804,38 @@ class Engine:
     def _decode_example(self, bound: int | None) -> tuple:
         """A decode call's arguments for row bound `bound` (the cache and counters as their
         shapes): what the program is planned from."""
-        args = self._decode_call_args(np.zeros((self.max_batch,), bool), bound,
-                                      np.zeros((self.max_batch,), np.int32), False)
-        return (args[0], abstract(args[1]), abstract(args[2])) + args[3:]
+        return self._decode_call_args(np.zeros((self.max_batch,), bool), bound,
+                                      np.zeros((self.max_batch,), np.int32), False,
+                                      state=self._state_like)
 
     def _extend_example(self, w: int) -> tuple:
         """An extend call's arguments for chunk width `w`."""
-        args = self._extend_call_args(np.zeros((1, w), np.int32), 1, 0, 0,
+        return self._extend_call_args(np.zeros((1, w), np.int32), 1, 0, 0,
                                       np.zeros((1, w), np.int32), None, Sampling(0.0, 0, 1.0, 0),
-                                      None, False)
-        return (args[0], abstract(args[1]), abstract(args[2])) + args[3:]
+                                      None, False, state=self._state_like)
 
     def _decode_call_args(self, active: np.ndarray, bound: int | None, counts: np.ndarray,
-                          copy: bool) -> tuple:
+                          copy: bool, state: tuple | None = None) -> tuple:
+        """A decode call's arguments; `state`: (cache, counters, feed) in place of the
+        engine's own (their shapes, to plan the program from)."""
         d = self._state.decode_inputs(active, bound, counts, copy)
         gsm = self._gsm_inputs(d["smoothed"], d["strength"], d["window"])
-        return (self.params.weights, self._cache, self._pen, self._prev, d["host"],
+        cache, pen, prev = state if state is not None else (self._cache, self._pen, self._prev)
+        return (self.params.weights, cache, pen, prev, d["host"],
                 d["use_prev"], d["active"], gsm, d["sampling"], d["fpr"], d["flags"])
 
     def _extend_call_args(self, tokens: np.ndarray, n: int, start: int, slot: int,
                           targets: np.ndarray, cfg: Any, s: Sampling, lp: int | None,
-                          prompt_lp: bool, last: bool = True) -> tuple:
+                          prompt_lp: bool, last: bool = True,
+                          state: tuple | None = None) -> tuple:
         gsm = self._one_row_gsm(cfg)
+        cache, pen = state[:2] if state is not None else (self._cache, self._pen)
         sampling = (np.asarray([s.temperature], np.float32), np.asarray([s.top_k], np.int32),
                     np.asarray([s.top_p], np.float32), np.asarray([s.seed], np.int32),
                     np.zeros((1,), np.int32))
         fpr = (np.asarray([s.frequency], np.float32), np.asarray([s.presence], np.float32),
                np.asarray([s.repetition], np.float32))
-        return (self.params.weights, self._cache, self._pen, tokens,
+        return (self.params.weights, cache, pen, tokens,
                 np.asarray([n], np.int32), np.int32(start), np.int32(slot), targets, gsm,
                 sampling, fpr, pick_flags([(s, lp)]), np.bool_(prompt_lp), np.bool_(last))
 
@@ -887,7 +949,7 @@ class Engine:
         """Every row bound a decode step can take (1, 2, 4, ... below max_batch, then None:
         all); one when bounding is off."""
         if (not self.bound_rows or self._mesh is not None
-                or not common.can_cut_rows(self._cache)):
+                or not common.can_cut_rows(self._state_like[0])):
             return [None]
         return programs.row_buckets(self.max_batch, ROW_BOUND_FACTOR)
 
