@@ -249,3 +249,18 @@ def test_the_cli_lists_its_subcommands():
     for command in COMMANDS:
         add_arguments, run = command.resolve()
         assert callable(add_arguments) and callable(run) and command.help
+
+
+def test_import_gsm_jax_loads_no_jax_until_a_name_is_used():
+    """`import gsm_jax` (the facade) imports jax only when a public name that needs it is
+    first used; every name of `__all__` then resolves, `from gsm_jax import ...` included."""
+    import subprocess
+    import sys
+
+    code = ("import sys, gsm_jax; a = 'jax' in sys.modules; "
+            "from gsm_jax import generate; b = 'jax' in sys.modules; "
+            "missing = [n for n in gsm_jax.__all__ if getattr(gsm_jax, n, None) is None]; "
+            "print(a, b, missing, generate is gsm_jax.generate)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, cwd=ROOT).stdout.strip()
+    assert out == "False True [] True", out
