@@ -413,7 +413,8 @@ class Engine:
         # on a worker thread: filling a large cache takes seconds (16 slots x 8192 tokens
         # of SmolLM2 are 6 GB, first-touched memory), which `warmup`'s compiling or loading
         # of the programs overlaps; the first read of the state waits for it. The programs
-        # are planned from its shapes meanwhile.
+        # are planned from its shapes meanwhile (see docs/performance_notes.md, "Serving
+        # start-up: the running state made on a worker thread; where a cold compile goes").
         make = functools.partial(programs.fresh_state, self.config, self.max_batch,
                                  self.max_len, np.dtype(self.params.dtype), window)
         self._fresh = None
