@@ -156,7 +156,6 @@ def _in_background(fn: Callable[[], Any]) -> Future:
     return future
 
 
-
 @dataclass
 class _Waiting:
     record: RequestRecord
