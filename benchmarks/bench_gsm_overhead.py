@@ -73,7 +73,7 @@ def _decode_case(params, batch: int, gsm_cfg, repeats: int, context: int = 128,
 
     def run(name, g):
         def call():
-            logits, state[name] = step(params.weights, tokens=tokens, cache=state[name], gsm=g)
+            logits, state[name] = step(params.weights, tokens=tokens, cache=state[name], sites=g)
             # keep the cache length fixed so every call does the same work
             state[name] = state[name].replace(lengths=jnp.full((batch,), context, jnp.int32))
             return logits

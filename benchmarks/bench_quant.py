@@ -106,7 +106,7 @@ def decode_fns(variants: dict, batch: int, context: int, gsm_cfg) -> dict:
         tokens = jnp.full((batch,), 42, jnp.int32)
 
         def call(p=p, step=step, gsm=gsm, state=state, tokens=tokens):
-            logits, cache = step(p.weights, tokens=tokens, cache=state["cache"], gsm=gsm)
+            logits, cache = step(p.weights, tokens=tokens, cache=state["cache"], sites=gsm)
             # the same work every call (the length array is donated with the cache)
             state["cache"] = cache.replace(lengths=jnp.full((batch,), context, jnp.int32))
             return logits

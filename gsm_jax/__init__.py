@@ -25,10 +25,8 @@ from gsm_jax.errors import (
     UnsupportedModelError,
 )
 
-# The public API, imported on first use: `import gsm_jax` (and the `gsm-jax` command's
-# argument parsing) loads no jax, so the command can set up its process (huge pages,
-# `gsm_jax/cli.py`) before anything heavy is imported; `gsm_jax.generate` and
-# `from gsm_jax import generate` import their module then.
+# The public API, imported on first use: `import gsm_jax` loads no jax (4 ms instead of
+# ~2 s); `gsm_jax.generate` and `from gsm_jax import generate` import their module then.
 _LAZY = {
     "enable_compilation_cache": ("gsm_jax.compile_cache", "enable_compilation_cache"),
     "ConfigWatcher": ("gsm_jax.config", "ConfigWatcher"),

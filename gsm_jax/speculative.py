@@ -137,7 +137,7 @@ def _append(fam: Any, weights: dict, config: Any, tokens: jax.Array, n_new: jax.
     return (logits if want_logits else None), cache
 
 
-def _can_rewind(cache: Any, config: Any) -> bool:
+def _can_rewind(cache: Any) -> bool:
     """Whether moving `lengths` back forgets a rejected suffix (see `_rollback`)."""
     return isinstance(cache, KVCache) and cache.rings is None
 
@@ -158,7 +158,7 @@ def _rollback(fam: Any, weights: dict, config: Any, saved: Any, grown: Any,
     are re-run from `saved`: JAX arrays are immutable, `saved` is exactly the state
     before the round, and the re-run leaves the state of plain decoding.
     """
-    if _can_rewind(grown, config):
+    if _can_rewind(grown):
         return dataclasses.replace(grown, lengths=saved.lengths + keep.astype(jnp.int32))
 
     def one():  # only the current token kept: one decode step, not a chunk of C positions

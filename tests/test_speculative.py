@@ -169,7 +169,7 @@ def test_rewinding_lengths_with_rings_breaks_exactness(tiny, prompt, greedy, mon
                                                         fresh_programs):
     """The negative control for `_rollback`: forgetting rejected tokens by moving the
     cache length back leaves their inputs in the GSM rings, and the output drifts."""
-    monkeypatch.setattr(speculative, "_can_rewind", lambda cache, config: True)
+    monkeypatch.setattr(speculative, "_can_rewind", lambda cache: True)
     res = speculative_generate(tiny, prompt, max_new_tokens=NEW, draft_layers=1,
                                gsm_verifier=GSM)
     assert not np.array_equal(res.tokens, greedy[False])
