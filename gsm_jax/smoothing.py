@@ -155,9 +155,18 @@ def _prefill_xla(x, positions, window, strength, lo, *, max_window: int, precisi
     return combine(x, total, count[..., None], strength[:, None, None], mask[..., None], precision)
 
 
-def decode_buckets(max_window: int) -> tuple[int, ...]:
+# A decode batch whose rings hold at most this many rows in all (B x W) reads every
+# ring row in one masked reduce instead of picking a bucket (docs/performance_notes.md,
+# "GSM decode: few rows read the whole ring").
+WHOLE_RING_ROWS = 64
+
+
+def decode_buckets(max_window: int, rows: int | None = None) -> tuple[int, ...]:
     """Static ring-read sizes of the XLA decode: 8, 16, 32, ... below
-    max_window, then max_window itself."""
+    max_window, then max_window itself; only max_window when `rows` (the batch)
+    times max_window is at most WHOLE_RING_ROWS."""
+    if rows is not None and rows * max_window <= WHOLE_RING_ROWS:
+        return (max_window,)
     sizes = [b for b in (2**k for k in range(3, 31)) if b < max_window]
     return (*sizes, max_window)
 
@@ -197,7 +206,8 @@ def _decode_xla_stacked(x, rings, layer, position, window, strength, lo, *, prec
     traffic. The row count must be static, so each bucket of `decode_buckets`
     is one `lax.switch` branch, picked at run time from the largest count in
     the batch: changing the window never recompiles (docs/performance_notes.md,
-    "GSM decode: read only the ring rows the window needs").
+    "GSM decode: read only the ring rows the window needs"). A batch of few small
+    rings (B x W <= WHOLE_RING_ROWS) reads the whole ring: no switch to compile.
 
     The model carries all layers' rings through its layer scan; touching only
     [layer, b, slot] (one scatter) and the gathered rows keeps the step from
@@ -218,28 +228,36 @@ def _decode_xla_stacked(x, rings, layer, position, window, strength, lo, *, prec
         mask = mask & active
         new_rings = _scatter_rows(rings, layer, jnp.mod(n, W), x)
 
-    need = jnp.max(jnp.where(mask, count, 1))
-    buckets = decode_buckets(W)
-    branch = sum((need > b).astype(jnp.int32) for b in buckets[:-1])
     base = (layer * B + jnp.arange(B, dtype=jnp.int32)) * W
 
-    def window_sum(rows: int) -> Callable[[jax.Array], jax.Array]:
+    def window_sum(rows: int, unrolled: bool) -> Callable[[jax.Array], jax.Array]:
         def f(flat: jax.Array) -> jax.Array:
-            # One gather of every row back in the window, then unrolled adds (they fuse into
-            # one loop). A gather per row back compiled ~2x slower; a reduce over the
-            # gathered block ran slower (docs/performance_notes.md, "GSM decode window sum").
+            # One gather of every row back in the window (a gather per row back compiled
+            # ~2x slower), then unrolled adds, which fuse into one loop and ran fastest at
+            # 8 and 16 rows, or one masked reduce, which compiles in ~60% of the time
+            # (docs/performance_notes.md, "GSM decode window sum").
             back = jnp.arange(1, rows, dtype=jnp.int32)  # rows 1 .. rows-1 back
             idx = base[:, None] + jnp.mod(n[:, None] - back, W)  # [B, rows-1]
-            got = flat.at[idx].get(mode="promise_in_bounds")
+            got = flat.at[idx].get(mode="promise_in_bounds").astype(jnp.float32)
             keep = mask[:, None] & (back < count[:, None])
+            if not unrolled:
+                return x.astype(jnp.float32) + jnp.sum(
+                    jnp.where(keep[:, :, None], got, 0.0), axis=1)
             total = x.astype(jnp.float32)
             for j in range(rows - 1):
-                total = total + jnp.where(keep[:, j, None], got[:, j].astype(jnp.float32), 0.0)
+                total = total + jnp.where(keep[:, j, None], got[:, j], 0.0)
             return total
 
         return f
 
-    total = lax.switch(branch, [window_sum(r) for r in buckets], new_rings.reshape(L * B * W, C))
+    flat = new_rings.reshape(L * B * W, C)
+    buckets = decode_buckets(W, B)
+    if len(buckets) == 1:  # few rows: read the whole ring, no switch
+        total = window_sum(W, unrolled=False)(flat)
+    else:
+        need = jnp.max(jnp.where(mask, count, 1))
+        branch = sum((need > b).astype(jnp.int32) for b in buckets[:-1])
+        total = lax.switch(branch, [window_sum(r, unrolled=True) for r in buckets], flat)
     y = combine(x, total, count[:, None], strength[:, None], mask[:, None], precision)
     return y, new_rings
 

@@ -243,6 +243,25 @@ def test_decode_matches_prefill_small_windows_and_adaptive():
     _decode_vs_prefill("xla", [0, 1, 8, 0], max_window=20)
 
 
+def test_decode_few_rows_read_the_whole_ring():
+    # 2 rows x max_window 20 <= WHOLE_RING_ROWS: one masked reduce over the whole ring, no
+    # switch; windows 3 and 20 need what the buckets 8 and 20 would read.
+    assert decode_buckets(20, 2) == (20,)
+    _decode_vs_prefill("xla", [3, 20], max_window=20)
+    _decode_vs_prefill("xla", [0, 1], max_window=20)
+
+
+@pytest.mark.parametrize("rows, switch", [(1, False), (4, False), (5, True), (16, True)])
+def test_decode_switches_on_buckets_only_for_many_rows(rows, switch):
+    x = jnp.zeros((rows, 8), jnp.float32)
+    ring = jnp.zeros((rows, 16, 8), jnp.float32)
+    args = (x, ring, jnp.zeros(rows, jnp.int32), jnp.full(rows, 8, jnp.int32),
+            jnp.full(rows, 0.3, jnp.float32), jnp.int32(0))
+    text = jax.jit(functools.partial(smooth_decode, precision="f32", impl="xla")).lower(
+        *args).as_text()
+    assert ("case" in text) == switch
+
+
 def test_decode_strength_zero_and_protected_are_bitwise():
     rng = np.random.default_rng(4)
     x = jnp.asarray(rng.standard_normal((3, 16)).astype(BF16))
@@ -270,6 +289,10 @@ def test_buckets():
     assert decode_buckets(64) == (8, 16, 32, 64)
     assert decode_buckets(10) == (8, 10)
     assert decode_buckets(4) == (4,)
+    assert decode_buckets(16, 4) == (16,)  # 64 ring rows in all: the whole ring
+    assert decode_buckets(16, 5) == (8, 16)
+    assert decode_buckets(64, 1) == (64,)
+    assert decode_buckets(64, 2) == (8, 16, 32, 64)
     assert prefill_buckets(64) == (16, 32, 64)
     assert prefill_buckets(4) == (8,)
 
