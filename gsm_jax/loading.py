@@ -15,7 +15,6 @@ import dataclasses
 import json
 import logging
 import os
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -51,8 +50,7 @@ def _progress(message: str, progress: bool) -> None:
 
 def load(source: str | os.PathLike = DEFAULT_MODEL, *, dtype: Any = None,
          keep_quantized: bool | None = None, mesh: Any = None,
-         engram_memory: str = "device", progress: bool = False,
-         on_config: Callable[[Any, Any], None] | None = None) -> ModelParams:
+         engram_memory: str = "device", progress: bool = False) -> ModelParams:
     """Load a model and its tokenizer.
 
     dtype: the float dtype of the weights ("float32" or "bfloat16"). Left unset, it is
@@ -70,11 +68,6 @@ def load(source: str | os.PathLike = DEFAULT_MODEL, *, dtype: Any = None,
     over the mesh's "model" axis) or "host" (pinned host memory, the same split; the rows a
     step needs are gathered there and copied: `models/engram.py` weighs the two). Without
     a mesh, "host" places the model on a 1 x 1 mesh of the first device.
-
-    on_config: called once as `on_config(config, dtype)` with the model's config and the
-    weights' dtype, as the returned params will have them. For a GGUF file that is before
-    its tensors are read (the server starts filling its KV cache then, on another core);
-    for the other sources, once they are loaded.
     """
     from gsm_jax.sharding import host_axes
 
@@ -89,20 +82,11 @@ def load(source: str | os.PathLike = DEFAULT_MODEL, *, dtype: Any = None,
         mesh = check_mesh(mesh)
         if host:
             check_host_memory(mesh)
-    told = []
-
-    def tell(config: Any, weights_dtype: Any) -> None:
-        told.append(True)
-        if on_config is not None:
-            on_config(config, weights_dtype)
-
-    params = _load(source, dtype, keep_quantized, mesh, progress, host, tell)
+    params = _load(source, dtype, keep_quantized, mesh, progress, host)
     if mesh is not None and not _placed(params, mesh):
         from gsm_jax.sharding import shard
 
         params = shard(params, mesh, engram_memory=engram_memory)
-    if not told:
-        tell(params.config, params.dtype)
     return params
 
 
@@ -112,8 +96,7 @@ def _placed(params: ModelParams, mesh: Any) -> bool:
 
 
 def _load(source: Any, dtype: Any, keep_quantized: bool | None, mesh: Any,
-          progress: bool, host: frozenset = frozenset(),
-          on_config: Callable[[Any, Any], None] | None = None) -> ModelParams:
+          progress: bool, host: frozenset = frozenset()) -> ModelParams:
     explicit_keep = keep_quantized is True
     if keep_quantized is None:
         keep_quantized = dtype is None
@@ -127,8 +110,7 @@ def _load(source: Any, dtype: Any, keep_quantized: bool | None, mesh: Any,
     if src in REGISTERED_MODELS:
         from gsm_jax.models.gguf_reader import default_gguf_path
 
-        return _load_gguf(default_gguf_path(REGISTERED_MODELS[src]), jdtype, progress, name=src,
-                          on_config=on_config)
+        return _load_gguf(default_gguf_path(REGISTERED_MODELS[src]), jdtype, progress, name=src)
     path = Path(src)
     if not path.exists():
         raise ModelNotFoundError(
@@ -138,7 +120,7 @@ def _load(source: Any, dtype: Any, keep_quantized: bool | None, mesh: Any,
     if path.is_file():
         if path.suffix.lower() != ".gguf":
             raise ModelLoadError(f"{src}: a model file must be a .gguf file")
-        return _load_gguf(str(path), jdtype, progress, name=src, on_config=on_config)
+        return _load_gguf(str(path), jdtype, progress, name=src)
     if (path / _SAVE_META).exists():
         return _load_saved(path, jdtype, progress)
     if (path / "config.json").exists():
@@ -170,25 +152,15 @@ def _check_keep_quantized(src: str) -> None:
             "leave it unset")
 
 
-def _load_gguf(path: str, dtype: Any, progress: bool, *, name: str,
-               on_config: Callable[[Any, Any], None] | None = None) -> ModelParams:
+def _load_gguf(path: str, dtype: Any, progress: bool, *, name: str) -> ModelParams:
     from gsm_jax.models.gguf_reader import read_gguf
 
-    def config_of(hf: dict, tokenizer: Any) -> Any:
-        cfg = family_module(family_for_model_type(hf.get("model_type"))).CONFIG_CLASS \
-            .from_hf_config(hf)
-        if tokenizer is not None and tokenizer.eos_ids:
-            cfg = dataclasses.replace(cfg, eos_token_ids=tuple(tokenizer.eos_ids))
-        return cfg
-
-    def header(hf: dict, tokenizer: Any) -> None:
-        if on_config is not None:
-            on_config(config_of(hf, tokenizer), dtype)
-
     _progress(f"reading {path}", progress)
-    contents = read_gguf(path, before_tensors=header)
+    contents = read_gguf(path)
     family = family_module(family_for_model_type(contents.config.get("model_type")))
-    cfg = config_of(contents.config, contents.tokenizer)
+    cfg = family.CONFIG_CLASS.from_hf_config(contents.config)
+    if contents.tokenizer is not None and contents.tokenizer.eos_ids:
+        cfg = dataclasses.replace(cfg, eos_token_ids=tuple(contents.tokenizer.eos_ids))
     _progress(f"converting {len(contents.tensors)} tensors to {jnp.dtype(dtype).name}", progress)
     weights = family.weights_from_hf(cfg, contents.tensors, dtype)
     return ModelParams(weights, cfg, contents.tokenizer, source=name)

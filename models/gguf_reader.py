@@ -15,7 +15,6 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -222,12 +221,8 @@ def _open_reader(path: str) -> Any:
     return reader
 
 
-def read_gguf(path: str | os.PathLike[str],
-              before_tensors: Callable[[dict[str, Any], Tokenizer], None] | None = None
-              ) -> GGUFContents:
-    """Load a llama-family GGUF: HF config, float32 HF-named tensors, tokenizer, metadata.
-    `before_tensors(config, tokenizer)` is called once both are read, before the tensors
-    (the bulk of the file) are."""
+def read_gguf(path: str | os.PathLike[str]) -> GGUFContents:
+    """Load a llama-family GGUF: HF config, float32 HF-named tensors, tokenizer, metadata."""
     import gguf
 
     path = os.fspath(path)
@@ -253,14 +248,12 @@ def read_gguf(path: str | os.PathLike[str],
     config = (_build_gemma3_config(path, fields, names) if arch == "gemma3"
               else _build_config(path, arch, fields, names))
     tokenizer = Tokenizer.from_gguf_fields(fields, source=path)
-    config["bos_token_id"] = tokenizer.bos_id
-    config["eos_token_id"] = tokenizer.eos_ids[0] if tokenizer.eos_ids else None
-    config["pad_token_id"] = fields.get("tokenizer.ggml.padding_token_id")
-    if before_tensors is not None:
-        before_tensors(config, tokenizer)
     tensors = _load_tensors(path, reader, config, gguf)
     _check_shapes(path, config, tensors)
 
+    config["bos_token_id"] = tokenizer.bos_id
+    config["eos_token_id"] = tokenizer.eos_ids[0] if tokenizer.eos_ids else None
+    config["pad_token_id"] = fields.get("tokenizer.ggml.padding_token_id")
     metadata = {k: v for k, v in fields.items() if k.startswith("general.")}
     return GGUFContents(path=path, config=config, tensors=tensors, tokenizer=tokenizer,
                         metadata=metadata)

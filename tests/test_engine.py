@@ -389,42 +389,6 @@ def test_bad_penalties_are_named(tiny, field, value, match):
         eng.submit(Request([5, 6], 2, **{field: value}))
 
 
-def test_running_state_started_before_the_engine_is_taken(tiny, requests):
-    """`start_running_state` (the server calls it while the weights are read) makes the
-    running state ahead of the engine: the next engine that needs exactly that state takes
-    it and serves as one that made its own; one that needs other shapes drops it and makes
-    its own; sizes the engine would refuse are refused before anything is made."""
-    from gsm_jax.serving import engine as engine_mod
-    from gsm_jax.serving.engine import start_running_state
-
-    ring = Engine(tiny, max_batch=2, max_len=MAX_LEN, gsm=GSM, eos_ids=[]).gsm_static[0]
-    start_running_state(tiny.config, tiny.dtype, max_batch=2, max_len=MAX_LEN,
-                        gsm_window=ring)
-    early = engine_mod._EARLY[0][1]
-    eng = Engine(tiny, max_batch=2, max_len=MAX_LEN, gsm=GSM, eos_ids=[])
-    assert eng._fresh is early and not engine_mod._EARLY
-    got = eng.run(requests)
-    want = Engine(tiny, max_batch=2, max_len=MAX_LEN, gsm=GSM, eos_ids=[]).run(requests)
-    assert [r.tokens for r in got] == [r.tokens for r in want]
-
-    for other in (dict(max_len=MAX_LEN // 2, gsm_window=ring), dict(max_len=MAX_LEN),
-                  dict(max_len=MAX_LEN, gsm_window=ring + 1)):
-        start_running_state(tiny.config, tiny.dtype, max_batch=2, **other)
-        early = engine_mod._EARLY[0][1]
-        eng = Engine(tiny, max_batch=2, max_len=MAX_LEN, gsm=GSM, eos_ids=[])
-        assert eng._fresh is not early and not engine_mod._EARLY, other
-    eng = Engine(tiny, max_batch=2, max_len=MAX_LEN, eos_ids=[])  # no GSM: no ring
-    start_running_state(tiny.config, tiny.dtype, max_batch=2, max_len=MAX_LEN)
-    early = engine_mod._EARLY[0][1]
-    assert Engine(tiny, max_batch=2, max_len=MAX_LEN, eos_ids=[])._fresh is early
-
-    with pytest.raises(InvalidInputError, match="max_len must be in"):
-        start_running_state(tiny.config, tiny.dtype, max_batch=2, max_len=10**9)
-    with pytest.raises(InvalidInputError, match="max_batch must be >= 1"):
-        start_running_state(tiny.config, tiny.dtype, max_batch=0, max_len=MAX_LEN)
-    assert not engine_mod._EARLY
-
-
 def test_running_state_is_made_while_the_programs_build(tiny, requests, monkeypatch):
     """The engine's running state (cache, penalty counters, token feed) is made on a worker
     thread: the constructor returns and the programs build from its shapes while it is

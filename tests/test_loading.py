@@ -63,18 +63,6 @@ def test_orbax_round_trip_is_exact(tmp_path, smollm2):
             == smollm2.tokenizer.apply_chat_template("hi"))
 
 
-def test_on_config_is_told_the_config_and_dtype_once(tmp_path, smollm2, smollm2_gguf_path):
-    """`load(on_config=...)`: called once with the config and dtype the params come back
-    with: before a GGUF's tensors are read (checked in test_server_startup), after the
-    other sources are loaded."""
-    for source, dtype in ((smollm2_gguf_path, None), (gsm_jax.save(smollm2, tmp_path / "c"),
-                                                      "bfloat16")):
-        told = []
-        params = gsm_jax.load(source, dtype=dtype, on_config=lambda c, d: told.append((c, d)))
-        assert len(told) == 1 and told[0][0] == params.config, source
-        assert np.dtype(told[0][1]) == np.dtype(params.dtype), source
-
-
 def test_save_refuses_to_overwrite(tmp_path, smollm2):
     (tmp_path / "x").write_text("keep me")
     with pytest.raises(gsm_jax.InvalidInputError, match="not empty"):

@@ -198,46 +198,6 @@ def test_health_and_requests_503_while_warming(tiny_llama, monkeypatch, caplog):
     assert second.loop is None
 
 
-def test_server_fills_its_cache_while_the_weights_are_read(monkeypatch, smollm2_gguf_path):
-    """At the server's default GSM settings, the engine's running state is started once
-    the GGUF's config is read, before its tensors are, and the engine takes that state
-    instead of making its own."""
-    from gsm_jax.models import gguf_reader
-    from gsm_jax.serving import engine as engine_mod
-    from gsm_jax.serving.engine import Engine
-
-    events = []
-    real_start, real_take = engine_mod.start_running_state, engine_mod._early_state
-    real_tensors = gguf_reader._load_tensors
-
-    def start(*a, **k):
-        real_start(*a, **k)
-        events.append(("started", engine_mod._EARLY[0][1]))
-
-    def take(key):
-        got = real_take(key)
-        events.append(("taken", got))
-        return got
-
-    def tensors(*a, **k):
-        events.append(("tensors", None))
-        return real_tensors(*a, **k)
-
-    monkeypatch.setattr(engine_mod, "start_running_state", start)
-    monkeypatch.setattr(engine_mod, "_early_state", take)
-    monkeypatch.setattr(gguf_reader, "_load_tensors", tensors)
-    monkeypatch.setattr(Engine, "warmup", lambda self, *a, **k: {})
-    server = GSMServer(ServerOptions(model="smollm2-135m", max_batch=2, max_len=64,
-                                     prefill_chunk=None, admin_token=TOKEN))
-    try:
-        server.load()
-        assert server.status == "ready"
-        assert [e[0] for e in events] == ["started", "tensors", "taken"], events
-        assert events[2][1] is events[0][1] and events[0][1] is not None
-    finally:
-        server.close()
-
-
 # ----------------------------------------------------------------------------- (c) SIGTERM
 
 

@@ -80,8 +80,6 @@ __all__ = ["GSMServer", "ServerOptions", "WarmupCancelled", "build_app"]
 
 log = logging.getLogger("gsm_jax.serving")
 
-DEFAULT_GSM_RING = 16  # GSM ring rows without a GSM file sizing them (--gsm-ring)
-
 STARTING = ("loading", "warming")  # statuses before ready: API requests get 503
 STARTING_RETRY_AFTER_S = 5  # the Retry-After of a 503 while loading or warming
 
@@ -253,8 +251,7 @@ class GSMServer:
                     from gsm_jax.sharding import mesh_from_shape
 
                     mesh = mesh_from_shape(tuple(o.mesh))
-                self.params = load(o.model, dtype=o.dtype, mesh=mesh,
-                                   on_config=self._start_state if mesh is None else None)
+                self.params = load(o.model, dtype=o.dtype, mesh=mesh)
             if self.params.tokenizer is None:
                 raise InvalidInputError(f"{o.model}: no tokenizer; the server takes text")
             initial = None
@@ -267,7 +264,7 @@ class GSMServer:
             self.engine = engine = Engine(
                 self.params, max_batch=o.max_batch, max_len=o.max_len, compile_gsm=compile_gsm,
                 gsm=initial, seed=o.seed, prefill_chunk=o.prefill_chunk,
-                gsm_ring=o.gsm_ring or (None if initial is not None else DEFAULT_GSM_RING),
+                gsm_ring=o.gsm_ring or (None if initial is not None else 16),
                 kv_cache_dtype=o.kv_cache_dtype,
                 prefix_cache_bytes=o.prefix_cache_bytes if o.prefill_chunk else 0,
                 async_scheduling=o.async_scheduling)
@@ -310,23 +307,6 @@ class GSMServer:
     def _check_stopping(self) -> None:
         if self._stopping.is_set():
             raise WarmupCancelled("stopped while starting")
-
-    def _start_state(self, config: Any, dtype: Any) -> None:
-        """`load`'s `on_config`: start filling the engine's running state (its KV cache) on
-        another core while the weights are read (`serving.engine.start_running_state`),
-        for the ring the engine will have. Not when a GSM file sizes the ring and no
-        --gsm-ring is given: that file is read after the weights."""
-        from gsm_jax.models.common import config_with_kv_cache_dtype
-        from gsm_jax.serving.engine import start_running_state
-
-        o = self.options
-        if o.gsm is not None and not o.gsm_ring:
-            return
-        window = None
-        if o.gsm is not None or o.compile_gsm:
-            window = o.gsm_ring or DEFAULT_GSM_RING  # the engine's gsm_ring below
-        start_running_state(config_with_kv_cache_dtype(config, o.kv_cache_dtype), dtype,
-                            max_batch=o.max_batch, max_len=o.max_len, gsm_window=window)
 
     def stop_loading(self) -> bool:
         """Stop a load or warm-up in progress: the loading thread ends at the warm-up's next

@@ -71,7 +71,6 @@ the thread that steps the engine) let a server stream them.
 from __future__ import annotations
 
 import functools
-import logging
 import math
 import os
 import threading
@@ -110,9 +109,7 @@ from gsm_jax.serving.requests import (
 from gsm_jax.serving.slots import SlotState, pick_flags
 from gsm_jax.sharding import mesh_of
 
-__all__ = ["DEFAULT", "Engine", "Request", "RequestRecord", "clock", "start_running_state"]
-
-log = logging.getLogger("gsm_jax.serving")
+__all__ = ["DEFAULT", "Engine", "Request", "RequestRecord", "clock"]
 
 STEP_LOG = 65536  # engine calls kept in `Engine.step_times` outside `run`
 
@@ -157,60 +154,6 @@ def _in_background(fn: Callable[[], Any]) -> Future:
 
     threading.Thread(target=run, name="gsm-jax-fresh-state", daemon=True).start()
     return future
-
-
-# A running state started before its engine (`start_running_state`): (what it was made
-# for, its Future). One at a time; the next engine built takes it or drops it.
-_EARLY: list[tuple[tuple, Future]] = []
-_EARLY_LOCK = threading.Lock()
-
-
-def _check_sizes(config: Any, max_batch: Any, max_len: Any) -> None:
-    if int(max_batch) < 1:
-        raise InvalidInputError(f"max_batch must be >= 1, got {max_batch!r}")
-    context = config.max_position_embeddings
-    if not 1 <= int(max_len) <= context:
-        raise InvalidInputError(f"max_len must be in [1, {context}] (the model's context), "
-                                f"got {max_len!r}")
-
-
-def _state_key(config: Any, dtype: Any, max_batch: int, max_len: int,
-               gsm_window: int | None) -> tuple:
-    return (config, np.dtype(dtype).name, int(max_batch), int(max_len),
-            None if gsm_window is None else int(gsm_window))
-
-
-def start_running_state(config: Any, dtype: Any, *, max_batch: int, max_len: int,
-                        gsm_window: int | None = None) -> None:
-    """Start making an engine's running state (its zeroed KV cache, GSM rings, penalty
-    counters and token feed: `programs.fresh_state`) on a worker thread before the engine
-    exists, while the model's weights are still being read: the server calls it from
-    `gsm_jax.load`'s `on_config`. The next `Engine` built takes it if it needs exactly this
-    state (the same model config with its KV-cache format, the weights' dtype,
-    `max_batch`, `max_len` and GSM ring rows, `gsm_window`, None without GSM); otherwise
-    it is dropped and the engine makes its own. Filling 16 slots x 8192 tokens of SmolLM2
-    (6 GB) takes ~3 s of one core, which the GGUF's reading leaves free (the
-    `--max-len 8192` warm start: docs/performance_notes.md, "Serving start-up: the KV
-    cache filled while the weights are read")."""
-    _check_sizes(config, max_batch, max_len)  # refused here as the engine would refuse them
-    key = _state_key(config, dtype, max_batch, max_len, gsm_window)
-    make = functools.partial(programs.fresh_state, config, int(max_batch), int(max_len),
-                             np.dtype(dtype), gsm_window)
-    with _EARLY_LOCK:
-        _EARLY[:] = [(key, _in_background(make))]
-
-
-def _early_state(key: tuple | None) -> Future | None:
-    """The state `start_running_state` started, if it was for `key`; dropped either way."""
-    with _EARLY_LOCK:
-        early = _EARLY[:]
-        _EARLY.clear()
-    if not early:
-        return None
-    if key is not None and early[0][0] == key:
-        return early[0][1]
-    log.info("a running state started before the engine was for other shapes; dropped")
-    return None
 
 
 @dataclass
@@ -286,11 +229,16 @@ class Engine:
                 f"{type(params).__name__}"
             )
         params = with_kv_cache_dtype(params, kv_cache_dtype)
-        _check_sizes(params.config, max_batch, max_len)
+        if int(max_batch) < 1:
+            raise InvalidInputError(f"max_batch must be >= 1, got {max_batch!r}")
         self.params = params
         self._mesh = mesh_of(params.weights)  # sharded params: the mesh, for expert parallelism
         self.config = params.config
         self.family = family_module(self.config.family)
+        context = self.config.max_position_embeddings
+        if not 1 <= int(max_len) <= context:
+            raise InvalidInputError(f"max_len must be in [1, {context}] (the model's context), "
+                                    f"got {max_len!r}")
         self.max_batch = int(max_batch)
         self.max_len = int(max_len)
         if prefill_chunk is not None:
@@ -471,11 +419,8 @@ class Engine:
         self._fresh = None
         self._state_like = jax.eval_shape(make)
         if self._mesh is None:
-            key = _state_key(self.config, self.params.dtype, self.max_batch, self.max_len,
-                             window)
-            self._fresh = _early_state(key) or _in_background(make)
+            self._fresh = _in_background(make)
         else:
-            _early_state(None)
             self._cache, self._pen, self._prev = make()
         self._pen_dirty[:] = False
         self._plan()  # the programs for this cache's structure
