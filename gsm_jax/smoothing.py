@@ -155,17 +155,19 @@ def _prefill_xla(x, positions, window, strength, lo, *, max_window: int, precisi
     return combine(x, total, count[..., None], strength[:, None, None], mask[..., None], precision)
 
 
-# A decode batch whose rings hold at most this many rows in all (B x W) reads every
-# ring row in one masked reduce instead of picking a bucket (docs/performance_notes.md,
-# "GSM decode: few rows read the whole ring").
+# A decode batch of rings of at most WHOLE_RING_MAX_WINDOW rows, at most WHOLE_RING_ROWS
+# rows in all (B x W), reads every ring row in one masked reduce instead of picking a
+# bucket (docs/performance_notes.md, "GSM decode: few rows read the whole ring").
 WHOLE_RING_ROWS = 64
+WHOLE_RING_MAX_WINDOW = 16
 
 
 def decode_buckets(max_window: int, rows: int | None = None) -> tuple[int, ...]:
     """Static ring-read sizes of the XLA decode: 8, 16, 32, ... below
-    max_window, then max_window itself; only max_window when `rows` (the batch)
-    times max_window is at most WHOLE_RING_ROWS."""
-    if rows is not None and rows * max_window <= WHOLE_RING_ROWS:
+    max_window, then max_window itself; only max_window for `rows` (the batch) rings
+    of at most WHOLE_RING_MAX_WINDOW rows, WHOLE_RING_ROWS in all."""
+    if (rows is not None and max_window <= WHOLE_RING_MAX_WINDOW
+            and rows * max_window <= WHOLE_RING_ROWS):
         return (max_window,)
     sizes = [b for b in (2**k for k in range(3, 31)) if b < max_window]
     return (*sizes, max_window)
@@ -207,7 +209,7 @@ def _decode_xla_stacked(x, rings, layer, position, window, strength, lo, *, prec
     is one `lax.switch` branch, picked at run time from the largest count in
     the batch: changing the window never recompiles (docs/performance_notes.md,
     "GSM decode: read only the ring rows the window needs"). A batch of few small
-    rings (B x W <= WHOLE_RING_ROWS) reads the whole ring: no switch to compile.
+    rings (`decode_buckets` with `rows`) reads the whole ring: no switch to compile.
 
     The model carries all layers' rings through its layer scan; touching only
     [layer, b, slot] (one scatter) and the gathered rows keeps the step from

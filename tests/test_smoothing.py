@@ -244,11 +244,11 @@ def test_decode_matches_prefill_small_windows_and_adaptive():
 
 
 def test_decode_few_rows_read_the_whole_ring():
-    # 2 rows x max_window 20 <= WHOLE_RING_ROWS: one masked reduce over the whole ring, no
-    # switch; windows 3 and 20 need what the buckets 8 and 20 would read.
-    assert decode_buckets(20, 2) == (20,)
-    _decode_vs_prefill("xla", [3, 20], max_window=20)
-    _decode_vs_prefill("xla", [0, 1], max_window=20)
+    # 2 rings of 16 rows: one masked reduce over the whole ring, no switch; windows 3 and
+    # 16 need what the buckets 8 and 16 would read.
+    assert decode_buckets(16, 2) == (16,)
+    _decode_vs_prefill("xla", [3, 16], max_window=16)
+    _decode_vs_prefill("xla", [0, 1], max_window=16)
 
 
 @pytest.mark.parametrize("rows, switch", [(1, False), (4, False), (5, True), (16, True)])
@@ -291,8 +291,9 @@ def test_buckets():
     assert decode_buckets(4) == (4,)
     assert decode_buckets(16, 4) == (16,)  # 64 ring rows in all: the whole ring
     assert decode_buckets(16, 5) == (8, 16)
-    assert decode_buckets(64, 1) == (64,)
-    assert decode_buckets(64, 2) == (8, 16, 32, 64)
+    assert decode_buckets(8, 8) == (8,)
+    assert decode_buckets(32, 1) == (8, 16, 32)  # longer rings keep the buckets
+    assert decode_buckets(64, 1) == (8, 16, 32, 64)
     assert prefill_buckets(64) == (16, 32, 64)
     assert prefill_buckets(4) == (8,)
 
