@@ -37,19 +37,11 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402  (no jax at import)
+import bench_generate as bg  # noqa: E402  (no jax at import)
+import common  # noqa: E402
 import numpy as np  # noqa: E402
 
 MAX_COMPARABLE_LOAD = 1.5
-
-
-def _xla_threads(threads: int | None) -> None:
-    """One intra-op thread for XLA:CPU when --threads 1 (set before jax starts)."""
-    if threads == 1:
-        flags = os.environ.get("XLA_FLAGS", "")
-        if "xla_cpu_multi_thread_eigen" not in flags:
-            os.environ["XLA_FLAGS"] = (flags + " --xla_cpu_multi_thread_eigen=false "
-                                       "intra_op_parallelism_threads=1").strip()
 
 
 def forms(jnp, lax):
@@ -165,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="runs/bench_cpu_gemm")
     p.add_argument("--threads", type=int, default=None,
-                   help="1: XLA:CPU on one thread (pin the process with taskset as well)")
+                   help="pin the process to its first N cores (XLA:CPU sizes its thread "
+                        "pool from them). Default: all cores")
     p.add_argument("--k", type=int, default=576, help="contracted size (SmolLM2's hidden)")
     p.add_argument("--n", type=int, default=49152, help="output size (SmolLM2's vocabulary)")
     p.add_argument("--rows", default="1,2,4,16")
@@ -175,10 +168,15 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.quick:
         args.n, args.repeats, args.roofline_mib = 4096, 3, 16
-    args.rows = [int(r) for r in args.rows.split(",")]
+    try:
+        args.rows = [int(r) for r in args.rows.split(",")]
+    except ValueError:
+        p.error(f"--rows {args.rows!r}: a comma list of row counts, e.g. 1,2,4,16")
     if min(args.rows) < 1 or args.repeats < 1 or args.k < 1 or args.n < 1:
         p.error("--rows, --repeats, --k and --n must be >= 1")
-    _xla_threads(args.threads)
+    if args.threads is not None and args.threads < 1:
+        p.error("--threads must be >= 1")
+    bg.pin_threads(args.threads)  # before jax starts its thread pool
     t0 = time.perf_counter()
     res = run(args)
     out = Path(args.out)

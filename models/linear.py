@@ -43,9 +43,6 @@ W8A16_DIGITS = 3  # digits per activation row (see `_int8_digits`)
 # Up to this many rows (decode batches) a CPU w8a16 product runs as int8 digit products
 # (see `_w8a16_matmul`); prefill-sized products keep the converted-weight dot.
 W8A16_DIGIT_MAX_ROWS = 16
-# A bf16 / f16 float weight multiplies with float32 accumulation (see `_float_matmul`);
-# False gives XLA's default (a 16-bit result, operands widened on CPU), for comparisons.
-LOW_PRECISION_F32_ACCUMULATE = True
 
 
 @struct.dataclass
@@ -286,12 +283,12 @@ def _float_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
     XLA:CPU that is the form its GEMM library (YNNPACK) runs on the 16-bit weight as
     stored; a 16-bit result makes XLA widen both operands to float32 instead, and the
     weights of a whole decode loop get float32 copies. One row keeps that widened form:
-    the library's one-row 16-bit product is ~14x slower than the float32 matrix-vector
+    the library's one-row 16-bit product is ~13x slower than the float32 matrix-vector
     product (docs/performance_notes.md, "16-bit products accumulate in float32")."""
     w = w.astype(x.dtype)
     rows = int(np.prod(x.shape[:-1], dtype=np.int64))
     one_row_cpu = rows < 2 and jax.default_backend() == "cpu"
-    if LOW_PRECISION_F32_ACCUMULATE and jnp.dtype(x.dtype).itemsize == 2 and not one_row_cpu:
+    if jnp.dtype(x.dtype).itemsize == 2 and not one_row_cpu:
         y = jax.lax.dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())),
                                 preferred_element_type=jnp.float32)
         return y.astype(x.dtype)
