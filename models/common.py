@@ -55,6 +55,7 @@ class Step:
     n_new:     [B] real tokens of each row in this call.
     active:    [B] rows that advance (decode: finished rows compute but stay put).
     max_len:   the cache's slots (None without a cache).
+    pages:     a paged cache's page table (`KVCache.pages`), None otherwise.
     rings:     the GSM rings, one [layers, B, W, C] array per site (a list the site hook
                reads and replaces), or None when the hooks keep no state.
     """
@@ -67,6 +68,7 @@ class Step:
     sites: Sites
     max_len: int | None = None
     rings: list | None = None
+    pages: jax.Array | None = None  # a paged cache's page table [B, S / page] (`KVCache`)
     _sown: dict | None = None
 
     def __post_init__(self) -> None:
@@ -119,7 +121,7 @@ def prefill_step(lengths: jax.Array, t: int, cache: Any, sites: Any = None) -> S
     """Right-padded prompts into a fresh cache (rows start at position 0)."""
     step = forward_step(lengths, t, sites)
     return dataclasses.replace(step, mode="prefill", max_len=cache.max_len,
-                               rings=_rings_in(cache, step.sites))
+                               rings=_rings_in(cache, step.sites), pages=_pages_of(cache))
 
 
 def extend_step(n_new: jax.Array, t: int, cache: Any, sites: Any = None) -> Step:
@@ -130,7 +132,7 @@ def extend_step(n_new: jax.Array, t: int, cache: Any, sites: Any = None) -> Step
     sites = as_sites(sites)
     return Step("extend", jnp.where(valid, start[:, None] + steps[None, :], -1), start,
                 n_new.astype(jnp.int32), jnp.ones((n_new.shape[0],), bool), sites,
-                max_len=cache.max_len, rings=_rings_in(cache, sites))
+                max_len=cache.max_len, rings=_rings_in(cache, sites), pages=_pages_of(cache))
 
 
 def decode_step_ctx(cache: Any, active: jax.Array | None, sites: Any = None) -> Step:
@@ -140,7 +142,12 @@ def decode_step_ctx(cache: Any, active: jax.Array | None, sites: Any = None) -> 
     slot = jnp.minimum(cache.lengths, cache.max_len - 1)
     sites = as_sites(sites)
     return Step("decode", slot[:, None], cache.lengths, active.astype(jnp.int32),
-                active, sites, max_len=cache.max_len, rings=_rings_in(cache, sites))
+                active, sites, max_len=cache.max_len, rings=_rings_in(cache, sites),
+                pages=_pages_of(cache))
+
+
+def _pages_of(cache: Any) -> jax.Array | None:
+    return getattr(cache, "pages", None)
 
 
 def _rings_in(cache: Any, sites: Sites) -> list | None:
@@ -284,6 +291,15 @@ class KVCache:
           are int8 / float8_e4m3fn), one [B, kv_heads, S, head_dim // 32] float32 array of
           block scales per layer: slot s of head h holds k[.., h, s, 32 j: 32 (j + 1)] *
           k_scale[.., h, s, j] (`kv_quantize`); None when float.
+    pages: None (the layout above), or **paged** (the serving engine's pool, vLLM's
+          PagedAttention layout): the [B, S / page] int32 page table, row b's logical
+          page j (positions [j page, (j + 1) page)) held in physical page pages[b, j] of
+          each layer's pool; k, v (and their scales) are then [P, kv_heads, page, ...]
+          pools of P pages shared by every row (`init_paged_kv_cache`). The cache's
+          memory is then P pages, not B x max_len slots: which rows hold which pages is
+          the engine's business (it writes a row's table before the row's first chunk).
+          A decode row that is not active writes nothing, so a free row's stale table
+          never touches a page another row now holds.
     """
 
     k: tuple[jax.Array, ...]
@@ -292,10 +308,18 @@ class KVCache:
     rings: tuple[jax.Array, jax.Array] | None = None
     k_scale: tuple[jax.Array, ...] | None = None
     v_scale: tuple[jax.Array, ...] | None = None
+    pages: jax.Array | None = None
 
     @property
     def max_len(self) -> int:
+        if self.pages is not None:
+            return self.pages.shape[1] * self.k[0].shape[2]
         return self.k[0].shape[2]
+
+    @property
+    def page_size(self) -> int | None:
+        """Slots per page of a paged cache (None: not paged)."""
+        return None if self.pages is None else self.k[0].shape[2]
 
 
 def init_kv_cache(num_layers: int, num_kv_heads: int, head_dim: int,
@@ -320,6 +344,27 @@ def init_kv_cache(num_layers: int, num_kv_heads: int, head_dim: int,
                    rings=rings,
                    k_scale=None if scales is None else layers(scales, jnp.float32),
                    v_scale=None if scales is None else layers(scales, jnp.float32))
+
+
+def init_paged_kv_cache(num_layers: int, num_kv_heads: int, head_dim: int,
+                        site_sizes: tuple[int, ...], batch_size: int, max_len: int,
+                        num_pages: int, page_size: int, *, dtype: Any = jnp.float32,
+                        gsm_max_window: int | None = None,
+                        kv_dtype: str | None = None) -> KVCache:
+    """An empty paged cache (`KVCache.pages`): `num_pages` pages of `page_size` slots per
+    layer, shared by `batch_size` rows of up to `max_len` tokens (a multiple of
+    `page_size`); every row's table points at page 0 until the engine gives it pages."""
+    if page_size < 1 or max_len % page_size or num_pages < 1:
+        raise InvalidInputError(f"a paged KV cache needs max_len ({max_len}) a multiple of "
+                                f"page_size ({page_size}) and num_pages >= 1 ({num_pages})")
+    pool = init_kv_cache(num_layers, num_kv_heads, head_dim, site_sizes, num_pages,
+                         page_size, dtype=dtype, kv_dtype=kv_dtype)
+    rings = None
+    if gsm_max_window is not None:
+        rings = tuple(jnp.zeros((num_layers, batch_size, gsm_max_window, c), dtype)
+                      for c in site_sizes)
+    return pool.replace(lengths=jnp.zeros((batch_size,), jnp.int32), rings=rings,
+                        pages=jnp.zeros((batch_size, max_len // page_size), jnp.int32))
 
 
 # Low-precision KV cache: storage dtype and the largest magnitude it holds (int8 symmetric
@@ -439,7 +484,8 @@ def first_rows(cache: KVCache, rows: int) -> KVCache:
         raise InvalidInputError(f"first_rows: rows must be in [1, {len(cache.lengths)}], "
                                 f"got {rows!r}")
     rings = None if cache.rings is None else tuple(r[:, :rows] for r in cache.rings)
-    return cache.replace(lengths=cache.lengths[:rows], rings=rings)
+    pages = None if cache.pages is None else cache.pages[:rows]
+    return cache.replace(lengths=cache.lengths[:rows], rings=rings, pages=pages)
 
 
 def put_first_rows(cache: KVCache, part: KVCache) -> KVCache:
@@ -451,13 +497,19 @@ def put_first_rows(cache: KVCache, part: KVCache) -> KVCache:
         rings = tuple(jax.lax.dynamic_update_slice(r, p.astype(r.dtype), (0,) * r.ndim)
                       for r, p in zip(rings, part.rings, strict=True))
     return part.replace(lengths=jax.lax.dynamic_update_slice(
-        cache.lengths, part.lengths.astype(cache.lengths.dtype), (0,)), rings=rings)
+        cache.lengths, part.lengths.astype(cache.lengths.dtype), (0,)), rings=rings,
+        pages=cache.pages)
 
 
 def insert_rows(cache: Any, rows: Any, slots: jax.Array) -> Any:
     """Copy the rows of `rows` (same max_len) into `cache` at batch indices `slots` [b]:
     continuous batching, a request prefilled on its own joins a running batch. Works for
-    any cache whose leaves have the batch first, except GSM rings (batch second)."""
+    any cache whose leaves have the batch first, except GSM rings (batch second); not a
+    paged one (its rows are page tables: the serving engine writes them)."""
+    if getattr(cache, "pages", None) is not None or getattr(rows, "pages", None) is not None:
+        raise InvalidInputError("insert_rows: a paged KV cache's rows are page tables "
+                                "(serving engine); insert into a cache of rows")
+
     def put(big, small, axis=0):
         index = (slice(None),) * axis + (slots,)
         return big.at[index].set(small.astype(big.dtype))
@@ -482,6 +534,10 @@ def take_row(cache: Any, slot: jax.Array) -> Any:
     def take(path, a):
         return jax.lax.dynamic_slice_in_dim(a, slot, 1, axis=_batch_axis(path))
 
+    if getattr(cache, "pages", None) is not None:  # the pools stay whole: the row's table
+        rows = cache.replace(k=(), v=(), k_scale=None, v_scale=None)
+        row = jax.tree_util.tree_map_with_path(take, rows)
+        return row.replace(k=cache.k, v=cache.v, k_scale=cache.k_scale, v_scale=cache.v_scale)
     return jax.tree_util.tree_map_with_path(take, cache)
 
 
@@ -492,6 +548,11 @@ def put_row(cache: Any, row: Any, slot: jax.Array) -> Any:
         return jax.lax.dynamic_update_slice_in_dim(big, small.astype(big.dtype), slot,
                                                    axis=_batch_axis(path))
 
+    if getattr(cache, "pages", None) is not None:  # the row's pools are the whole pools
+        pools = dict(k=row.k, v=row.v, k_scale=row.k_scale, v_scale=row.v_scale)
+        none = dict(k=(), v=(), k_scale=None, v_scale=None)
+        out = jax.tree_util.tree_map_with_path(put, cache.replace(**none), row.replace(**none))
+        return out.replace(**pools)
     return jax.tree_util.tree_map_with_path(put, cache, row)
 
 
@@ -507,12 +568,16 @@ def kv_from_pieces(pieces: tuple, step: Step, cache: KVCache) -> KVCache:
     return KVCache(k=tuple(p[0] for p in pieces), v=tuple(p[1] for p in pieces),
                    lengths=new_lengths(step).astype(jnp.int32), rings=rings_out(step, cache),
                    k_scale=tuple(p[2] for p in pieces) if scaled else None,
-                   v_scale=tuple(p[3] for p in pieces) if scaled else None)
+                   v_scale=tuple(p[3] for p in pieces) if scaled else None,
+                   pages=_pages_of(cache))
 
 
 def write_kv(layer_cache: jax.Array, new: jax.Array, step: Step) -> jax.Array:
     """Put a call's keys or values [B, T, K, hd] into one layer's cache [B, K, S, hd] (or
-    their block scales [B, T, K, G] into [B, K, S, G])."""
+    their block scales [B, T, K, G] into [B, K, S, G]); into a paged pool
+    [P, K, page, hd] through the step's page table (`KVCache.pages`)."""
+    if step.pages is not None:
+        return _write_paged(layer_cache, new, step)
     if step.mode == "prefill":  # the chunk from slot 0 (padding lands in unread slots)
         return jax.lax.dynamic_update_slice(
             layer_cache, jnp.swapaxes(new, 1, 2).astype(layer_cache.dtype),
@@ -526,6 +591,25 @@ def write_kv(layer_cache: jax.Array, new: jax.Array, step: Step) -> jax.Array:
     write = jnp.where(step.valid, step.positions, step.max_len)  # padding: dropped
     return scatter_set(layer_cache, (jnp.arange(b)[:, None], slice(None), write),
                        new.astype(layer_cache.dtype), mode="drop")
+
+
+def _write_paged(pool: jax.Array, new: jax.Array, step: Step) -> jax.Array:
+    """`write_kv` into a paged pool: position p of row b goes to slot p % page of page
+    pages[b, p // page]. Padding, and every row of a decode step that is not active,
+    write nothing (index P: dropped)."""
+    n_pool, page = pool.shape[0], pool.shape[2]
+    b = new.shape[0]
+    table = step.pages
+    if step.mode == "decode":
+        pos = step.positions[:, 0]
+        phys = jnp.where(step.active, table[jnp.arange(b), pos // page], n_pool)
+        return scatter_set(pool, (phys, slice(None), pos % page),
+                           new[:, 0].astype(pool.dtype), mode="drop")
+    pos = jnp.maximum(step.positions, 0)
+    logical = jnp.minimum(pos // page, table.shape[1] - 1)
+    phys = jnp.where(step.valid, jnp.take_along_axis(table[:b], logical, axis=1), n_pool)
+    return scatter_set(pool, (phys, slice(None), pos % page), new.astype(pool.dtype),
+                       mode="drop")
 
 
 def kv_attention(q: jax.Array, k: jax.Array, v: jax.Array, kv_cache: tuple | None,
@@ -563,7 +647,7 @@ def kv_attention(q: jax.Array, k: jax.Array, v: jax.Array, kv_cache: tuple | Non
     # so the serving engine's prefill (an extend into a slot) equals `generate`'s.
     piece = tuple(write_kv(c, n, step) for c, n in zip(kv_cache, stored, strict=True))
     with jax.named_scope("attention"):
-        out = cache_attention(q, piece, step.positions, mask_fn, scale)
+        out = cache_attention(q, piece, step.positions, mask_fn, scale, pages=step.pages)
     return out, piece
 
 
@@ -574,7 +658,7 @@ ATTN_BLOCK = 128
 
 def cache_attention(q: jax.Array, piece: tuple, positions: jax.Array,
                     mask_fn: Callable | None = None, scale: float | None = None,
-                    block: int = ATTN_BLOCK) -> jax.Array:
+                    block: int = ATTN_BLOCK, pages: jax.Array | None = None) -> jax.Array:
     """Attention of the queries q [B, T, H, hd] at `positions` [B, T] (-1: padding) over a
     layer's cache `piece` (k, v [B', K, S, hd], B' >= B: rows [0, B) are read; or with
     their block scales, `kv_quantize`), each query seeing the slots <= its position.
@@ -588,12 +672,23 @@ def cache_attention(q: jax.Array, piece: tuple, positions: jax.Array,
     fully masked and leaves that row's numbers bit for bit unchanged (its weights are
     exp(-1e30 - m) = 0 and the rescale exp(0) = 1), so a row's result does not depend on
     the other rows, the trip count or the cache's size. `mask_fn(mask [B, T, blk],
-    slots [blk])` narrows the mask (Gemma's sliding window). Returns [B, T, H * hd]."""
+    slots [blk])` narrows the mask (Gemma's sliding window). Returns [B, T, H * hd].
+
+    `pages` [B', S / page] (a paged cache, `KVCache.pages`; piece is then the layer's
+    pools [P, K, page, hd]): a block is a page, block i of row b is read from page
+    pages[b, i] (a gather of one page per row), and the numbers are those of the same
+    tokens in a cache of rows with `block` = page."""
     b, t, h, hd = q.shape
     k_all, v_all = piece[0], piece[1]
-    kh, s = k_all.shape[1], k_all.shape[2]
+    kh = k_all.shape[1]
+    if pages is not None:
+        blk = k_all.shape[2]
+        s = pages.shape[1] * blk
+        table = pages[:b]
+    else:
+        s = k_all.shape[2]
+        blk = min(int(block), s)
     g = h // kh
-    blk = min(int(block), s)
     scale = hd**-0.5 if scale is None else scale
     # [B, K, G * T, hd]: per (row, kv head) the block's products are plain matrix products
     # [G T, hd] x [hd, blk] and [G T, blk] x [blk, hd] reading the cache in place
@@ -603,6 +698,8 @@ def cache_attention(q: jax.Array, piece: tuple, positions: jax.Array,
     n_blocks = jnp.minimum(n_blocks, -(-s // blk)).astype(jnp.int32)
 
     def read(a: jax.Array, start: jax.Array) -> jax.Array:
+        if pages is not None:  # start = i * page: each row's page i
+            return a.at[table[:, start // blk]].get(mode="promise_in_bounds")
         return jax.lax.dynamic_slice(a, (0, 0, start, 0), (b,) + a.shape[1:2] + (blk,)
                                      + a.shape[3:])
 

@@ -240,8 +240,16 @@ CONFIG_CLASS = LlamaConfig
 
 def init_cache(
     cfg: LlamaConfig, batch_size: int, max_len: int, *, dtype: Any = jnp.float32,
-    gsm_max_window: int | None = None,
+    gsm_max_window: int | None = None, paged: tuple[int, int] | None = None,
 ) -> KVCache:
+    """An empty KV cache of `batch_size` rows of `max_len` tokens; `paged` = (pages, page
+    size): a pool of that many pages shared by the rows (`common.init_paged_kv_cache`,
+    the serving engine's)."""
+    if paged is not None:
+        return common.init_paged_kv_cache(
+            cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.site_sizes, batch_size,
+            max_len, int(paged[0]), int(paged[1]), dtype=dtype,
+            gsm_max_window=gsm_max_window, kv_dtype=cfg.kv_cache_dtype)
     return common.init_kv_cache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.site_sizes,
                                 batch_size, max_len, dtype=dtype, gsm_max_window=gsm_max_window,
                                 kv_dtype=cfg.kv_cache_dtype)

@@ -114,6 +114,12 @@ def test_gsm_config_and_protect_first_are_part_of_the_key(tiny):
     assert st["hits_tokens"] == 32 * len(configs)  # only the second prompt of each config
 
 
+def _row(pool, pages, slot: int) -> np.ndarray:
+    """Row `slot` of a paged layer [K, S, hd], read through its page table."""
+    got = np.asarray(pool)[np.asarray(pages)[slot]]  # [pages, K, page, hd]
+    return np.concatenate(list(got), axis=1)
+
+
 def test_snapshot_restore_is_the_block_bit_for_bit(tiny):
     """A kept dense state is one chunk's slots (a quarter of a 64-slot row at 16) and the
     GSM rings after it; restoring it into another slot gives that slot the same first 16
@@ -125,13 +131,19 @@ def test_snapshot_restore_is_the_block_bit_for_bit(tiny):
     eng.run([Request(prompt, 2)])  # slot 0; keeps the blocks of boundaries 16 and 32
     kept = eng._call("snapshot", CHUNK, eng._cache, np.int32(0), np.int32(0))
     assert isinstance(kept, KVCache) and kept.max_len == CHUNK and kept.rings is not None
-    row = sum(a[0].nbytes for a in jax.tree.leaves(eng._cache.k + eng._cache.v))
-    assert sum(a.nbytes for a in jax.tree.leaves(kept.k + kept.v)) == row // 4
+    assert eng._cache.pages is not None  # the engine's cache is a pool of pages
+    per_token = sum(a.nbytes for a in jax.tree.leaves(eng._cache.k + eng._cache.v)) // (
+        eng.kv_cache_tokens)
+    assert sum(a.nbytes for a in jax.tree.leaves(kept.k + kept.v)) == CHUNK * per_token
     before = [np.asarray(a) for a in jax.tree.leaves(kept)]
-    eng._cache = eng._call("restore", CHUNK, eng._cache, kept, np.int32(1), np.int32(0))
+    # slot 1 gets the pages slot 0 did not hold (slot 0's table still names its pages)
+    held = np.asarray(eng._cache.pages)[0]
+    other = np.setdiff1d(np.arange(eng.paged[0]), held)[:held.size].astype(np.int32)
+    eng._cache = eng._call("restore", CHUNK, eng._cache, kept, np.int32(1), np.int32(0), other)
     c = eng._cache
-    for a, b in zip(c.k + c.v, c.k + c.v, strict=True):
-        np.testing.assert_array_equal(np.asarray(a)[1, :, :CHUNK], np.asarray(b)[0, :, :CHUNK])
+    np.testing.assert_array_equal(np.asarray(c.pages)[1], other)
+    for a in c.k + c.v:
+        np.testing.assert_array_equal(_row(a, c.pages, 1)[:, :CHUNK], _row(a, c.pages, 0)[:, :CHUNK])
     for r, k in zip(c.rings, kept.rings, strict=True):
         np.testing.assert_array_equal(np.asarray(r)[:, 1], np.asarray(k)[:, 0])
     assert int(c.lengths[1]) == CHUNK

@@ -132,6 +132,19 @@ MIN_CHUNK_WIDTH = 32
 # one row, 4 rows 1.77x, 8 rows 2.14x, 16 rows 2.86x; each bound is one decode program.
 ROW_BOUND_FACTOR = 2
 
+# The KV cache's page (`models.common.KVCache.pages`): as many slots as one block of the
+# attention loop reads (`common.ATTN_BLOCK`), so a paged step reads what a step over rows
+# reads; a request holds ceil((prompt + max_new_tokens) / page) pages.
+KV_PAGE = common.ATTN_BLOCK
+
+# The KV pool's default size in bytes when `kv_cache_tokens` is not given: every slot's
+# max_len, but no more than this (and never less than one max_len request). SmolLM2's
+# float32 cache is 45 KiB a token: 16 slots x 2048 tokens (1.4 GiB) fit whole; at
+# --max-len 8192 the pool holds 46k tokens (5.7 whole-context requests, or 16 of 2.9k)
+# instead of 6 GiB of slots mostly never written (vLLM sizes its pool by memory too:
+# `--gpu-memory-utilization`, on CPU `VLLM_CPU_KVCACHE_SPACE`).
+KV_POOL_BYTES = 2 << 30
+
 
 # ----------------------------------------------------------------------------- engine
 
@@ -214,6 +227,15 @@ class Engine:
     host's bookkeeping (emitting tokens, stop checks, the server's streaming) overlaps
     the device's work, as vLLM's async scheduling; outputs are the same as with it off
     (tested). Use `submit` + `step` to drive it yourself, or `run`.
+
+    **The KV cache is a pool of pages** (vLLM's PagedAttention layout,
+    `models.common.KVCache.pages`) for the dense families on one device: `kv_cache_tokens`
+    slots in pages of `KV_PAGE` (128), shared by the `max_batch` rows; a request holds
+    ceil((prompt + max_new_tokens) / 128) pages from its admission to its end, and waits
+    in the queue while they are not free. Default: every row's max_len, capped at
+    `KV_POOL_BYTES` (2 GiB; never below one max_len request), so `max_len` no longer
+    sizes the memory (nor the start-up: 16 x 8192 slots of SmolLM2 were 6 GB to fill).
+    DeepSeek caches and a mesh keep rows of max_len.
     """
 
     def __init__(self, params: ModelParams, *, max_batch: int = 8, max_len: int = 1024,
@@ -222,7 +244,7 @@ class Engine:
                  prefill_chunk: int | None = PREFILL_CHUNK, gsm_ring: int | None = None,
                  kv_cache_dtype: str | None = None,
                  prefix_cache_bytes: int = 0, bound_rows: bool = True,
-                 async_scheduling: bool = True) -> None:
+                 async_scheduling: bool = True, kv_cache_tokens: int | None = None) -> None:
         if not isinstance(params, ModelParams):
             raise InvalidInputError(
                 f"params must be what gsm_jax.load returns (ModelParams), got "
@@ -292,6 +314,7 @@ class Engine:
         self.slots: list[RequestRecord | None] = self._state.records
         # the penalty counters [max_batch, V] (`_pen`) are made with the cache
         self._pen_dirty = np.zeros((b,), bool)  # a penalized request's values still there
+        self._setup_pages(kv_cache_tokens)
         if self.gsm_compiled:
             self.set_gsm(gsm)
         else:
@@ -414,8 +437,10 @@ class Engine:
         # of the programs overlaps; the first read of the state waits for it. The programs
         # are planned from its shapes meanwhile (see docs/performance_notes.md, "Serving
         # start-up: the running state made on a worker thread; where a cold compile goes").
+        self._reset_pages()
         make = functools.partial(programs.fresh_state, self.config, self.max_batch,
-                                 self.max_len, np.dtype(self.params.dtype), window)
+                                 self.max_len, np.dtype(self.params.dtype), window,
+                                 self.paged)
         self._fresh = None
         self._state_like = jax.eval_shape(make)
         if self._mesh is None:
@@ -511,6 +536,85 @@ class Engine:
     def has_work(self) -> bool:
         return bool(self.waiting) or self.num_active > 0 or self._prefilling is not None
 
+    # ------------------------------------------------------------------ the KV pool
+
+    def _setup_pages(self, tokens: int | None) -> None:
+        """The page pool's size (`kv_cache_tokens`), or rows of max_len where the cache
+        cannot be paged (DeepSeek caches, a mesh): `self.paged` = (pages, page) or None."""
+        import inspect
+
+        pageable = (self._mesh is None and "paged" in inspect.signature(
+            self.family.init_cache).parameters)
+        if tokens is not None and (isinstance(tokens, bool) or not isinstance(
+                tokens, int | np.integer) or tokens < 1):
+            raise InvalidInputError(f"kv_cache_tokens must be an integer >= 1, got {tokens!r}")
+        if not pageable:
+            if tokens is not None:
+                raise InvalidInputError(
+                    f"kv_cache_tokens: the {self.config.family} family's cache "
+                    + ("on a mesh " if self._mesh is not None else "")
+                    + "is not paged (rows of max_len each); leave it unset")
+            self.paged, self._table_len = None, 0
+            return
+        page = min(KV_PAGE, self.max_len)
+        self._table_len = -(-self.max_len // page)
+        per_row = self._table_len
+        one = jax.eval_shape(lambda: self.family.init_cache(
+            self.config, 1, page, dtype=np.dtype(self.params.dtype), paged=(1, page)))
+        page_bytes = sum(int(a.size) * a.dtype.itemsize for name in ("k", "v", "k_scale",
+                                                                      "v_scale")
+                         for a in jax.tree.leaves(getattr(one, name)))
+        if tokens is None:
+            fit = max(per_row, KV_POOL_BYTES // max(page_bytes, 1))
+            n_pages = min(self.max_batch * per_row, fit)
+        else:
+            n_pages = -(-int(tokens) // page)
+            if n_pages < per_row:
+                raise InvalidInputError(
+                    f"kv_cache_tokens={tokens} holds less than one request of max_len="
+                    f"{self.max_len} ({per_row} pages of {page}); give at least "
+                    f"{per_row * page}, or a smaller max_len")
+        self.paged = (int(n_pages), int(page))
+        self.kv_page_bytes = page_bytes
+        self._free_pages: list[int] = []
+        self._slot_pages: list[list[int]] = [[] for _ in range(self.max_batch)]
+        self._reset_pages()
+
+    def _reset_pages(self) -> None:
+        if self.paged is not None:
+            self._free_pages = list(range(self.paged[0] - 1, -1, -1))  # pop() takes page 0
+            self._slot_pages = [[] for _ in range(self.max_batch)]
+
+    @property
+    def kv_cache_tokens(self) -> int:
+        """Slots of the KV cache: the page pool's, or max_batch x max_len (rows)."""
+        if self.paged is None:
+            return self.max_batch * self.max_len
+        return self.paged[0] * self.paged[1]
+
+    def _pages_needed(self, item: _Waiting) -> int:
+        page = self.paged[1]
+        return -(-min(item.prompt.size + item.record.max_new_tokens, self.max_len) // page)
+
+    def _take_pages(self, slot: int, n: int) -> None:
+        assert not self._slot_pages[slot], f"slot {slot} still holds pages"
+        self._slot_pages[slot] = [self._free_pages.pop() for _ in range(n)]
+
+    def _release_pages(self, slot: int) -> None:
+        if self.paged is not None and 0 <= slot < self.max_batch:
+            self._free_pages.extend(reversed(self._slot_pages[slot]))
+            self._slot_pages[slot] = []
+
+    def _page_row(self, slot: int) -> np.ndarray | None:
+        """The slot's page table row [max_len / page] (its pages, then page 0 where it
+        holds none: never written, never read past its length); None when not paged."""
+        if self.paged is None:
+            return None
+        row = np.zeros((self._table_len,), np.int32)
+        held = self._slot_pages[slot]
+        row[:len(held)] = held
+        return row
+
     @property
     def kv_tokens(self) -> int:
         """Cache slots holding tokens of running requests (prompt + generated so far)."""
@@ -521,8 +625,11 @@ class Engine:
 
     @property
     def kv_usage(self) -> float:
-        """kv_tokens / (max_batch * max_len)."""
-        return self.kv_tokens / float(self.max_batch * self.max_len)
+        """The share of the KV cache held: pages reserved by running requests / pages
+        (paged), else kv_tokens / (max_batch * max_len)."""
+        if self.paged is None:
+            return self.kv_tokens / float(self.max_batch * self.max_len)
+        return 1.0 - len(self._free_pages) / float(self.paged[0])
 
     # ------------------------------------------------------------------ requests
 
@@ -621,6 +728,7 @@ class Engine:
                 break
         else:
             if self._prefilling is not None and self._prefilling.item.record is record:
+                self._release_pages(self._prefilling.slot)
                 self._prefilling = None
             elif 0 <= record.slot < self.max_batch and self.slots[record.slot] is record:
                 self._free(record.slot)
@@ -636,6 +744,7 @@ class Engine:
 
     def _free(self, slot: int) -> None:
         self._state.free(slot)
+        self._release_pages(slot)
 
     def _emit(self, slot: int, rec: RequestRecord, token: int, t: float,
               lp: tuple | None = None) -> bool:
@@ -730,10 +839,14 @@ class Engine:
             if not free:
                 break
             item = self.waiting[0]
+            if self.paged is not None and self._pages_needed(item) > len(self._free_pages):
+                break  # first come first served: it waits for pages, as do those behind it
             cfg = self._resolve_gsm(item)
             if not self._can_admit(cfg):
                 break
             self.waiting.popleft()
+            if self.paged is not None:
+                self._take_pages(free[0], self._pages_needed(item))
             if self._admit(free[0], item, cfg):
                 done.append(item.record)
         if self.num_active or self._ahead is not None:
@@ -777,7 +890,8 @@ class Engine:
             saved = jax.eval_shape(functools.partial(programs.snapshot, block=block),
                                    cache, np.int32(0), np.int32(0))
             ps.add("restore", block, programs.restore,
-                   (cache, saved, np.int32(0), np.int32(0)), donate=(0,), out=cache)
+                   (cache, saved, np.int32(0), np.int32(0), self._page_row(0)), donate=(0,),
+                   out=cache)
         self.programs = ps
 
     def _call(self, name: str, bucket: Any, *args: Any) -> Any:
@@ -837,7 +951,8 @@ class Engine:
                np.asarray([s.repetition], np.float32))
         return (self.params.weights, cache, pen, tokens,
                 np.asarray([n], np.int32), np.int32(start), np.int32(slot), targets, gsm,
-                sampling, fpr, pick_flags([(s, lp)]), np.bool_(prompt_lp), np.bool_(last))
+                sampling, fpr, pick_flags([(s, lp)]), np.bool_(prompt_lp), np.bool_(last),
+                self._page_row(slot))
 
     # ------------------------------------------------------------------ admission
 
@@ -877,7 +992,8 @@ class Engine:
             chain = self.prefix_cache.lookup_chain(list(keys.items()), item.prompt.size)
             for start, saved in chain:  # the blocks in order: the last one's rings stay
                 self._cache = self._call("restore", self.prefill_chunk, self._cache, saved,
-                                         np.int32(slot), np.int32(start))
+                                         np.int32(slot), np.int32(start),
+                                         self._page_row(slot))
                 done = start + self.prefill_chunk
             if chain:
                 self.step_times.append(("restore", done, clock() - rec.admitted))

@@ -179,9 +179,11 @@ def _fresh(row, start, config, gsm, dtype):
 
 @functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("cache", "pen"))
 def extend(weights, cache, pen, tokens, n_new, start, slot, targets, gsm, sampling, fpr, flags,
-           prompt_lp, last, *, config):
+           prompt_lp, last, page_row, *, config):
     """W prompt tokens `tokens` [1, W] (the first `n_new` [1] real) into slot `slot` of the
     running cache, whose row holds `start` tokens already (0: a fresh prefill), in place.
+    `page_row`: a paged cache's table row for the slot (the pages the engine gave the
+    request; written before the chunk), None for a cache of rows.
 
     Returns (the pick after the chunk's last real token [1] and its log-probabilities,
     the prompt log-probabilities of `targets` [1, W] (each position's next prompt token;
@@ -189,6 +191,7 @@ def extend(weights, cache, pen, tokens, n_new, start, slot, targets, gsm, sampli
     when this is its last chunk (`last`; ignored otherwise), and is then counted for the
     penalties."""
     family = family_module(config.family)
+    cache = _with_page_row(cache, slot, page_row)
     row = common.take_row(cache, slot)
     row = _fresh(row, start, config, gsm, jax.tree.leaves(weights)[0].dtype)
     row = row.replace(lengths=jnp.reshape(start, (1,)).astype(row.lengths.dtype))
@@ -208,12 +211,28 @@ def extend(weights, cache, pen, tokens, n_new, start, slot, targets, gsm, sampli
     return tok, lp, plp, cache, pen
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
-def fresh_state(config, max_batch: int, max_len: int, dtype, gsm_window: int | None):
-    """An engine's empty state: the running cache (`family.init_cache`), the penalty
-    counters (counts, seen, bias) [max_batch, V], and the token feed [max_batch]."""
-    cache = family_module(config.family).init_cache(config, max_batch, max_len, dtype=dtype,
-                                                    gsm_max_window=gsm_window)
+def _with_page_row(cache, slot, page_row):
+    """A paged cache with row `slot` of its page table set to `page_row`."""
+    if page_row is None:
+        return cache
+    return cache.replace(pages=jax.lax.dynamic_update_slice_in_dim(
+        cache.pages, page_row[None].astype(cache.pages.dtype), slot, axis=0))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4, 5))
+def fresh_state(config, max_batch: int, max_len: int, dtype, gsm_window: int | None,
+                paged: tuple[int, int] | None = None):
+    """An engine's empty state: the running cache (`family.init_cache`; `paged` = (pages,
+    page size): a pool of pages, max_len rounded up to whole pages), the penalty counters
+    (counts, seen, bias) [max_batch, V], and the token feed [max_batch]."""
+    family = family_module(config.family)
+    if paged is None:
+        cache = family.init_cache(config, max_batch, max_len, dtype=dtype,
+                                  gsm_max_window=gsm_window)
+    else:
+        page = paged[1]
+        cache = family.init_cache(config, max_batch, -(-max_len // page) * page, dtype=dtype,
+                                  gsm_max_window=gsm_window, paged=paged)
     v = config.vocab_size
     pen = (jnp.zeros((max_batch, v), jnp.int32), jnp.zeros((max_batch, v), bool),
            jnp.zeros((max_batch, v), jnp.float32))
@@ -238,26 +257,42 @@ def snapshot(cache, slot, start, *, block: int):
         return jax.tree.map(lambda a: a + jnp.zeros_like(a), row)  # its own buffers
 
     def cut(a):
+        if row.pages is not None:  # the block's tokens, gathered through the row's table
+            page, off = _token_pages(row, start, block)
+            return jnp.swapaxes(a[page, :, off], 0, 1)[None]
         return jax.lax.dynamic_slice_in_dim(a, start, block, axis=2)
 
     return row.replace(k=tuple(map(cut, row.k)), v=tuple(map(cut, row.v)),
                        k_scale=None if row.k_scale is None else tuple(map(cut, row.k_scale)),
                        v_scale=None if row.v_scale is None else tuple(map(cut, row.v_scale)),
                        rings=None if row.rings is None else
-                       tuple(a + jnp.zeros_like(a) for a in row.rings))
+                       tuple(a + jnp.zeros_like(a) for a in row.rings), pages=None)
+
+
+def _token_pages(row, start, n: int):
+    """(physical page, slot in it) [n] of tokens [start, start + n) of a one-row paged
+    cache."""
+    pos = start + jnp.arange(n)
+    page = row.k[0].shape[2]
+    return row.pages[0, pos // page], pos % page
 
 
 @functools.partial(jax.jit, donate_argnames=("cache",))
-def restore(cache, saved, slot, start):
+def restore(cache, saved, slot, start, page_row=None):
     """`snapshot`'s inverse: its block back at slots [start, start + block) of slot `slot`
     (GSM rings and length included: restoring the blocks in order leaves the last one's),
-    or its whole row."""
+    or its whole row. `page_row`: as `extend`'s (a paged cache's table row, set first)."""
     if not isinstance(saved, common.KVCache):
         return common.put_row(cache, saved, slot)
+    cache = _with_page_row(cache, slot, page_row)
     row = common.take_row(cache, slot)
     block = saved.k[0].shape[2]
 
     def put(big, small):
+        if row.pages is not None:
+            page, off = _token_pages(row, start, block)
+            return big.at[page, :, off].set(jnp.swapaxes(small[0], 0, 1),
+                                            mode="promise_in_bounds")
         return jax.lax.dynamic_update_slice_in_dim(big, small, start, axis=2)
 
     row = row.replace(
