@@ -427,3 +427,50 @@ def test_running_state_is_made_while_the_programs_build(tiny, requests, monkeypa
     eng = Engine(tiny, max_batch=2, max_len=MAX_LEN, eos_ids=[])
     with pytest.raises(MemoryError, match="no room for the cache"):
         eng.run(requests[:1])
+
+
+def test_kv_pool_of_pages_bounds_what_runs(tiny):
+    """The KV cache is a pool of pages: with 3 pages of 128 slots and 4 slots, the
+    fourth one-page request waits for a page although a slot is free; a two-page
+    request waits for two. Every output equals `generate_tokens` alone, and every page
+    is free at the end."""
+    rng = np.random.default_rng(5)
+    shapes = [(20, 30), (9, 40), (60, 12), (5, 25), (150, 10), (7, 8)]
+    reqs = [Request(rng.integers(4, 64, size=n).tolist(), m, request_id=f"p{i}")
+            for i, (n, m) in enumerate(shapes)]
+    eng = Engine(tiny, max_batch=4, max_len=256, eos_ids=[], prefill_chunk=64,
+                 kv_cache_tokens=3 * 128)
+    assert eng.paged == (3, 128) and eng.kv_cache_tokens == 384
+    assert eng._cache.k[0].shape[0] == 3 and eng._cache.pages.shape == (4, 2)
+    recs = [eng.submit(r) for r in reqs]
+    waited_with_a_free_slot = False
+    while eng.has_work:
+        eng.step()
+        held = sum(len(p) for p in eng._slot_pages)
+        assert held + len(eng._free_pages) == 3 and sorted(
+            eng._free_pages + [q for p in eng._slot_pages for q in p]) == [0, 1, 2]
+        assert eng.kv_usage == pytest.approx(held / 3)
+        if eng.waiting and eng.num_active + (eng._prefilling is not None) < eng.max_batch:
+            waited_with_a_free_slot = True
+    assert waited_with_a_free_slot
+    assert eng.kv_usage == 0.0 and not any(eng._slot_pages)
+    for req, rec in zip(reqs, recs, strict=True):
+        ref = gsm_jax.generate_tokens(tiny, [req.prompt], max_new_tokens=req.max_new_tokens,
+                                      eos_ids=[])[0]
+        np.testing.assert_array_equal(np.asarray(rec.tokens), ref, err_msg=str(rec.request_id))
+
+
+def test_kv_pool_size_and_release(tiny):
+    """The pool's default holds every slot's max_len (a small model: under 2 GiB); a pool
+    smaller than one max_len request is refused by name; an aborted prefill gives its
+    pages back."""
+    eng = Engine(tiny, max_batch=2, max_len=256, eos_ids=[], prefill_chunk=16)
+    assert eng.paged == (4, 128) and eng.kv_cache_tokens == 2 * 256
+    for bad in (100, 0, True, 2.5):
+        with pytest.raises(InvalidInputError, match="kv_cache_tokens"):
+            Engine(tiny, max_batch=2, max_len=256, kv_cache_tokens=bad)
+    rec = eng.submit(Request(list(range(4, 60)), 100))  # 156 tokens: 2 pages
+    eng.step()  # its first chunk of 16
+    assert eng._prefilling is not None and eng.kv_usage == 0.5
+    assert eng.abort(rec)
+    assert eng.kv_usage == 0.0 and len(eng._free_pages) == 4

@@ -699,3 +699,19 @@ def test_prefix_cache_flags(monkeypatch, capsys):
     assert seen == [10**9, 5 * 10**8, 0]
     assert main(["serve", "--prefix-cache-gb", "-1"]) == 2
     assert "--prefix-cache-gb must be >= 0" in capsys.readouterr().err
+
+
+def test_kv_cache_tokens_flag(monkeypatch, capsys):
+    """--kv-cache-tokens sizes the paged KV pool; one smaller than a --max-len request
+    is refused by name before the model loads."""
+    from gsm_jax.cli import main
+    from gsm_jax.serving import app
+
+    seen = []
+    monkeypatch.setattr(app, "serve", lambda options, **k: seen.append(
+        options.kv_cache_tokens))
+    assert main(["serve"]) == 0
+    assert main(["serve", "--kv-cache-tokens", "65536"]) == 0
+    assert seen == [None, 65536]
+    assert main(["serve", "--max-len", "4096", "--kv-cache-tokens", "2048"]) == 2
+    assert "--kv-cache-tokens 2048" in capsys.readouterr().err

@@ -110,6 +110,9 @@ class ServerOptions:
     mesh: tuple[int, int] | None = None  # (data, model): weights sharded, JAX SPMD
     gsm_ring: int | None = None  # GSM ring rows; default: what `gsm` needs, else 16
     kv_cache_dtype: str | None = None  # the KV cache's format (with_kv_cache_dtype); None: own
+    # slots of the paged KV cache (Engine's kv_cache_tokens); None: every slot's max_len,
+    # capped at engine.KV_POOL_BYTES
+    kv_cache_tokens: int | None = None
     # automatic prefix caching (vLLM's --enable-prefix-caching, on by default as in vLLM
     # V1): the states at prefill-chunk boundaries within this many bytes; 0: off
     prefix_cache_bytes: int = 10**9
@@ -267,7 +270,7 @@ class GSMServer:
                 gsm_ring=o.gsm_ring or (None if initial is not None else 16),
                 kv_cache_dtype=o.kv_cache_dtype,
                 prefix_cache_bytes=o.prefix_cache_bytes if o.prefill_chunk else 0,
-                async_scheduling=o.async_scheduling)
+                async_scheduling=o.async_scheduling, kv_cache_tokens=o.kv_cache_tokens)
             self.params = engine.params  # the KV-cache format is part of the model config
             self.live = LiveGSM(initial, check=self._check_gsm, on_change=self._gsm_changed)
             self._gsm_changed(self.live.current)
@@ -276,6 +279,11 @@ class GSMServer:
             t0, c0 = time.perf_counter(), compile_events.count()
             log.info("gsm-jax serve: %s loaded; warming up (compiling the engine's programs)",
                      self.name)
+            if engine.paged is not None:
+                log.info("gsm-jax serve: KV cache: %d pages of %d tokens (%d tokens, %.2f GiB; "
+                         "--kv-cache-tokens)", engine.paged[0], engine.paged[1],
+                         engine.kv_cache_tokens,
+                         engine.paged[0] * engine.kv_page_bytes / 2**30)
 
             def progress(done: int, total: int, what: str) -> None:
                 self.warm_progress = (int(done), int(total), str(what))
@@ -1156,6 +1164,7 @@ def build_app(server: GSMServer, *, load_in_background: bool = True) -> FastAPI:
             "running": server.loop.num_running,
             "waiting": server.loop.num_waiting, "kv_usage": eng.kv_usage,
             "max_batch": eng.max_batch, "max_len": eng.max_len,
+            "kv_cache_tokens": eng.kv_cache_tokens,
             "prefill_chunk": eng.prefill_chunk, "gsm_compiled": eng.gsm_compiled,
             "async_scheduling": eng.async_scheduling,
             "prefix_cache": eng.prefix_cache_stats(),

@@ -24,6 +24,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000, help="TCP port")
     p.add_argument("--max-batch", type=int, default=16, help="decode slots")
     p.add_argument("--max-len", type=int, default=2048, help="tokens per slot (prompt + new)")
+    p.add_argument("--kv-cache-tokens", type=int, default=None,
+                   help="slots of the paged KV cache, shared by the --max-batch slots (vLLM's "
+                   "pool of blocks; SGLang's --max-total-tokens): a request holds "
+                   "ceil((prompt + max_tokens) / 128) pages and waits while they are not "
+                   "free. Default: every slot's --max-len, capped at 2 GiB of cache (never "
+                   "below one --max-len request)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_KINDS),
                    help="the KV cache's format (vLLM's flag of the same name): 'auto' the "
                    "model's own; 'float' the activation dtype; 'int8' / 'fp8' (e4m3, "
@@ -86,6 +92,10 @@ def run_serve(args: argparse.Namespace) -> int:
     if not args.prefix_cache_gb >= 0:
         raise InvalidInputError(f"--prefix-cache-gb must be >= 0, got {args.prefix_cache_gb}")
     prefix_bytes = int(args.prefix_cache_gb * 1e9) if args.enable_prefix_caching else 0
+    if args.kv_cache_tokens is not None and args.kv_cache_tokens < args.max_len:
+        raise InvalidInputError(  # before the model loads (the engine says it again)
+            f"--kv-cache-tokens {args.kv_cache_tokens} holds less than one request of "
+            f"--max-len {args.max_len}")
     from gsm_jax.sharding import parse_mesh_spec
 
     mesh = parse_mesh_spec(args.mesh) if args.mesh else None
@@ -93,6 +103,7 @@ def run_serve(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     options = ServerOptions(
         model=args.model, dtype=args.dtype, max_batch=args.max_batch, max_len=args.max_len,
+        kv_cache_tokens=args.kv_cache_tokens,
         max_queue=args.max_queue, prefill_chunk=args.prefill_chunk, gsm=args.gsm,
         compile_gsm=not args.no_gsm, admin_token=args.admin_token,
         shutdown_timeout=args.shutdown_timeout, warmup_lengths=warm,
