@@ -699,6 +699,8 @@ def cache_attention(q: jax.Array, piece: tuple, positions: jax.Array,
 
     def read(a: jax.Array, start: jax.Array) -> jax.Array:
         if pages is not None:  # start = i * page: each row's page i
+            if b == 1:  # one row: a slice at its page (as the rows' cache's read)
+                return jax.lax.dynamic_slice_in_dim(a, table[0, start // blk], 1, axis=0)
             return a.at[table[:, start // blk]].get(mode="promise_in_bounds")
         return jax.lax.dynamic_slice(a, (0, 0, start, 0), (b,) + a.shape[1:2] + (blk,)
                                      + a.shape[3:])
