@@ -65,7 +65,9 @@ class FamilyModule(Protocol):
 
     def init_cache(self, cfg: Any, batch_size: int, max_len: int, *, dtype: Any,
                    gsm_max_window: int | None) -> Any:
-        """The decode cache; its slots hold positions 0 .. max_len - 1 of each row."""
+        """The decode cache; its slots hold positions 0 .. max_len - 1 of each row. A
+        family with a `common.KVCache` may take `paged=(pages, page_size)` as well (the
+        serving engine's pool of pages, `common.init_paged_kv_cache`)."""
 
     def prefill(self, weights: dict, cfg: Any, tokens: Any, lengths: Any, cache: Any,
                 sites: Any) -> tuple[Any, Any]:
