@@ -143,7 +143,8 @@ def test_snapshot_restore_is_the_block_bit_for_bit(tiny):
     c = eng._cache
     np.testing.assert_array_equal(np.asarray(c.pages)[1], other)
     for a in c.k + c.v:
-        np.testing.assert_array_equal(_row(a, c.pages, 1)[:, :CHUNK], _row(a, c.pages, 0)[:, :CHUNK])
+        np.testing.assert_array_equal(_row(a, c.pages, 1)[:, :CHUNK],
+                                      _row(a, c.pages, 0)[:, :CHUNK])
     for r, k in zip(c.rings, kept.rings, strict=True):
         np.testing.assert_array_equal(np.asarray(r)[:, 1], np.asarray(k)[:, 0])
     assert int(c.lengths[1]) == CHUNK
