@@ -1,7 +1,8 @@
 """Continuous batching over fixed slots: requests join and leave between decode steps.
 
 The engine owns `max_batch` slots and one running KV cache
-(`family.init_cache(cfg, max_batch, max_len)`), and runs a fixed, small set of compiled
+(`family.init_cache(cfg, max_batch, max_len)`; for the dense families a pool of pages
+sized by memory, `kv_cache_tokens`: see `Engine`), and runs a fixed, small set of compiled
 programs (`serving/programs.py`), JetStream's split, built by `warmup` before a server
 says ready, none after (tested by counting JAX's compilation events):
 
