@@ -330,10 +330,7 @@ def init_kv_cache(num_layers: int, num_kv_heads: int, head_dim: int,
     in that format with their scales, None in `dtype` (the GSM rings always are)."""
     kv_dtype = check_kv_cache_dtype(kv_dtype)
     shape = (batch_size, num_kv_heads, max_len, head_dim)
-    rings = None
-    if gsm_max_window is not None:
-        rings = tuple(jnp.zeros((num_layers, batch_size, gsm_max_window, c), dtype)
-                      for c in site_sizes)
+    rings = _empty_rings(num_layers, batch_size, site_sizes, gsm_max_window, dtype)
     store = dtype if kv_dtype is None else KV_CACHE_DTYPES[kv_dtype][0]
 
     def layers(shape=shape, dt=store):
@@ -359,12 +356,19 @@ def init_paged_kv_cache(num_layers: int, num_kv_heads: int, head_dim: int,
                                 f"page_size ({page_size}) and num_pages >= 1 ({num_pages})")
     pool = init_kv_cache(num_layers, num_kv_heads, head_dim, site_sizes, num_pages,
                          page_size, dtype=dtype, kv_dtype=kv_dtype)
-    rings = None
-    if gsm_max_window is not None:
-        rings = tuple(jnp.zeros((num_layers, batch_size, gsm_max_window, c), dtype)
-                      for c in site_sizes)
-    return pool.replace(lengths=jnp.zeros((batch_size,), jnp.int32), rings=rings,
+    return pool.replace(lengths=jnp.zeros((batch_size,), jnp.int32),
+                        rings=_empty_rings(num_layers, batch_size, site_sizes,
+                                           gsm_max_window, dtype),
                         pages=jnp.zeros((batch_size, max_len // page_size), jnp.int32))
+
+
+def _empty_rings(num_layers: int, batch_size: int, site_sizes: tuple[int, ...],
+                 gsm_max_window: int | None, dtype: Any) -> tuple | None:
+    """The GSM rings of an empty cache, [layers, B, max_window, C] per site (None: no GSM)."""
+    if gsm_max_window is None:
+        return None
+    return tuple(jnp.zeros((num_layers, batch_size, gsm_max_window, c), dtype)
+                 for c in site_sizes)
 
 
 # Low-precision KV cache: storage dtype and the largest magnitude it holds (int8 symmetric

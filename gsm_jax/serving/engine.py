@@ -439,9 +439,10 @@ class Engine:
         # are planned from its shapes meanwhile (see docs/performance_notes.md, "Serving
         # start-up: the running state made on a worker thread; where a cold compile goes").
         self._reset_pages()
+        # a paged cache's rows are whole pages: max_len rounded up to the page
+        cache_len = self.max_len if self.paged is None else self._table_len * self.paged[1]
         make = functools.partial(programs.fresh_state, self.config, self.max_batch,
-                                 self.max_len, np.dtype(self.params.dtype), window,
-                                 self.paged)
+                                 cache_len, np.dtype(self.params.dtype), window, self.paged)
         self._fresh = None
         self._state_like = jax.eval_shape(make)
         if self._mesh is None:
@@ -558,8 +559,7 @@ class Engine:
             self.paged, self._table_len = None, 0
             return
         page = min(KV_PAGE, self.max_len)
-        self._table_len = -(-self.max_len // page)
-        per_row = self._table_len
+        self._table_len = per_row = -(-self.max_len // page)  # pages of one max_len row
         one = jax.eval_shape(lambda: self.family.init_cache(
             self.config, 1, page, dtype=np.dtype(self.params.dtype), paged=(1, page)))
         page_bytes = sum(int(a.size) * a.dtype.itemsize for name in ("k", "v", "k_scale",
@@ -577,11 +577,10 @@ class Engine:
                     f"{per_row * page}, or a smaller max_len")
         self.paged = (int(n_pages), int(page))
         self.kv_page_bytes = page_bytes
-        self._free_pages: list[int] = []
-        self._slot_pages: list[list[int]] = [[] for _ in range(self.max_batch)]
         self._reset_pages()
 
     def _reset_pages(self) -> None:
+        """Every page free (a new running cache: `_new_cache`)."""
         if self.paged is not None:
             self._free_pages = list(range(self.paged[0] - 1, -1, -1))  # pop() takes page 0
             self._slot_pages = [[] for _ in range(self.max_batch)]
@@ -840,14 +839,15 @@ class Engine:
             if not free:
                 break
             item = self.waiting[0]
-            if self.paged is not None and self._pages_needed(item) > len(self._free_pages):
+            need = 0 if self.paged is None else self._pages_needed(item)
+            if self.paged is not None and need > len(self._free_pages):
                 break  # first come first served: it waits for pages, as do those behind it
             cfg = self._resolve_gsm(item)
             if not self._can_admit(cfg):
                 break
             self.waiting.popleft()
-            if self.paged is not None:
-                self._take_pages(free[0], self._pages_needed(item))
+            if need:
+                self._take_pages(free[0], need)
             if self._admit(free[0], item, cfg):
                 done.append(item.record)
         if self.num_active or self._ahead is not None:

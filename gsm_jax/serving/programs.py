@@ -223,16 +223,11 @@ def _with_page_row(cache, slot, page_row):
 def fresh_state(config, max_batch: int, max_len: int, dtype, gsm_window: int | None,
                 paged: tuple[int, int] | None = None):
     """An engine's empty state: the running cache (`family.init_cache`; `paged` = (pages,
-    page size): a pool of pages, max_len rounded up to whole pages), the penalty counters
+    page size): a pool of pages, max_len a multiple of the page), the penalty counters
     (counts, seen, bias) [max_batch, V], and the token feed [max_batch]."""
-    family = family_module(config.family)
-    if paged is None:
-        cache = family.init_cache(config, max_batch, max_len, dtype=dtype,
-                                  gsm_max_window=gsm_window)
-    else:
-        page = paged[1]
-        cache = family.init_cache(config, max_batch, -(-max_len // page) * page, dtype=dtype,
-                                  gsm_max_window=gsm_window, paged=paged)
+    extra = {} if paged is None else {"paged": paged}  # families without pages lack the arg
+    cache = family_module(config.family).init_cache(config, max_batch, max_len, dtype=dtype,
+                                                    gsm_max_window=gsm_window, **extra)
     v = config.vocab_size
     pen = (jnp.zeros((max_batch, v), jnp.int32), jnp.zeros((max_batch, v), bool),
            jnp.zeros((max_batch, v), jnp.float32))
@@ -273,8 +268,7 @@ def _token_pages(row, start, n: int):
     """(physical page, slot in it) [n] of tokens [start, start + n) of a one-row paged
     cache."""
     pos = start + jnp.arange(n)
-    page = row.k[0].shape[2]
-    return row.pages[0, pos // page], pos % page
+    return row.pages[0, pos // row.page_size], pos % row.page_size
 
 
 @functools.partial(jax.jit, donate_argnames=("cache",))
