@@ -16,9 +16,11 @@ DeepSeek-V4: the dense attention projections (q_a, q_b, kv, o_b), the compressor
 kv_gate and the shared experts; routed experts only with ``routed_experts=True``.
 The router, the indexer, the hyper-connections and the grouped first half of the
 output projection (o_a, an einsum) stay float: they select or mix rather than
-project. Embedding and LM head stay float unless ``head=True``, which rounds them
-to the int8 grid (one scale per vocabulary row) but stores them dequantized: a
-quality study of the head, not a speed path.
+project. Embedding and LM head stay float unless ``head=True`` (Llama and Gemma 3
+families): the LM head then becomes an int8 weight-only `QuantizedWeight` (one scale
+per vocabulary entry, the w8a16 product whatever the scheme: on CPU the int8 kernel at
+decode), and a tied model's embedding table is rounded to the same grid (stored float,
+for the lookup), so the two stay one matrix.
 
 "Quantize, then smooth": at the GSM sites (``attn_out``, ``ffn_mid``) the filter
 runs on the float activation, then the per-token scale is taken and it is cast
@@ -158,11 +160,6 @@ def _fake_quant_rows(w: jax.Array) -> jax.Array:
     return dequantize_weight(values, scale).T.astype(w.dtype)
 
 
-def _fake_quant_cols(w: jax.Array) -> jax.Array:
-    values, scale = quantize_weight(jnp.asarray(w, jnp.float32))
-    return dequantize_weight(values, scale).astype(w.dtype)
-
-
 def _dense_titles() -> str:
     return " and ".join(family_module(f).TITLE for f in DENSE_FAMILIES)
 
@@ -198,7 +195,7 @@ def quantize(params: ModelParams, scheme: str = "w8a8", *, head: bool = False,
     routed experts included, and switches their activations to FP8 — for V4.1 the
     release's rounding before every FP8 / FP4 product, which the NeMo reference and
     gsm_jax's default do not apply).
-    head: also round the embedding / LM head to the int8 grid (stored float).
+    head: the LM head as an int8 weight-only `QuantizedWeight` too (dense families).
     routed_experts: DeepSeek-V4 only, quantize the routed experts too.
     hadamard_down: > 0 (a power of two dividing d_ff): rotate the down
     projection's input online by a block-diagonal Hadamard matrix of that block
@@ -242,9 +239,16 @@ def quantize(params: ModelParams, scheme: str = "w8a8", *, head: bool = False,
     else:
         raise UnsupportedModelError(f"quantization of model family {family!r} is not implemented")
     if head:
-        w["embed"] = _fake_quant_rows(w["embed"])
-        if "lm_head" in w:
-            w["lm_head"] = _fake_quant_cols(w["lm_head"])
+        if family not in DENSE_FAMILIES:
+            raise UnsupportedModelError(f"head=True is implemented for the {_dense_titles()} "
+                                        f"families only, not {family!r}")
+        # the head as int8 weight-only (one scale per vocabulary entry) whatever the scheme;
+        # a tied model's lookup table is rounded to the same grid (kept float: a lookup
+        # reads one row), so the embedding and the head stay one matrix
+        table = w["lm_head"] if "lm_head" in w else jnp.asarray(w["embed"], jnp.float32).T
+        w["lm_head"] = _q(table, "w8a16")
+        if "lm_head" not in params.weights:
+            w["embed"] = _fake_quant_rows(w["embed"])
     extra = {**dict(params.extra), "quantization": scheme}
     if head:
         extra["quantized_head"] = True

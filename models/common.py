@@ -36,6 +36,7 @@ from flax import struct
 
 from gsm_jax.errors import InvalidInputError, UnsupportedModelError
 from gsm_jax.in_place import scatter_set
+from gsm_jax.models.linear import QuantizedWeight, linear
 from gsm_jax.models.partitioning import constrain_rings
 from gsm_jax.models.sites import Sites, as_sites
 
@@ -796,8 +797,15 @@ def embed(weights: dict, tokens: jax.Array) -> jax.Array:
 
 
 def lm_head(weights: dict, x: jax.Array, tied: bool) -> jax.Array:
-    """Logits (f32) of hidden states x [..., D] that are already final-normed."""
+    """Logits (f32) of hidden states x [..., D] that are already final-normed.
+
+    An int8 head (`gsm_jax.quant.quantize(..., head=True)`: a weight-only
+    `QuantizedWeight` [D, V] under "lm_head", tied models included) goes through
+    `linear` on float32 activations."""
     with jax.named_scope("lm_head"):
+        head = weights.get("lm_head")
+        if isinstance(head, QuantizedWeight):
+            return linear(x.astype(jnp.float32), head)
         if tied:
             table = weights["embed"].astype(x.dtype)
             return jnp.einsum("...d,vd->...v", x, table, preferred_element_type=jnp.float32)

@@ -35,6 +35,7 @@ import numpy as np
 from flax import struct
 
 from gsm_jax.models.block_quant import BlockQuantWeight, quantize_activation_e4m3
+from gsm_jax.pallas_kernels import int8_matvec_cpu
 from gsm_jax.pallas_kernels.quant_reference import int8_dot, quantize_rows, quantize_with_scale
 
 SCHEMES = ("w8a16", "w8a8")
@@ -43,6 +44,9 @@ W8A16_DIGITS = 3  # digits per activation row (see `_int8_digits`)
 # Up to this many rows (decode batches) a CPU w8a16 product runs as int8 digit products
 # (see `_w8a16_matmul`); prefill-sized products keep the converted-weight dot.
 W8A16_DIGIT_MAX_ROWS = 16
+# Up to this many rows a CPU w8a16 product runs on the int8 matrix-vector kernel
+# (pallas_kernels/int8_matvec_cpu.py) when it is available.
+W8A16_KERNEL_MAX_ROWS = 16
 
 
 @struct.dataclass
@@ -206,6 +210,10 @@ def _w8a16_matmul(x: jax.Array, w: QuantizedWeight) -> jax.Array:
     work) keep the generic form.
     """
     rows = int(np.prod(x.shape[:-1], dtype=np.int64))
+    if (rows <= W8A16_KERNEL_MAX_ROWS and w.values.ndim == 2 and jax.default_backend() == "cpu"
+            and int8_matvec_cpu.available()):
+        y = int8_matvec_cpu.int8_matvec(x.reshape(rows, x.shape[-1]), w.values, w.scale)
+        return y.reshape(x.shape[:-1] + (y.shape[-1],)).astype(x.dtype)
     if rows <= W8A16_DIGIT_MAX_ROWS and jax.default_backend() == "cpu":
         q, s = _int8_digits(x.reshape(rows, x.shape[-1]))
         acc = int8_dot(q.reshape(-1, x.shape[-1]), w.values).astype(jnp.float32)

@@ -1,0 +1,346 @@
+// y[r, n] = scale[n] * sum_k x[r, k] * w[k, n]: a few float32 rows times an int8 weight
+// stored [K, N] with one float32 scale per output column (w8a16's decode product on CPU).
+//
+// The int8 weight is read once, as stored, and widened in registers: each 64-column
+// block streams its K rows (one cache line per row) into float32 accumulators. Rows of x
+// are taken four at a time; a block's weight rows are then read again from L2 for the
+// next four. Columns are split across XLA:CPU's intra-op thread pool in blocks claimed
+// from an atomic counter, so the calling thread always makes progress by itself.
+//
+// Built at first use by int8_matvec_cpu.py (g++ -O3 -march=native) and called through
+// jax.ffi; the plain jnp reference is `int8_matvec_reference` there.
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <thread>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define GSM_AVX512 1
+#endif
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t kBlock = 64;  // columns per block: one cache line of int8
+
+struct Problem {
+  const int16_t* x;
+  const float* x_scale;
+  const int8_t* w;
+  const float* scale;
+  float* y;
+  int64_t rows, k, n;
+};
+
+// Integer sums stay exact in int32 for this many k: |x| <= 32767, |w| <= 127, so
+// 512 * 32767 * 127 < 2**31. Longer rows are summed in chunks, each added in float32.
+constexpr int64_t kChunk = 512;
+// Weight rows ahead prefetched into L2 (_MM_HINT_T1): L1's few fill buffers keep too few
+// lines in flight to stream from DRAM (8-10 GB/s with L1 prefetches or none, ~22 GB/s
+// with these; SmolLM2's weights, one core, AMD EPYC).
+constexpr int64_t kStreamAhead = 16;
+constexpr int64_t kStream = 2048;  // widest column span of the one- and two-row path
+
+#ifdef GSM_AVX512
+// One 64-column block, rows r0..r0+R-1. Two weight rows (k, k+1) at a time: their int8
+// values are widened to int16 and interleaved, so each 32-bit lane holds the pair
+// (w[k, c], w[k+1, c]) of one column c; a multiply-add of 16-bit pairs against the pair
+// (x[r, k], x[r, k+1]) adds both products into that column's int32 sum. In a 128-bit
+// lane L of half h, the "lo" vector holds columns h*32 + L*8 + 0..3, "hi" L*8 + 4..7.
+static inline __m512i pair_dot(__m512i acc, __m512i w, __m512i x) {
+#ifdef __AVX512VNNI__
+  return _mm512_dpwssd_epi32(acc, w, x);
+#else
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(w, x));
+#endif
+}
+
+// Columns c0 .. c0 + NB * 64 (NB blocks side by side, so each weight row is read as
+// NB contiguous cache lines), rows r0 .. r0 + R - 1; R * NB * 4 int32 accumulators.
+template <int R, int NB, bool FULL>
+void block_rows(const Problem& p, int64_t r0, int64_t c0) {
+  __mmask32 m[NB][2];
+  int64_t width[NB];
+  for (int s = 0; s < NB; ++s) {
+    width[s] = std::max<int64_t>(0, std::min<int64_t>(kBlock, p.n - c0 - s * kBlock));
+    const int64_t w0 = std::min<int64_t>(32, width[s]), w1 = width[s] - w0;
+    m[s][0] = w0 == 32 ? 0xFFFFFFFFu : (__mmask32)((1ULL << w0) - 1);
+    m[s][1] = w1 == 32 ? 0xFFFFFFFFu : (__mmask32)((1ULL << std::max<int64_t>(0, w1)) - 1);
+  }
+  alignas(64) float total[R][NB * kBlock] = {};
+  for (int64_t k0 = 0; k0 < p.k; k0 += kChunk) {
+    const int64_t k1 = std::min(p.k, k0 + kChunk);
+    __m512i acc[R][NB * 4];
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < NB * 4; ++j) acc[r][j] = _mm512_setzero_si512();
+    for (int64_t kk = k0; kk < k1; kk += 2) {
+      const bool pair = kk + 1 < k1;
+      __m512i xv[R];
+      for (int r = 0; r < R; ++r) {
+        const int16_t* xr = p.x + (r0 + r) * p.k;
+        const uint32_t lo = static_cast<uint16_t>(xr[kk]);
+        const uint32_t hi = pair ? static_cast<uint16_t>(xr[kk + 1]) : 0u;
+        xv[r] = _mm512_set1_epi32(static_cast<int32_t>(lo | (hi << 16)));
+      }
+      const int8_t* a = p.w + kk * p.n + c0;
+      const int8_t* b = pair ? a + p.n : a;
+      if (kk + kStreamAhead + 1 < p.k)
+        for (int s = 0; s < NB; ++s) {
+          _mm_prefetch(reinterpret_cast<const char*>(a + kStreamAhead * p.n + s * kBlock),
+                       _MM_HINT_T1);
+          _mm_prefetch(reinterpret_cast<const char*>(a + (kStreamAhead + 1) * p.n + s * kBlock),
+                       _MM_HINT_T1);
+        }
+      for (int s = 0; s < NB; ++s) {
+        for (int h = 0; h < 2; ++h) {
+          const int64_t off = s * kBlock + h * 32;
+          __m512i wa, wb;
+          if (FULL && pair) {
+            wa = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + off)));
+            wb = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + off)));
+          } else {
+            const __mmask32 ma = m[s][h], mb = pair ? m[s][h] : 0u;
+            wa = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(ma, a + off));
+            wb = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(mb, b + off));
+          }
+          const __m512i lo = _mm512_unpacklo_epi16(wa, wb);
+          const __m512i hi = _mm512_unpackhi_epi16(wa, wb);
+          for (int r = 0; r < R; ++r) {
+            acc[r][s * 4 + h * 2] = pair_dot(acc[r][s * 4 + h * 2], lo, xv[r]);
+            acc[r][s * 4 + h * 2 + 1] = pair_dot(acc[r][s * 4 + h * 2 + 1], hi, xv[r]);
+          }
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      alignas(64) int32_t lanes[16];
+      for (int j = 0; j < NB * 4; ++j) {
+        _mm512_store_si512(lanes, acc[r][j]);
+        const int s = j / 4, h = (j / 2) % 2, upper = j % 2;
+        for (int i = 0; i < 16; ++i)
+          total[r][s * kBlock + h * 32 + (i / 4) * 8 + upper * 4 + i % 4] +=
+              static_cast<float>(lanes[i]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const float sx = p.x_scale[r0 + r];
+    for (int s = 0; s < NB; ++s)
+      for (int64_t c = 0; c < width[s]; ++c) {
+        const int64_t col = c0 + s * kBlock + c;
+        p.y[(r0 + r) * p.n + col] = total[r][s * kBlock + c] * sx * p.scale[col];
+      }
+  }
+}
+
+// One or two rows over the columns [c0, c1) (at most kStream): every weight row of the
+// span is read front to back, two rows at a time, so the weight streams in memory order
+// (at N <= kStream the whole matrix is one sequential read); the int32 sums live in an
+// L1-resident array, in the lane order of `pair_dot` (see block_rows).
+
+
+template <int R>
+void stream_rows(const Problem& p, int64_t r0, int64_t c0, int64_t c1) {
+  const int64_t width = c1 - c0;
+  const int64_t nblk = (width + kBlock - 1) / kBlock;
+  const int64_t last = width - (nblk - 1) * kBlock;  // columns in the last block
+  const __mmask32 l0 = last >= 32 ? 0xFFFFFFFFu : (__mmask32)((1ULL << last) - 1);
+  const __mmask32 l1 = last <= 32 ? 0u
+                       : last == 64 ? 0xFFFFFFFFu : (__mmask32)((1ULL << (last - 32)) - 1);
+  alignas(64) int32_t acc[R][kStream];
+  alignas(64) float total[R][kStream];
+  for (int r = 0; r < R; ++r)
+    for (int64_t c = 0; c < nblk * kBlock; ++c) total[r][c] = 0.0f;
+  for (int64_t k0 = 0; k0 < p.k; k0 += kChunk) {
+    const int64_t k1 = std::min(p.k, k0 + kChunk);
+    for (int r = 0; r < R; ++r)
+      for (int64_t c = 0; c < nblk * kBlock; c += 16)
+        _mm512_store_si512(acc[r] + c, _mm512_setzero_si512());
+    for (int64_t kk = k0; kk < k1; kk += 2) {
+      const bool pair = kk + 1 < k1;
+      __m512i xv[R];
+      for (int r = 0; r < R; ++r) {
+        const int16_t* xr = p.x + (r0 + r) * p.k;
+        const uint32_t lo = static_cast<uint16_t>(xr[kk]);
+        const uint32_t hi = pair ? static_cast<uint16_t>(xr[kk + 1]) : 0u;
+        xv[r] = _mm512_set1_epi32(static_cast<int32_t>(lo | (hi << 16)));
+      }
+      const int8_t* a = p.w + kk * p.n + c0;
+      const int8_t* b = pair ? a + p.n : a;
+      const bool ahead = kk + kStreamAhead + 1 < p.k;
+      for (int64_t blk = 0; blk < nblk; ++blk) {
+        const bool full = blk + 1 < nblk || last == kBlock;
+        if (ahead) {
+          _mm_prefetch(reinterpret_cast<const char*>(a + kStreamAhead * p.n + blk * kBlock),
+                       _MM_HINT_T1);
+          _mm_prefetch(reinterpret_cast<const char*>(a + (kStreamAhead + 1) * p.n + blk * kBlock),
+                       _MM_HINT_T1);
+        }
+        for (int h = 0; h < 2; ++h) {
+          const int64_t off = blk * kBlock + h * 32;
+          __m512i wa, wb;
+          if (full && pair) {
+            wa = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + off)));
+            wb = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + off)));
+          } else {
+            const __mmask32 ma = full ? 0xFFFFFFFFu : (h ? l1 : l0);
+            wa = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(ma, a + off));
+            wb = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(pair ? ma : 0u, b + off));
+          }
+          const __m512i lo = _mm512_unpacklo_epi16(wa, wb);
+          const __m512i hi = _mm512_unpackhi_epi16(wa, wb);
+          for (int r = 0; r < R; ++r) {
+            int32_t* q = acc[r] + off;
+            _mm512_store_si512(q, pair_dot(_mm512_load_si512(q), lo, xv[r]));
+            _mm512_store_si512(q + 16, pair_dot(_mm512_load_si512(q + 16), hi, xv[r]));
+          }
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int64_t blk = 0; blk < nblk; ++blk)
+        for (int j = 0; j < 4; ++j) {
+          const int h = j / 2, upper = j % 2;
+          const int32_t* lanes = acc[r] + blk * kBlock + j * 16;
+          float* t = total[r] + blk * kBlock + h * 32 + upper * 4;
+          for (int i = 0; i < 16; ++i) t[(i / 4) * 8 + i % 4] += static_cast<float>(lanes[i]);
+        }
+  }
+  for (int r = 0; r < R; ++r) {
+    const float sx = p.x_scale[r0 + r];
+    for (int64_t c = 0; c < width; ++c)
+      p.y[(r0 + r) * p.n + c0 + c] = total[r][c] * sx * p.scale[c0 + c];
+  }
+}
+#else
+template <int R, int NB, bool FULL>
+void block_rows(const Problem& p, int64_t r0, int64_t c0) {
+  if (NB > 1) {
+    for (int s = 0; s < NB; ++s)
+      if (c0 + s * kBlock < p.n) block_rows<R, 1, FULL>(p, r0, c0 + s * kBlock);
+    return;
+  }
+  const int64_t width = std::min<int64_t>(kBlock, p.n - c0);
+  float total[R][kBlock] = {};
+  for (int64_t k0 = 0; k0 < p.k; k0 += kChunk) {
+    const int64_t k1 = std::min(p.k, k0 + kChunk);
+    int32_t acc[R][kBlock] = {};
+    for (int64_t kk = k0; kk < k1; ++kk) {
+      const int8_t* wp = p.w + kk * p.n + c0;
+      for (int r = 0; r < R; ++r) {
+        const int32_t xv = p.x[(r0 + r) * p.k + kk];
+        for (int64_t c = 0; c < width; ++c) acc[r][c] += xv * static_cast<int32_t>(wp[c]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int64_t c = 0; c < width; ++c) total[r][c] += static_cast<float>(acc[r][c]);
+  }
+  for (int r = 0; r < R; ++r)
+    for (int64_t c = 0; c < width; ++c)
+      p.y[(r0 + r) * p.n + c0 + c] = total[r][c] * p.x_scale[r0 + r] * p.scale[c0 + c];
+}
+
+template <int R>
+void stream_rows(const Problem& p, int64_t r0, int64_t c0, int64_t c1) {
+  for (int64_t c = c0; c < c1; c += kBlock) block_rows<R, 1, false>(p, r0, c);
+}
+#endif
+
+// One tile of kTile columns, all rows: one row keeps the tile's four blocks in flight
+// together, two rows two, more rows one at a time (each R * NB * 4 <= 16 accumulators).
+constexpr int64_t kTile = 4 * kBlock;
+
+template <bool FULL>
+void column_tile_rows(const Problem& p, int64_t c0) {
+  for (int64_t r0 = 0; r0 < p.rows; r0 += 4) {
+    const int64_t rows = std::min<int64_t>(4, p.rows - r0);
+    if (rows == 1) {
+      block_rows<1, 4, FULL>(p, r0, c0);
+    } else if (rows == 2) {
+      block_rows<2, 2, FULL>(p, r0, c0);
+      if (c0 + 2 * kBlock < p.n) block_rows<2, 2, FULL>(p, r0, c0 + 2 * kBlock);
+    } else {
+      for (int64_t c = c0; c < std::min(p.n, c0 + kTile); c += kBlock) {
+        if (rows == 4) block_rows<4, 1, FULL>(p, r0, c);
+        else block_rows<3, 1, FULL>(p, r0, c);
+      }
+    }
+  }
+}
+
+void column_tile(const Problem& p, int64_t c0) {
+  if (c0 + kTile <= p.n) column_tile_rows<true>(p, c0);
+  else column_tile_rows<false>(p, c0);
+}
+
+// Work shared between the calling thread and the pool's: blocks of `chunk` column blocks
+// claimed in order; `done` counts finished chunks.
+struct Shared {
+  Problem p;
+  int64_t unit, chunks;  // columns per chunk of work, number of chunks
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+
+  void work() {
+    for (;;) {
+      const int64_t c = next.fetch_add(1, std::memory_order_relaxed);
+      if (c >= chunks) return;
+      const int64_t c0 = c * unit, c1 = std::min(p.n, c0 + unit);
+      if (p.rows <= 2) {
+        if (p.rows == 2) stream_rows<2>(p, 0, c0, c1);
+        else stream_rows<1>(p, 0, c0, c1);
+      } else {
+        for (int64_t t = c0; t < c1; t += kTile) column_tile(p, t);
+      }
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+ffi::Error Int8MatvecImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S16> x,
+                          ffi::Buffer<ffi::F32> x_scale, ffi::Buffer<ffi::S8> w, ffi::Buffer<ffi::F32> scale,
+                          ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions();
+  const auto wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || scale.dimensions().size() != 1)
+    return ffi::Error::InvalidArgument("int8_matvec: x [rows, K], w [K, N], scale [N]");
+  const int64_t rows = xd[0], k = xd[1], n = wd[1];
+  if (wd[0] != k || scale.dimensions()[0] != n || x_scale.dimensions().size() != 1 ||
+      x_scale.dimensions()[0] != rows)
+    return ffi::Error::InvalidArgument("int8_matvec: x, w and scale disagree on K or N");
+  auto shared = std::make_shared<Shared>();
+  shared->p = Problem{x.typed_data(), x_scale.typed_data(), w.typed_data(), scale.typed_data(),
+                      y->typed_data(), rows, k, n};
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  // one or two rows: spans of up to kStream columns, at least one per thread; more rows:
+  // tiles of kTile columns, about four chunks per thread
+  const int64_t per_thread = (n + threads - 1) / threads;
+  const int64_t unit = rows <= 2
+      ? std::min(kStream, (per_thread + kBlock - 1) / kBlock * kBlock)
+      : std::max<int64_t>(1, (n + kTile - 1) / kTile / (4 * threads)) * kTile;
+  shared->unit = unit;
+  shared->chunks = (n + unit - 1) / unit;
+  const int64_t helpers = std::min<int64_t>(threads - 1, shared->chunks - 1);
+  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([shared] { shared->work(); });
+  shared->work();
+  while (shared->done.load(std::memory_order_acquire) < shared->chunks)
+    std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GsmInt8Matvec, Int8MatvecImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::S16>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
