@@ -20,7 +20,8 @@ For one model (default SmolLM2-135M, every side loading the same GGUF), each set
 Settings (`--settings`, comma list of names, or a side name for all of its settings):
 
 - gsm_jax:fp32, gsm_jax:bf16 (`gsm_jax.load(..., dtype=...)`), gsm_jax:w8a16, gsm_jax:w8a8
-  (`gsm_jax.quant.quantize`), gsm_jax:w8a8+smoothquant (`gsm_jax.workflow.evidence.quant_quality`:
+  (`gsm_jax.quant.quantize`), gsm_jax:w8a16+head (`quantize(..., 'w8a16', head=True)`),
+  gsm_jax:w8a8+smoothquant (`gsm_jax.workflow.evidence.quant_quality`:
   activation statistics on the first WikiText-2 tokens, disjoint from the KLD windows,
   per-layer alphas from `local_smoothquant_alphas`, or `--sq-alphas search|best`);
 - transformers:fp32, transformers:bf16 (`model.to(torch.bfloat16)`),
@@ -75,7 +76,10 @@ SIDES = ("gsm_jax", "transformers", "llama_cpp")
 SETTINGS: dict[str, str] = {
     "gsm_jax:fp32": "gsm_jax.load(..., dtype='float32'): the GGUF's weights as f32",
     "gsm_jax:bf16": "gsm_jax.load(..., dtype='bfloat16'): bf16 weights and KV cache",
-    "gsm_jax:w8a16": "gsm_jax.quant.quantize(fp32, 'w8a16'): int8 weights, f32 activations",
+    "gsm_jax:w8a16": "gsm_jax.quant.quantize(fp32, 'w8a16'): int8 weights, f32 activations "
+                     "(decode on CPU: the int8 matrix-vector kernel, int16 activations)",
+    "gsm_jax:w8a16+head": "gsm_jax.quant.quantize(fp32, 'w8a16', head=True): w8a16 with the "
+                          "LM head int8 too (one scale per vocabulary entry)",
     "gsm_jax:w8a8": "gsm_jax.quant.quantize(fp32, 'w8a8'): int8 weights, per-token int8 "
                     "activations",
     "gsm_jax:w8a8+smoothquant": "gsm_jax.quant_quality.smoothquant_params (alphas below), "
@@ -239,6 +243,8 @@ class JaxSettings(bg.GsmJaxSide):
             return gsm_jax.load(bg.resolve_model(self.model)["gsm_jax"], dtype="bfloat16"), None
         if short in ("w8a16", "w8a8"):
             return quantize(self.fp32, short), None
+        if short == "w8a16+head":
+            return quantize(self.fp32, "w8a16", head=True), None
         if short == "w8a8+smoothquant":
             return self._smoothquant(sq, data)
         raise ValueError(f"unknown gsm_jax setting {short!r}")

@@ -10,7 +10,8 @@ given.
 - float weight: x @ w in x's dtype.
 - "w8a16" (weight-only): activations stay float; y = (x @ values) * scale, the
   per-channel scale applied after the product (exact refactoring of
-  x @ dequant(w)).
+  x @ dequant(w)). Decode-sized products on CPU run on the int8 matrix-vector kernel
+  (`pallas_kernels/int8_matvec_cpu.py`), activations rounded to int16 per row.
 - "w8a8": x is quantized per token (dynamic symmetric int8, absmax over the
   channels), the product runs int8 x int8 -> int32 (`lax.dot_general` with
   preferred_element_type=int32, exact integer arithmetic), then it is rescaled
@@ -198,16 +199,23 @@ def _w8a16_matmul(x: jax.Array, w: QuantizedWeight) -> jax.Array:
     XLA:CPU cannot: it writes the converted f32 weight out and its dot reads it back,
     which costs more than reading an f32 weight in the first place.
 
-    CPU, up to `W8A16_DIGIT_MAX_ROWS` rows (decode; also DeepSeek-V4's per-expert
-    blocks of routed tokens when those are quantized): x is instead expanded into
-    `W8A16_DIGITS` int8 digits with power-of-two scales (`_int8_digits`: exact, error
-    below 4.8e-7 of the row's largest element) and multiplied by the int8 weight as
-    stored, on the int8 GEMM (the Ozaki-scheme idea: a wide product from exact narrow
-    ones); the exact int32 results are recombined in float32. SmolLM2 decode steps
-    with per-layer weights, ms, digits vs the converted-weight form (fp32 in the same
-    runs): batch 1 ~29 vs ~42 (33-37), batch 4 47.8 vs 67.1 (71-74), batch 16 ~101 vs
-    ~130 (122-132). Prefill-sized products (hundreds of rows, three times the int8
-    work) keep the generic form.
+    CPU, up to `W8A16_KERNEL_MAX_ROWS` rows (decode) of a 2-D weight: the int8
+    matrix-vector kernel (`pallas_kernels/int8_matvec_cpu.py`, an XLA FFI custom call),
+    which reads the int8 weight once as stored at about the float32 product's bytes per
+    second, so a quarter of its time. x is rounded to int16 per row for it (error at most
+    1/65534 of the row's largest element: 16-bit activations, as the scheme's name says).
+    docs/performance_notes.md, "w8a16 on CPU: the int8 weight read once".
+
+    Without the kernel (no C++ compiler, GSM_JAX_CPU_KERNELS=0), up to
+    `W8A16_DIGIT_MAX_ROWS` rows (also DeepSeek-V4's per-expert blocks of routed tokens
+    when those are quantized): x is expanded into `W8A16_DIGITS` int8 digits with
+    power-of-two scales (`_int8_digits`: exact, error below 4.8e-7 of the row's largest
+    element) and multiplied by the int8 weight as stored, on XLA's int8 GEMM (the
+    Ozaki-scheme idea: a wide product from exact narrow ones); the exact int32 results are
+    recombined in float32. SmolLM2 decode steps with per-layer weights, ms, digits vs the
+    converted-weight form (fp32 in the same runs): batch 1 ~29 vs ~42 (33-37), batch 4
+    47.8 vs 67.1 (71-74), batch 16 ~101 vs ~130 (122-132). Prefill-sized products
+    (hundreds of rows) keep the generic form.
     """
     rows = int(np.prod(x.shape[:-1], dtype=np.int64))
     if (rows <= W8A16_KERNEL_MAX_ROWS and w.values.ndim == 2 and jax.default_backend() == "cpu"
