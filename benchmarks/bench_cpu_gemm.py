@@ -16,7 +16,10 @@ each product form a model could use:
   `preferred_element_type=int32`);
 - int8 weight converted to f32: the generic w8a16 form (`x @ w.astype(f32)`);
 - int8 multiply-reduce, weight [N, K]: `sum(w.astype(f32) * x, axis=-1)` (the fused
-  convert a hand-written kernel would do; one row only).
+  convert a hand-written kernel would do; one row only);
+- int8 kernel: gsm_jax's own int8 matrix-vector custom call
+  (`pallas_kernels/int8_matvec_cpu.py`, what w8a16 runs on CPU up to 16 rows; x rounded
+  to int16 per row), when it builds here.
 
 Each form's median time over `--repeats` calls (forms interleaved, order reversed every
 other round) gives the bytes of weight read per second, set against the roofline: the
@@ -60,7 +63,19 @@ def forms(jnp, lax):
         "int8 multiply-reduce [N,K]": (jnp.int8, jnp.float32, "NK",
                                        lambda x, w: jnp.sum(w.astype(jnp.float32) * x,
                                                             axis=-1)[None], True),
+        **_kernel_form(jnp),
     }
+
+
+def _kernel_form(jnp) -> dict:
+    from gsm_jax.pallas_kernels import int8_matvec_cpu
+
+    if not int8_matvec_cpu.available():
+        print(f"[cpu_gemm] int8 kernel skipped: {int8_matvec_cpu.unavailable_reason()}",
+              file=sys.stderr)
+        return {}
+    return {"int8 kernel": (jnp.int8, jnp.float32, "KN", lambda x, w: int8_matvec_cpu.int8_matvec(
+        x, w, jnp.ones((w.shape[1],), jnp.float32)), False)}
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -89,7 +104,8 @@ def run(args: argparse.Namespace) -> dict:
                 x = jnp.asarray(rng.standard_normal((rows, k), dtype=np.float32), xdt)
             f = jax.jit(fn)
             text = f.lower(x, w).compile().as_text()
-            emitter = "YNNPACK fusion" if "__ynn_fusion" in text else "XLA"
+            emitter = ("custom call" if "gsm_int8_matvec" in text
+                       else "YNNPACK fusion" if "__ynn_fusion" in text else "XLA")
             jax.block_until_ready(f(x, w))
             key = f"{name}|{rows}"
             calls[key] = (lambda f=f, x=x, w=w: jax.block_until_ready(f(x, w)))

@@ -125,6 +125,9 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
                         "dequantized to --dtype at load)")
     p.add_argument("--gsm", type=Path, default=None,
                    help="GSM config file (YAML or JSON; unset: no smoothing)")
+    from gsm_jax.quant import add_quantize_argument
+
+    add_quantize_argument(p)
 
 
 def _run_generate(args: argparse.Namespace) -> int:
@@ -138,12 +141,19 @@ def _run_generate(args: argparse.Namespace) -> int:
         prompts += [ln for ln in read_text(args.prompts_file).splitlines() if ln.strip()]
     if not prompts:
         raise gsm_jax.InvalidInputError("no prompts: give prompt texts or --prompts-file")
-    # a GSM config file is read (and validated) before the model loads
+    # a GSM config file and the quantization options are checked before the model loads
     gsm = None if args.gsm is None else gsm_jax.GSMConfig.from_file(args.gsm)
+    from gsm_jax.quant import apply_quantize_option, quantize_option_kwargs
+
+    quant_kwargs = quantize_option_kwargs(args)
     t0 = time.perf_counter()
     params = gsm_jax.load(args.model, dtype=args.dtype,
                           keep_quantized=args.keep_quantized or None, progress=True)
     print(f"[gsm-jax] loaded {params} in {time.perf_counter() - t0:.1f}s", flush=True)
+    if args.quantize != "none":
+        params = apply_quantize_option(params, args.quantize, **quant_kwargs)
+        print(f"[gsm-jax] quantized: {args.quantize}"
+              + (" (LM head too)" if quant_kwargs else ""), flush=True)
     if gsm is not None:
         print(gsm_jax.describe(gsm, params.config.num_layers), flush=True)
     kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,

@@ -69,6 +69,7 @@ __all__ = [
     "activation_absmax",
     "activation_samples",
     "apply_quantize_option",
+    "quantize_option_kwargs",
     "apply_smoothquant",
     "dequantize",
     "quantization_of",
@@ -507,8 +508,22 @@ def apply_quantize_option(params: ModelParams, scheme: str | None, **kwargs: Any
 
 
 def add_quantize_argument(parser: Any) -> None:
-    """``--quantize {none,w8a16,w8a8}`` for an argparse (sub)parser."""
+    """``--quantize {none,w8a16,w8a8}`` and ``--quantize-head`` for an argparse (sub)parser
+    (read back by `quantize_option_kwargs`)."""
     parser.add_argument("--quantize", choices=QUANTIZE_CHOICES, default="none",
-                        help="run on int8-quantized params: w8a16 (weight-only) or w8a8 "
-                             "(plus per-token int8 activations); GSM smooths before the "
-                             "activation quantization")
+                        help="run on int8-quantized params: w8a16 (weight-only; on CPU the "
+                             "int8 matrix-vector kernel at decode) or w8a8 (plus per-token "
+                             "int8 activations); GSM smooths before the activation "
+                             "quantization")
+    parser.add_argument("--quantize-head", action="store_true",
+                        help="with --quantize: the LM head int8 weight-only too "
+                             "(quantize(..., head=True); Llama and Gemma 3 families)")
+
+
+def quantize_option_kwargs(args: Any) -> dict:
+    """`apply_quantize_option`'s keyword arguments from `add_quantize_argument`'s options;
+    --quantize-head without --quantize is refused by name."""
+    head = bool(getattr(args, "quantize_head", False))
+    if head and getattr(args, "quantize", "none") in (None, "none"):
+        raise InvalidInputError("--quantize-head needs --quantize w8a16 or w8a8")
+    return {"head": True} if head else {}

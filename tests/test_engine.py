@@ -61,6 +61,21 @@ def test_matches_generate_tokens_alone(tiny, requests, gsm):
     assert {r.slot for r in recs} == {0, 1}
 
 
+def test_int8_model_matches_generate_tokens_alone(tiny, requests):
+    """A w8a16 model with an int8 head (decode on the CPU int8 kernel where it builds),
+    smoothed, over an int8 KV cache: every request's tokens equal generate_tokens alone on
+    the same params (the kernel's rows are independent of the batch they share)."""
+    from gsm_jax.quant import quantize
+
+    q = gsm_jax.with_kv_cache_dtype(quantize(tiny, "w8a16", head=True), "int8")
+    eng = Engine(q, max_batch=2, max_len=MAX_LEN, gsm=GSM, eos_ids=[])
+    recs = eng.run(requests[:4], arrival_times=[0.0, 0.0, 0.001, 0.05])
+    for req, rec in zip(requests[:4], recs, strict=True):
+        ref = gsm_jax.generate_tokens(q, [req.prompt], max_new_tokens=req.max_new_tokens,
+                                      eos_ids=[], gsm=GSM, request_ids=[req.request_id])[0]
+        np.testing.assert_array_equal(np.asarray(rec.tokens), ref, err_msg=str(rec.request_id))
+
+
 def test_gsm_changes_tokens_per_slot(tiny, requests):
     """The smoothed requests differ from the unsmoothed engine; the bypassed ones do not."""
     off = Engine(tiny, max_batch=2, max_len=MAX_LEN, eos_ids=[]).run(requests)

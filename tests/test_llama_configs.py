@@ -319,6 +319,23 @@ def test_cli_generate_on_a_saved_directory(saved, name, capsys):
     assert f">>> The capital of France is\n{expected}\n" in out, out
 
 
+def test_cli_generate_quantized_with_int8_head(saved, capsys):
+    """`gsm-jax generate --quantize w8a16 --quantize-head`: the text of
+    gsm_jax.generate on quantize(params, "w8a16", head=True)."""
+    from gsm_jax.cli import main
+    from gsm_jax.quant import quantize
+
+    path = saved("llama_llama3")[0]
+    assert main(["generate", "--model", str(path), "--max-new-tokens", "6", "--quantize",
+                 "w8a16", "--quantize-head", "The capital of France is"],
+                compile_cache=False) == 0
+    out = capsys.readouterr().out
+    q = quantize(gsm_jax.load(path), "w8a16", head=True)
+    expected = gsm_jax.generate(q, ["The capital of France is"], max_new_tokens=6)[0]
+    assert "[gsm-jax] quantized: w8a16 (LM head too)" in out
+    assert f">>> The capital of France is\n{expected}\n" in out, out
+
+
 def test_planner_counts_qwen3_parameters(saved):
     """The planner reads a Qwen3 config.json: its parameter count is transformers' (the
     q / k norms and tied embeddings included)."""

@@ -41,3 +41,15 @@ def test_eval_profile_calibrate_with_quantize(setup, capsys):
     with pytest.raises(SystemExit):
         main(["eval", "--model", model, "--quantize", "int4"])
     capsys.readouterr()
+
+
+def test_quantize_head_alone_is_refused_before_load(setup, capsys):
+    """--quantize-head without --quantize is named before any model loads (the model path
+    does not exist and is never mentioned). The run itself: test_llama_configs.py,
+    test_cli_generate_quantized_with_int8_head."""
+    root, _, _ = setup
+    for cmd in (["generate", "hi"], ["profile", "--out", str(root / "prof_refused")]):
+        assert main([cmd[0], "--model", str(root / "no-such-model"), "--quantize-head",
+                     *cmd[1:]]) == 2
+        err = capsys.readouterr().err
+        assert "--quantize-head needs --quantize" in err and "no-such-model" not in err

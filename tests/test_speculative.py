@@ -75,6 +75,19 @@ def test_equals_plain_greedy(tiny, prompt, greedy, arm, draft_layers, layout):
     assert any(m < 4 for m in res.accepted_per_round)
 
 
+def test_int8_model_equals_its_plain_greedy(tiny, prompt):
+    """w8a16 with an int8 head (on CPU the int8 kernel: a verify step's 5 rows and a decode
+    step's one row are each computed alone), GSM on both: the tokens of plain greedy."""
+    from gsm_jax.quant import quantize
+
+    q = quantize(tiny, "w8a16", head=True)
+    want = gsm_jax.generate_tokens(q, [prompt], max_new_tokens=NEW, gsm=GSM)[0]
+    res = speculative_generate(q, prompt, max_new_tokens=NEW, draft_layers=1, draft_len=4,
+                               gsm_verifier=GSM, gsm_draft=GSM)
+    np.testing.assert_array_equal(res.tokens, want)
+    assert any(m < 4 for m in res.accepted_per_round)
+
+
 @pytest.mark.parametrize("gsm, draft_len", [(None, 1), (None, 5), (GSM, 4)])
 def test_full_model_draft_accepts_everything(tiny, prompt, greedy, gsm, draft_len):
     """The draft is the verifier itself: every proposal must be accepted, each round

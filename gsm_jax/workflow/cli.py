@@ -89,16 +89,17 @@ def check_files(args: argparse.Namespace) -> None:
 
 def _load(args: argparse.Namespace):
     import gsm_jax
+    # INT8 (gsm_jax.quant): GSM then smooths before the per-token activation quantization;
+    # the options are checked before the model loads
+    from gsm_jax.quant import apply_quantize_option, quantize_option_kwargs
 
+    quant_kwargs = quantize_option_kwargs(args)
     t0 = time.perf_counter()
     params = gsm_jax.load(args.model, dtype=args.dtype,
                           keep_quantized=args.keep_quantized or None, progress=not args.quiet)
     print(f"[gsm-jax] loaded {params} in {time.perf_counter() - t0:.1f}s", file=sys.stderr,
           flush=True)
-    # INT8 (gsm_jax.quant): GSM then smooths before the per-token activation quantization
-    from gsm_jax.quant import apply_quantize_option
-
-    params = apply_quantize_option(params, getattr(args, "quantize", "none"))
+    params = apply_quantize_option(params, getattr(args, "quantize", "none"), **quant_kwargs)
     return params
 
 
