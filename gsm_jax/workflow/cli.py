@@ -88,9 +88,9 @@ def check_files(args: argparse.Namespace) -> None:
 
 
 def _load(args: argparse.Namespace):
-    import gsm_jax
     # INT8 (gsm_jax.quant): GSM then smooths before the per-token activation quantization;
     # the options are checked before the model loads
+    import gsm_jax
     from gsm_jax.quant import apply_quantize_option, quantize_option_kwargs
 
     quant_kwargs = quantize_option_kwargs(args)
