@@ -218,8 +218,8 @@ def _w8a16_matmul(x: jax.Array, w: QuantizedWeight) -> jax.Array:
     (hundreds of rows) keep the generic form.
     """
     rows = int(np.prod(x.shape[:-1], dtype=np.int64))
-    if (rows <= W8A16_KERNEL_MAX_ROWS and w.values.ndim == 2 and jax.default_backend() == "cpu"
-            and int8_matvec_cpu.available()):
+    if (0 < rows <= W8A16_KERNEL_MAX_ROWS and w.values.ndim == 2 and x.shape[-1] > 0
+            and jax.default_backend() == "cpu" and int8_matvec_cpu.available()):
         y = int8_matvec_cpu.int8_matvec(x.reshape(rows, x.shape[-1]), w.values, w.scale)
         return y.reshape(x.shape[:-1] + (y.shape[-1],)).astype(x.dtype)
     if rows <= W8A16_DIGIT_MAX_ROWS and jax.default_backend() == "cpu":

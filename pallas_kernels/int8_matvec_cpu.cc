@@ -1,14 +1,20 @@
-// y[r, n] = scale[n] * sum_k x[r, k] * w[k, n]: a few float32 rows times an int8 weight
-// stored [K, N] with one float32 scale per output column (w8a16's decode product on CPU).
+// y[r, n] = x_scale[r] * scale[n] * sum_k x[r, k] * w[k, n]: a few int16 rows (x rounded
+// per row by int8_matvec_cpu.py) times an int8 weight stored [K, N] with one float32 scale
+// per output column. w8a16's decode product on CPU.
 //
-// The int8 weight is read once, as stored, and widened in registers: each 64-column
-// block streams its K rows (one cache line per row) into float32 accumulators. Rows of x
-// are taken four at a time; a block's weight rows are then read again from L2 for the
-// next four. Columns are split across XLA:CPU's intra-op thread pool in blocks claimed
-// from an atomic counter, so the calling thread always makes progress by itself.
+// The int8 weight is read once, as stored, and widened in registers: two weight rows at a
+// time become int16 pairs, multiplied by the activation's int16 pair (vpdpwssd), summed
+// exactly in int32 (chunks of kChunk k), then in float32. One or two rows of x stream the
+// weight in memory order, spans of up to kStream columns (`stream_rows`); three or more
+// use register tiles of 64 columns, four rows at a time (`block_rows`). Weight rows are
+// prefetched into L2 kStreamAhead rows ahead. Columns are split across XLA:CPU's intra-op
+// thread pool in chunks claimed from an atomic counter, so the calling thread always makes
+// progress by itself. Each column is summed by one thread in a fixed order: the result
+// does not depend on the thread count or on which other rows share the call.
 //
 // Built at first use by int8_matvec_cpu.py (g++ -O3 -march=native) and called through
-// jax.ffi; the plain jnp reference is `int8_matvec_reference` there.
+// jax.ffi; its plain references are `int8_matvec_reference` there and the int64 product
+// in tests/test_int8_matvec_cpu.py.
 
 #include <algorithm>
 #include <atomic>
@@ -304,8 +310,8 @@ struct Shared {
 };
 
 ffi::Error Int8MatvecImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S16> x,
-                          ffi::Buffer<ffi::F32> x_scale, ffi::Buffer<ffi::S8> w, ffi::Buffer<ffi::F32> scale,
-                          ffi::ResultBuffer<ffi::F32> y) {
+                          ffi::Buffer<ffi::F32> x_scale, ffi::Buffer<ffi::S8> w,
+                          ffi::Buffer<ffi::F32> scale, ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 2 || scale.dimensions().size() != 1)
@@ -314,6 +320,7 @@ ffi::Error Int8MatvecImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S16> x,
   if (wd[0] != k || scale.dimensions()[0] != n || x_scale.dimensions().size() != 1 ||
       x_scale.dimensions()[0] != rows)
     return ffi::Error::InvalidArgument("int8_matvec: x, w and scale disagree on K or N");
+  if (rows == 0 || n == 0) return ffi::Error::Success();  // an empty result
   auto shared = std::make_shared<Shared>();
   shared->p = Problem{x.typed_data(), x_scale.typed_data(), w.typed_data(), scale.typed_data(),
                       y->typed_data(), rows, k, n};

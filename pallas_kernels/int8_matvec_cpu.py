@@ -14,7 +14,7 @@ The C++ source is compiled at first use with the host's C++ compiler (`$CXX`, el
 ``$XDG_CACHE_HOME/gsm-jax/kernels`` (``~/.cache/...``), keyed by the source, the compiler,
 the CPU and jaxlib, and registered as the CPU FFI target ``gsm_int8_matvec``. Without a
 compiler, or with ``GSM_JAX_CPU_KERNELS=0``, `available()` is False and callers keep
-their XLA form. `int8_matvec_reference` is the plain jnp definition the kernel is
+their XLA form (a failed build says so once, as a RuntimeWarning). `int8_matvec_reference` is the plain jnp definition the kernel is
 tested against (tests/test_int8_matvec_cpu.py).
 """
 
@@ -28,6 +28,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import warnings
 from pathlib import Path
 
 import jax
@@ -128,6 +129,10 @@ def available() -> bool:
                 _state.update(ok=True, library=str(path))
             except (OSError, RuntimeError, AttributeError) as e:
                 _state.update(ok=False, error=str(e))
+                # said once per process: w8a16 decode then runs XLA's slower form
+                warnings.warn(f"gsm_jax: the CPU int8 kernel is unavailable ({e}); w8a16 "
+                              f"products keep their XLA form (slower at decode). Set "
+                              f"{ENV_SWITCH}=0 to silence this.", RuntimeWarning, stacklevel=2)
         return _state["ok"]
 
 

@@ -105,6 +105,8 @@ def test_kernel_under_vmap_and_refused_shapes():
     y = jax.vmap(lambda a: kmod.int8_matvec(a, jnp.asarray(values), jnp.asarray(scale)))(xs)
     one = kmod.int8_matvec(jnp.asarray(x), jnp.asarray(values), jnp.asarray(scale))
     np.testing.assert_array_equal(np.asarray(y).reshape(6, 80), np.asarray(one))
+    empty = kmod.int8_matvec(jnp.zeros((0, 48)), jnp.asarray(values), jnp.asarray(scale))
+    assert empty.shape == (0, 80)
     with pytest.raises(ValueError, match="do not form a product"):
         kmod.int8_matvec(jnp.asarray(x), jnp.asarray(values[:40]), jnp.asarray(scale))
     with pytest.raises(ValueError, match="do not form a product"):
@@ -122,7 +124,8 @@ def test_switch_and_missing_compiler_leave_the_xla_form(monkeypatch, tmp_path):
     monkeypatch.setattr(kmod, "_state", {})
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
-    assert not kmod.available()
+    with pytest.warns(RuntimeWarning, match="int8 kernel is unavailable"):
+        assert not kmod.available()
     assert "no C++ compiler" in kmod.unavailable_reason()
     from gsm_jax.models.linear import linear
     from gsm_jax.pallas_kernels.quant_reference import quantize_weight
