@@ -14,8 +14,9 @@ The C++ source is compiled at first use with the host's C++ compiler (`$CXX`, el
 ``$XDG_CACHE_HOME/gsm-jax/kernels`` (``~/.cache/...``), keyed by the source, the compiler,
 the CPU and jaxlib, and registered as the CPU FFI target ``gsm_int8_matvec``. Without a
 compiler, or with ``GSM_JAX_CPU_KERNELS=0``, `available()` is False and callers keep
-their XLA form (a failed build says so once, as a RuntimeWarning). `int8_matvec_reference` is the plain jnp definition the kernel is
-tested against (tests/test_int8_matvec_cpu.py).
+their XLA form (a failed build says so once, as a RuntimeWarning).
+`int8_matvec_reference` is the plain jnp definition the kernel is tested against
+(tests/test_int8_matvec_cpu.py).
 """
 
 from __future__ import annotations
