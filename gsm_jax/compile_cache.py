@@ -255,8 +255,8 @@ _warned: set[str] = set()
 
 @functools.lru_cache(maxsize=1)
 def source_fingerprint() -> str:
-    """A hash of the gsm_jax source this process runs (every .py file of gsm_jax and of the
-    gsm_jax.models / gsm_jax.pallas_kernels packages, wherever they are installed) and of
+    """A hash of the gsm_jax source this process runs (every .py and .cc file of gsm_jax and
+    of the gsm_jax.models / gsm_jax.pallas_kernels packages, wherever they are installed) and of
     the jax / jaxlib versions: a saved program is only reused by the code that traced it."""
     import hashlib
     import importlib.util
@@ -269,7 +269,7 @@ def source_fingerprint() -> str:
         spec = importlib.util.find_spec(pkg)
         for root in (spec.submodule_search_locations or []) if spec else []:
             root = Path(root)
-            for f in sorted(root.rglob("*.py")):
+            for f in sorted([*root.rglob("*.py"), *root.rglob("*.cc")]):
                 rel = f.relative_to(root).as_posix()
                 if pkg == "gsm_jax" and rel.split("/")[0] in ("models", "pallas_kernels"):
                     continue  # hashed under their own package names
@@ -292,7 +292,12 @@ def _program_key(name: str, static: dict, treedef: Any, leaves: list, extra: str
 
     import jax
 
-    text = repr(sorted(static.items())) + str(treedef) + extra
+    from gsm_jax.pallas_kernels import int8_matvec_cpu
+
+    # a program traced with the CPU int8 kernel differs from one traced without it
+    kernels = f" cpu_kernels={int(int8_matvec_cpu.possible())}" \
+        if jax.default_backend() == "cpu" else ""
+    text = repr(sorted(static.items())) + str(treedef) + extra + kernels
     if "..." in text:
         return None
     avals = [(tuple(x.shape), str(x.dtype), bool(getattr(x, "weak_type", False)))
@@ -365,10 +370,16 @@ def _exported(where: Path, key: str, fn: Callable, static: dict, treedef: Any,
     cannot be exported."""
     import jax
 
+    from gsm_jax.pallas_kernels import int8_matvec_cpu
+
     path = where / EXPORT_SUBDIR / f"{key}.jaxexport"
     if path.is_file():
         try:
-            return jax.export.deserialize(bytearray(path.read_bytes()))
+            blob = path.read_bytes()
+            if not int8_matvec_cpu.ensure_registered(blob):
+                raise RuntimeError(f"it calls the int8 kernel, which is unavailable here "
+                                   f"({int8_matvec_cpu.unavailable_reason()})")
+            return jax.export.deserialize(bytearray(blob))
         except Exception as e:  # a truncated or foreign file: traced again, rewritten
             _warn_once(f"bad {path}", f"ignoring the unreadable saved program {path} ({e})")
 
@@ -381,7 +392,10 @@ def _exported(where: Path, key: str, fn: Callable, static: dict, treedef: Any,
     avals = [jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=getattr(x, "weak_type", False))
              for x in keyed]
     try:
-        exported = jax.export.export(jax.jit(flat))(*avals)
+        # gsm_jax's own CPU kernel is a custom call jax.export would refuse as unstable;
+        # its target is versioned with this source (`source_fingerprint` hashes the .cc)
+        exported = jax.export.export(jax.jit(flat), disabled_checks=[
+            jax.export.DisabledSafetyCheck.custom_call(int8_matvec_cpu.TARGET)])(*avals)
         blob = exported.serialize()
     except Exception as e:  # e.g. host callbacks, or flatbuffers missing
         _warn_once(f"export {key.split('-')[0]}",
@@ -453,9 +467,15 @@ def load_executable(path: Path | None, n_args: int, out_tree: Any) -> Any:
     import jax
     from jax.experimental import serialize_executable
 
+    from gsm_jax.pallas_kernels import int8_matvec_cpu
+
     try:
+        blob = path.read_bytes()
+        if not int8_matvec_cpu.ensure_registered(blob):
+            raise RuntimeError(f"it calls the int8 kernel, which is unavailable here "
+                               f"({int8_matvec_cpu.unavailable_reason()})")
         in_tree = jax.tree.structure((tuple(range(n_args)), {}))
-        return serialize_executable.deserialize_and_load(path.read_bytes(), in_tree, out_tree)
+        return serialize_executable.deserialize_and_load(blob, in_tree, out_tree)
     except Exception as e:  # truncated, foreign or stale: built again
         _warn_once(f"bad {path}", f"ignoring the unreadable saved executable {path} "
                    f"({type(e).__name__}: {e})")

@@ -137,6 +137,22 @@ def available() -> bool:
         return _state["ok"]
 
 
+def possible() -> bool:
+    """Whether `available()` can be True here, without building: the switch is on and a
+    C++ compiler is on the PATH (or the kernel is already registered). Part of a saved
+    program's key (`gsm_jax.compile_cache`): a program traced with the kernel and one
+    traced without are different programs."""
+    if os.environ.get(ENV_SWITCH, "1") == "0":
+        return False
+    return bool(_state.get("ok")) or _compiler() is not None
+
+
+def ensure_registered(blob: bytes) -> bool:
+    """Before a saved program or executable runs: if it calls the kernel, build and register
+    it; False when it calls the kernel and the kernel cannot be had."""
+    return TARGET.encode() not in blob or available()
+
+
 def unavailable_reason() -> str | None:
     """Why `available()` is False (None when it is True or was not asked yet)."""
     if os.environ.get(ENV_SWITCH, "1") == "0":

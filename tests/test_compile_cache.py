@@ -185,3 +185,38 @@ def test_engine_programs_saved_as_executables_load_without_lowering(cache_on, mo
     assert again == want
     assert "ignoring the unreadable saved executable" in capsys.readouterr().err
     assert saved[0].stat().st_size > 100  # rewritten
+
+
+def test_int8_model_through_a_saved_program(cache_on, monkeypatch, capsys):
+    """A w8a16 model with an int8 head: its program (which calls gsm_jax's CPU int8 kernel
+    where it builds) is exported, not refused as an unstable custom call, and a later
+    process that loads it registers the kernel first; where the kernel cannot be had, the
+    saved program is refused by name and traced again."""
+    from gsm_jax.pallas_kernels import int8_matvec_cpu
+    from gsm_jax.quant import quantize
+
+    params = quantize(tiny_gsm_llama(), "w8a16", head=True)
+    rows = [[5, 6, 7, 8, 9], [10, 11, 12]]
+    kw = dict(max_new_tokens=5, eos_ids=[], return_logits=True)
+    monkeypatch.setattr(cc, "_enabled", None)
+    want = gsm_jax.generate_tokens(params, rows, **kw)
+    monkeypatch.setattr(cc, "_enabled", cache_on)
+    gsm_jax.generate_tokens(params, rows, **kw)
+    (path,) = _saved(cache_on)
+    uses_kernel = int8_matvec_cpu.TARGET.encode() in path.read_bytes()
+    assert uses_kernel == (jax.default_backend() == "cpu" and int8_matvec_cpu.available())
+    assert "traced on every run" not in capsys.readouterr().err
+    asked = []
+    real = int8_matvec_cpu.available
+    monkeypatch.setattr(int8_matvec_cpu, "available", lambda: asked.append(1) or real())
+    monkeypatch.setattr(cc, "_programs", {})
+    loaded = gsm_jax.generate_tokens(params, rows, **kw)
+    assert bool(asked) == uses_kernel
+    for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    if uses_kernel:  # the kernel gone: the saved program is not run, and it says why
+        monkeypatch.setattr(int8_matvec_cpu, "available", lambda: False)
+        monkeypatch.setattr(cc, "_programs", {})
+        again = gsm_jax.generate_tokens(params, rows, **kw)
+        assert "calls the int8 kernel, which is unavailable" in capsys.readouterr().err
+        assert len(again[0]) == 2
