@@ -715,3 +715,35 @@ def test_kv_cache_tokens_flag(monkeypatch, capsys):
     assert seen == [None, 65536]
     assert main(["serve", "--max-len", "4096", "--kv-cache-tokens", "2048"]) == 2
     assert "--kv-cache-tokens 2048" in capsys.readouterr().err
+
+
+def test_quantize_flags_reach_the_engine(monkeypatch, capsys, params):
+    """`serve --quantize w8a16 --quantize-head`: the options carry them, the server quantizes
+    what it loaded before the engine is built (here an engine stub stops the start-up), and
+    --quantize-head alone is refused by name before the model loads."""
+    from gsm_jax.cli import main
+    from gsm_jax.models.linear import QuantizedWeight
+    from gsm_jax.quant import quantization_of
+    from gsm_jax.serving import app
+
+    seen = []
+    monkeypatch.setattr(app, "serve", lambda options, **k: seen.append(
+        (options.quantize, options.quantize_head)))
+    assert main(["serve"]) == 0
+    assert main(["serve", "--quantize", "w8a16", "--quantize-head"]) == 0
+    assert seen == [(None, False), ("w8a16", True)]
+    assert main(["serve", "--quantize-head"]) == 2
+    assert "--quantize-head needs --quantize" in capsys.readouterr().err
+
+    built = []
+
+    def engine(p, **kw):
+        built.append(p)
+        raise RuntimeError("stub engine: start-up stops here")
+
+    monkeypatch.setattr(app, "Engine", engine)
+    server = app.GSMServer(app.ServerOptions(quantize="w8a16", quantize_head=True), params)
+    server.load()
+    assert server.status == "failed" and "stub engine" in server.error
+    (q,) = built
+    assert quantization_of(q) == "w8a16" and isinstance(q.weights["lm_head"], QuantizedWeight)

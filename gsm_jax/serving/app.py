@@ -119,6 +119,10 @@ class ServerOptions:
     # a decode step dispatched before the previous one is read back (vLLM's async
     # scheduling): the host's streaming overlaps the model; the same outputs
     async_scheduling: bool = True
+    # int8 weights (gsm_jax.quant): "w8a16" (on CPU the int8 kernel at decode) or "w8a8";
+    # quantize_head: the LM head int8 weight-only too
+    quantize: str | None = None
+    quantize_head: bool = False
 
 
 class HTTPError(Exception):
@@ -255,6 +259,13 @@ class GSMServer:
 
                     mesh = mesh_from_shape(tuple(o.mesh))
                 self.params = load(o.model, dtype=o.dtype, mesh=mesh)
+            if o.quantize not in (None, "none"):
+                from gsm_jax.quant import apply_quantize_option
+
+                self.params = apply_quantize_option(
+                    self.params, o.quantize, **({"head": True} if o.quantize_head else {}))
+                log.info("gsm-jax serve: weights quantized: %s%s", o.quantize,
+                         " (LM head too)" if o.quantize_head else "")
             if self.params.tokenizer is None:
                 raise InvalidInputError(f"{o.model}: no tokenizer; the server takes text")
             initial = None

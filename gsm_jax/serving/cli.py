@@ -20,6 +20,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                    help="weights and compute dtype (unset: float32; a block-quantized "
                    "DeepSeek checkpoint keeps its FP8 / FP4 weights as stored)")
+    from gsm_jax.quant import add_quantize_argument
+
+    add_quantize_argument(p)  # --quantize {none,w8a16,w8a8,fp8}, --quantize-head
     p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
     p.add_argument("--port", type=int, default=8000, help="TCP port")
     p.add_argument("--max-batch", type=int, default=16, help="decode slots")
@@ -85,6 +88,9 @@ def run_serve(args: argparse.Namespace) -> int:
 
     if args.no_gsm and args.gsm:
         raise InvalidInputError("--no-gsm and --gsm exclude each other")
+    from gsm_jax.quant import quantize_option_kwargs
+
+    quant_head = bool(quantize_option_kwargs(args))  # --quantize-head alone: named here
     try:
         warm = tuple(int(x) for x in str(args.warmup_lengths).split(",") if x.strip())
     except ValueError as e:
@@ -110,7 +116,8 @@ def run_serve(args: argparse.Namespace) -> int:
         served_model_name=args.served_model_name, seed=args.seed, mesh=mesh,
         gsm_ring=args.gsm_ring,
         kv_cache_dtype=None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype,
-        prefix_cache_bytes=prefix_bytes, async_scheduling=args.async_scheduling)
+        prefix_cache_bytes=prefix_bytes, async_scheduling=args.async_scheduling,
+        quantize=None if args.quantize == "none" else args.quantize, quantize_head=quant_head)
     serve(options, host=args.host, port=args.port, log_level=args.log_level)
     return 0
 
