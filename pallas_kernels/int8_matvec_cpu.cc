@@ -67,6 +67,44 @@ static inline __m512i pair_dot(__m512i acc, __m512i w, __m512i x) {
 #endif
 }
 
+// The activation pair (x[row, kk], x[row, kk + 1]) in every 32-bit lane (0 for a missing
+// second row).
+static inline __m512i x_pair(const Problem& p, int64_t row, int64_t kk, bool pair) {
+  const int16_t* xr = p.x + row * p.k;
+  const uint32_t lo = static_cast<uint16_t>(xr[kk]);
+  const uint32_t hi = pair ? static_cast<uint16_t>(xr[kk + 1]) : 0u;
+  return _mm512_set1_epi32(static_cast<int32_t>(lo | (hi << 16)));
+}
+
+// 32 columns of weight rows a and b widened to int16 and interleaved into the pairs
+// (a[c], b[c]): `lo` columns L*8 + 0..3, `hi` L*8 + 4..7 of each 128-bit lane L. Unmasked
+// loads when all 32 columns of both rows are there; else `ma` / `mb` (0: a zero row).
+static inline void weight_pairs(const int8_t* a, const int8_t* b, bool whole, __mmask32 ma,
+                                __mmask32 mb, __m512i& lo, __m512i& hi) {
+  __m512i wa, wb;
+  if (whole) {
+    wa = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a)));
+    wb = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)));
+  } else {
+    wa = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(ma, a));
+    wb = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(mb, b));
+  }
+  lo = _mm512_unpacklo_epi16(wa, wb);
+  hi = _mm512_unpackhi_epi16(wa, wb);
+}
+
+// Weight rows kStreamAhead and kStreamAhead + 1 below `a` (one cache line) into L2.
+static inline void prefetch_ahead(const int8_t* a, int64_t n) {
+  _mm_prefetch(reinterpret_cast<const char*>(a + kStreamAhead * n), _MM_HINT_T1);
+  _mm_prefetch(reinterpret_cast<const char*>(a + (kStreamAhead + 1) * n), _MM_HINT_T1);
+}
+
+// The column (within its 64-column block) of lane i of accumulator j of that block (j: half
+// h = j / 2, lo or hi = j % 2; see weight_pairs).
+static inline int lane_column(int j, int i) {
+  return (j / 2) * 32 + (i / 4) * 8 + (j % 2) * 4 + i % 4;
+}
+
 // Columns c0 .. c0 + NB * 64 (NB blocks side by side, so each weight row is read as
 // NB contiguous cache lines), rows r0 .. r0 + R - 1; R * NB * 4 int32 accumulators.
 template <int R, int NB, bool FULL>
@@ -88,35 +126,16 @@ void block_rows(const Problem& p, int64_t r0, int64_t c0) {
     for (int64_t kk = k0; kk < k1; kk += 2) {
       const bool pair = kk + 1 < k1;
       __m512i xv[R];
-      for (int r = 0; r < R; ++r) {
-        const int16_t* xr = p.x + (r0 + r) * p.k;
-        const uint32_t lo = static_cast<uint16_t>(xr[kk]);
-        const uint32_t hi = pair ? static_cast<uint16_t>(xr[kk + 1]) : 0u;
-        xv[r] = _mm512_set1_epi32(static_cast<int32_t>(lo | (hi << 16)));
-      }
+      for (int r = 0; r < R; ++r) xv[r] = x_pair(p, r0 + r, kk, pair);
       const int8_t* a = p.w + kk * p.n + c0;
       const int8_t* b = pair ? a + p.n : a;
       if (kk + kStreamAhead + 1 < p.k)
-        for (int s = 0; s < NB; ++s) {
-          _mm_prefetch(reinterpret_cast<const char*>(a + kStreamAhead * p.n + s * kBlock),
-                       _MM_HINT_T1);
-          _mm_prefetch(reinterpret_cast<const char*>(a + (kStreamAhead + 1) * p.n + s * kBlock),
-                       _MM_HINT_T1);
-        }
+        for (int s = 0; s < NB; ++s) prefetch_ahead(a + s * kBlock, p.n);
       for (int s = 0; s < NB; ++s) {
         for (int h = 0; h < 2; ++h) {
           const int64_t off = s * kBlock + h * 32;
-          __m512i wa, wb;
-          if (FULL && pair) {
-            wa = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + off)));
-            wb = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + off)));
-          } else {
-            const __mmask32 ma = m[s][h], mb = pair ? m[s][h] : 0u;
-            wa = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(ma, a + off));
-            wb = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(mb, b + off));
-          }
-          const __m512i lo = _mm512_unpacklo_epi16(wa, wb);
-          const __m512i hi = _mm512_unpackhi_epi16(wa, wb);
+          __m512i lo, hi;
+          weight_pairs(a + off, b + off, FULL && pair, m[s][h], pair ? m[s][h] : 0u, lo, hi);
           for (int r = 0; r < R; ++r) {
             acc[r][s * 4 + h * 2] = pair_dot(acc[r][s * 4 + h * 2], lo, xv[r]);
             acc[r][s * 4 + h * 2 + 1] = pair_dot(acc[r][s * 4 + h * 2 + 1], hi, xv[r]);
@@ -128,10 +147,8 @@ void block_rows(const Problem& p, int64_t r0, int64_t c0) {
       alignas(64) int32_t lanes[16];
       for (int j = 0; j < NB * 4; ++j) {
         _mm512_store_si512(lanes, acc[r][j]);
-        const int s = j / 4, h = (j / 2) % 2, upper = j % 2;
         for (int i = 0; i < 16; ++i)
-          total[r][s * kBlock + h * 32 + (i / 4) * 8 + upper * 4 + i % 4] +=
-              static_cast<float>(lanes[i]);
+          total[r][(j / 4) * kBlock + lane_column(j % 4, i)] += static_cast<float>(lanes[i]);
       }
     }
   }
@@ -148,9 +165,7 @@ void block_rows(const Problem& p, int64_t r0, int64_t c0) {
 // One or two rows over the columns [c0, c1) (at most kStream): every weight row of the
 // span is read front to back, two rows at a time, so the weight streams in memory order
 // (at N <= kStream the whole matrix is one sequential read); the int32 sums live in an
-// L1-resident array, in the lane order of `pair_dot` (see block_rows).
-
-
+// L1-resident array, in the lane order of `weight_pairs`.
 template <int R>
 void stream_rows(const Problem& p, int64_t r0, int64_t c0, int64_t c1) {
   const int64_t width = c1 - c0;
@@ -171,36 +186,18 @@ void stream_rows(const Problem& p, int64_t r0, int64_t c0, int64_t c1) {
     for (int64_t kk = k0; kk < k1; kk += 2) {
       const bool pair = kk + 1 < k1;
       __m512i xv[R];
-      for (int r = 0; r < R; ++r) {
-        const int16_t* xr = p.x + (r0 + r) * p.k;
-        const uint32_t lo = static_cast<uint16_t>(xr[kk]);
-        const uint32_t hi = pair ? static_cast<uint16_t>(xr[kk + 1]) : 0u;
-        xv[r] = _mm512_set1_epi32(static_cast<int32_t>(lo | (hi << 16)));
-      }
+      for (int r = 0; r < R; ++r) xv[r] = x_pair(p, r0 + r, kk, pair);
       const int8_t* a = p.w + kk * p.n + c0;
       const int8_t* b = pair ? a + p.n : a;
       const bool ahead = kk + kStreamAhead + 1 < p.k;
       for (int64_t blk = 0; blk < nblk; ++blk) {
         const bool full = blk + 1 < nblk || last == kBlock;
-        if (ahead) {
-          _mm_prefetch(reinterpret_cast<const char*>(a + kStreamAhead * p.n + blk * kBlock),
-                       _MM_HINT_T1);
-          _mm_prefetch(reinterpret_cast<const char*>(a + (kStreamAhead + 1) * p.n + blk * kBlock),
-                       _MM_HINT_T1);
-        }
+        if (ahead) prefetch_ahead(a + blk * kBlock, p.n);
         for (int h = 0; h < 2; ++h) {
           const int64_t off = blk * kBlock + h * 32;
-          __m512i wa, wb;
-          if (full && pair) {
-            wa = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + off)));
-            wb = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + off)));
-          } else {
-            const __mmask32 ma = full ? 0xFFFFFFFFu : (h ? l1 : l0);
-            wa = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(ma, a + off));
-            wb = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(pair ? ma : 0u, b + off));
-          }
-          const __m512i lo = _mm512_unpacklo_epi16(wa, wb);
-          const __m512i hi = _mm512_unpackhi_epi16(wa, wb);
+          const __mmask32 ma = full ? 0xFFFFFFFFu : (h ? l1 : l0);
+          __m512i lo, hi;
+          weight_pairs(a + off, b + off, full && pair, ma, pair ? ma : 0u, lo, hi);
           for (int r = 0; r < R; ++r) {
             int32_t* q = acc[r] + off;
             _mm512_store_si512(q, pair_dot(_mm512_load_si512(q), lo, xv[r]));
@@ -212,10 +209,9 @@ void stream_rows(const Problem& p, int64_t r0, int64_t c0, int64_t c1) {
     for (int r = 0; r < R; ++r)
       for (int64_t blk = 0; blk < nblk; ++blk)
         for (int j = 0; j < 4; ++j) {
-          const int h = j / 2, upper = j % 2;
           const int32_t* lanes = acc[r] + blk * kBlock + j * 16;
-          float* t = total[r] + blk * kBlock + h * 32 + upper * 4;
-          for (int i = 0; i < 16; ++i) t[(i / 4) * 8 + i % 4] += static_cast<float>(lanes[i]);
+          for (int i = 0; i < 16; ++i)
+            total[r][blk * kBlock + lane_column(j, i)] += static_cast<float>(lanes[i]);
         }
   }
   for (int r = 0; r < R; ++r) {
