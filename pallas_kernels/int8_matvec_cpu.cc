@@ -22,10 +22,10 @@
 #include <memory>
 #include <thread>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-#include <immintrin.h>
-#define GSM_AVX512 1
+#if !defined(__AVX512F__) || !defined(__AVX512BW__)
+#error "int8_matvec_cpu.cc needs AVX-512 F and BW (int8_matvec_cpu.py checks the CPU first)"
 #endif
+#include <immintrin.h>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -53,7 +53,6 @@ constexpr int64_t kChunk = 512;
 constexpr int64_t kStreamAhead = 16;
 constexpr int64_t kStream = 2048;  // widest column span of the one- and two-row path
 
-#ifdef GSM_AVX512
 // One 64-column block, rows r0..r0+R-1. Two weight rows (k, k+1) at a time: their int8
 // values are widened to int16 and interleaved, so each 32-bit lane holds the pair
 // (w[k, c], w[k+1, c]) of one column c; a multiply-add of 16-bit pairs against the pair
@@ -220,39 +219,6 @@ void stream_rows(const Problem& p, int64_t r0, int64_t c0, int64_t c1) {
       p.y[(r0 + r) * p.n + c0 + c] = total[r][c] * sx * p.scale[c0 + c];
   }
 }
-#else
-template <int R, int NB, bool FULL>
-void block_rows(const Problem& p, int64_t r0, int64_t c0) {
-  if (NB > 1) {
-    for (int s = 0; s < NB; ++s)
-      if (c0 + s * kBlock < p.n) block_rows<R, 1, FULL>(p, r0, c0 + s * kBlock);
-    return;
-  }
-  const int64_t width = std::min<int64_t>(kBlock, p.n - c0);
-  float total[R][kBlock] = {};
-  for (int64_t k0 = 0; k0 < p.k; k0 += kChunk) {
-    const int64_t k1 = std::min(p.k, k0 + kChunk);
-    int32_t acc[R][kBlock] = {};
-    for (int64_t kk = k0; kk < k1; ++kk) {
-      const int8_t* wp = p.w + kk * p.n + c0;
-      for (int r = 0; r < R; ++r) {
-        const int32_t xv = p.x[(r0 + r) * p.k + kk];
-        for (int64_t c = 0; c < width; ++c) acc[r][c] += xv * static_cast<int32_t>(wp[c]);
-      }
-    }
-    for (int r = 0; r < R; ++r)
-      for (int64_t c = 0; c < width; ++c) total[r][c] += static_cast<float>(acc[r][c]);
-  }
-  for (int r = 0; r < R; ++r)
-    for (int64_t c = 0; c < width; ++c)
-      p.y[(r0 + r) * p.n + c0 + c] = total[r][c] * p.x_scale[r0 + r] * p.scale[c0 + c];
-}
-
-template <int R>
-void stream_rows(const Problem& p, int64_t r0, int64_t c0, int64_t c1) {
-  for (int64_t c = c0; c < c1; c += kBlock) block_rows<R, 1, false>(p, r0, c);
-}
-#endif
 
 // One tile of kTile columns, all rows: one row keeps the tile's four blocks in flight
 // together, two rows two, more rows one at a time (each R * NB * 4 <= 16 accumulators).

@@ -9,12 +9,13 @@ and its int8 GEMM reads int8 no faster than its matrix-vector product reads floa
 the int8 weight read once"). `int8_matvec_cpu.cc` reads the int8 weight once, as stored,
 widens it in registers and splits the columns across XLA's intra-op thread pool.
 
-The C++ source is compiled at first use with the host's C++ compiler (`$CXX`, else
-`g++`, `-O3 -march=native`: it runs on the machine that built it) into
-``$XDG_CACHE_HOME/gsm-jax/kernels`` (``~/.cache/...``), keyed by the source, the compiler,
-the CPU and jaxlib, and registered as the CPU FFI target ``gsm_int8_matvec``. Without a
-compiler, or with ``GSM_JAX_CPU_KERNELS=0``, `available()` is False and callers keep
-their XLA form (a failed build says so once, as a RuntimeWarning).
+It needs AVX-512 (F and BW; VNNI when present). The C++ source is compiled at first use
+with the host's C++ compiler (`$CXX`, else `g++`, `-O3 -march=native`: it runs on the
+machine that built it) into ``$XDG_CACHE_HOME/gsm-jax/kernels`` (``~/.cache/...``),
+keyed by the source, the compiler, the CPU and jaxlib, and registered as the CPU FFI
+target ``gsm_int8_matvec``. On a CPU without AVX-512, without a compiler, or with
+``GSM_JAX_CPU_KERNELS=0``, `available()` is False and callers keep their XLA form (a
+failed build says so once, as a RuntimeWarning).
 `int8_matvec_reference` is the plain jnp definition the kernel is tested against
 (tests/test_int8_matvec_cpu.py).
 """
@@ -38,6 +39,7 @@ import jax.numpy as jnp
 TARGET = "gsm_int8_matvec"
 SOURCE = Path(__file__).with_name("int8_matvec_cpu.cc")
 ENV_SWITCH = "GSM_JAX_CPU_KERNELS"
+REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw")  # /proc/cpuinfo names; VNNI is used if present
 
 _lock = threading.Lock()
 _state: dict = {}  # "ok": bool, "error": str, "library": path
@@ -94,6 +96,9 @@ def _build() -> Path:
     """The shared library for this source, compiler, CPU and jaxlib, built if absent."""
     import jaxlib
 
+    missing = [f for f in REQUIRED_CPU_FLAGS if f not in _cpu_id().split()]
+    if missing:
+        raise RuntimeError(f"this CPU lacks {', '.join(missing)}, which the kernel needs")
     cxx = _compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler (set CXX or install g++)")
@@ -117,7 +122,8 @@ def _build() -> Path:
 
 def available() -> bool:
     """True when the kernel is built and registered (building it on the first call);
-    False off x86-64/aarch64 Linux, without a compiler, or with GSM_JAX_CPU_KERNELS=0."""
+    False on a CPU without AVX-512 (F, BW), without a C++ compiler, or with
+    GSM_JAX_CPU_KERNELS=0."""
     if os.environ.get(ENV_SWITCH, "1") == "0":
         return False
     with _lock:
@@ -138,13 +144,15 @@ def available() -> bool:
 
 
 def possible() -> bool:
-    """Whether `available()` can be True here, without building: the switch is on and a
-    C++ compiler is on the PATH (or the kernel is already registered). Part of a saved
-    program's key (`gsm_jax.compile_cache`): a program traced with the kernel and one
-    traced without are different programs."""
+    """Whether `available()` can be True here, without building: the switch is on, the CPU
+    has AVX-512 (F, BW) and a C++ compiler is on the PATH (or the kernel is already
+    registered). Part of a saved program's key (`gsm_jax.compile_cache`): a program traced
+    with the kernel and one traced without are different programs."""
     if os.environ.get(ENV_SWITCH, "1") == "0":
         return False
-    return bool(_state.get("ok")) or _compiler() is not None
+    cpu = _cpu_id().split()
+    return bool(_state.get("ok")) or (all(f in cpu for f in REQUIRED_CPU_FLAGS)
+                                      and _compiler() is not None)
 
 
 def ensure_registered(blob: bytes) -> bool:

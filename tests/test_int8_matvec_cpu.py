@@ -127,6 +127,14 @@ def test_switch_and_missing_compiler_leave_the_xla_form(monkeypatch, tmp_path):
     with pytest.warns(RuntimeWarning, match="int8 kernel is unavailable"):
         assert not kmod.available()
     assert "no C++ compiler" in kmod.unavailable_reason()
+    assert not kmod.possible()  # a saved program's key says so too
+    # a CPU without AVX-512: named before any compiler runs
+    monkeypatch.setattr(kmod, "_state", {})
+    monkeypatch.delenv("CXX")
+    monkeypatch.setattr(kmod, "_cpu_id", lambda: "model name : old flags : fpu sse2 avx2")
+    with pytest.warns(RuntimeWarning):
+        assert not kmod.available()
+    assert "lacks avx512f, avx512bw" in kmod.unavailable_reason() and not kmod.possible()
     from gsm_jax.models.linear import linear
     from gsm_jax.pallas_kernels.quant_reference import quantize_weight
 
