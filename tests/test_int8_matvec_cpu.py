@@ -220,3 +220,15 @@ def test_int8_head_refused_where_not_implemented():
     with pytest.raises(UnsupportedModelError, match="head=True"):
         quantize(tiny_dsv4(), "w8a16", head=True)
 
+
+
+def test_int8_head_saves_and_loads(tmp_path):
+    """gsm_jax.save / load keep the int8 head (a QuantizedWeight) and its logits."""
+    q = quantize(tiny_gsm_llama(), "w8a16", head=True)
+    gsm_jax.save(q, tmp_path / "m")
+    back = gsm_jax.load(tmp_path / "m")
+    assert isinstance(back.weights["lm_head"], QuantizedWeight)
+    assert back.extra.get("quantized_head") is True
+    rows = [[5, 6, 7, 8]]
+    np.testing.assert_array_equal(np.asarray(gsm_jax.forward(back, rows)),
+                                  np.asarray(gsm_jax.forward(q, rows)))
