@@ -155,10 +155,12 @@ def possible() -> bool:
                                       and _compiler() is not None)
 
 
-def ensure_registered(blob: bytes) -> bool:
+def ensure_registered(blob: bytes) -> None:
     """Before a saved program or executable runs: if it calls the kernel, build and register
-    it; False when it calls the kernel and the kernel cannot be had."""
-    return TARGET.encode() not in blob or available()
+    it; RuntimeError, naming why, when it calls the kernel and the kernel cannot be had."""
+    if TARGET.encode() in blob and not available():
+        raise RuntimeError(f"it calls the int8 kernel, which is unavailable here "
+                           f"({unavailable_reason()})")
 
 
 def unavailable_reason() -> str | None:
