@@ -246,9 +246,10 @@ def quantize(params: ModelParams, scheme: str = "w8a8", *, head: bool = False,
         # the head as int8 weight-only (one scale per vocabulary entry) whatever the scheme;
         # a tied model's lookup table is rounded to the same grid (kept float: a lookup
         # reads one row), so the embedding and the head stay one matrix
-        table = w["lm_head"] if "lm_head" in w else jnp.asarray(w["embed"], jnp.float32).T
+        tied = "lm_head" not in w
+        table = jnp.asarray(w["embed"], jnp.float32).T if tied else w["lm_head"]
         w["lm_head"] = _q(table, "w8a16")
-        if "lm_head" not in params.weights:
+        if tied:
             w["embed"] = _fake_quant_rows(w["embed"])
     extra = {**dict(params.extra), "quantization": scheme}
     if head:

@@ -23,6 +23,7 @@ failed build says so once, as a RuntimeWarning).
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import platform
@@ -70,7 +71,9 @@ def int8_matvec_reference(xq: jax.Array, x_scale: jax.Array, values: jax.Array,
     return acc.astype(jnp.float32) * x_scale[:, None] * scale.astype(jnp.float32)
 
 
+@functools.lru_cache(maxsize=1)
 def _cpu_id() -> str:
+    """The CPU's model name and flags (read once: saved programs' keys ask on every call)."""
     flags = ""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
