@@ -21,6 +21,7 @@ Settings (`--settings`, comma list of names, or a side name for all of its setti
 
 - gsm_jax:fp32, gsm_jax:bf16 (`gsm_jax.load(..., dtype=...)`), gsm_jax:w8a16, gsm_jax:w8a8
   (`gsm_jax.quant.quantize`), gsm_jax:w8a16+head (`quantize(..., 'w8a16', head=True)`),
+  gsm_jax:w8a16g32, gsm_jax:w8a16g32+head (`quantize(..., 'w8a16', group_size=32)`),
   gsm_jax:w8a8+smoothquant (`gsm_jax.workflow.evidence.quant_quality`:
   activation statistics on the first WikiText-2 tokens, disjoint from the KLD windows,
   per-layer alphas from `local_smoothquant_alphas`, or `--sq-alphas search|best`);
@@ -80,6 +81,11 @@ SETTINGS: dict[str, str] = {
                      "(decode on CPU: the int8 matrix-vector kernel, int16 activations)",
     "gsm_jax:w8a16+head": "gsm_jax.quant.quantize(fp32, 'w8a16', head=True): w8a16 with the "
                           "LM head int8 too (one scale per vocabulary entry)",
+    "gsm_jax:w8a16g32": "gsm_jax.quant.quantize(fp32, 'w8a16', group_size=32): int8 weights "
+                        "with a float16 scale and offset per 32 input channels and output "
+                        "channel",
+    "gsm_jax:w8a16g32+head": "gsm_jax.quant.quantize(fp32, 'w8a16', group_size=32, "
+                             "head=True): the same with the LM head grouped too",
     "gsm_jax:w8a8": "gsm_jax.quant.quantize(fp32, 'w8a8'): int8 weights, per-token int8 "
                     "activations",
     "gsm_jax:w8a8+smoothquant": "gsm_jax.quant_quality.smoothquant_params (alphas below), "
@@ -245,6 +251,8 @@ class JaxSettings(bg.GsmJaxSide):
             return quantize(self.fp32, short), None
         if short == "w8a16+head":
             return quantize(self.fp32, "w8a16", head=True), None
+        if short in ("w8a16g32", "w8a16g32+head"):
+            return quantize(self.fp32, "w8a16", group_size=32, head=short.endswith("+head")), None
         if short == "w8a8+smoothquant":
             return self._smoothquant(sq, data)
         raise ValueError(f"unknown gsm_jax setting {short!r}")

@@ -153,7 +153,9 @@ def _run_generate(args: argparse.Namespace) -> int:
     if args.quantize != "none":
         params = apply_quantize_option(params, args.quantize, **quant_kwargs)
         print(f"[gsm-jax] quantized: {args.quantize}"
-              + (" (LM head too)" if quant_kwargs else ""), flush=True)
+              + (f", groups of {quant_kwargs['group_size']}" if "group_size" in quant_kwargs
+                 else "")
+              + (" (LM head too)" if quant_kwargs.get("head") else ""), flush=True)
     if gsm is not None:
         print(gsm_jax.describe(gsm, params.config.num_layers), flush=True)
     kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,

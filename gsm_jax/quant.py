@@ -59,7 +59,11 @@ from gsm_jax.models.linear import (
     linear,
 )
 from gsm_jax.models.sites import Sites
-from gsm_jax.pallas_kernels.quant_reference import dequantize_weight, quantize_weight
+from gsm_jax.pallas_kernels import int8_matvec_cpu
+from gsm_jax.pallas_kernels.quant_reference import (
+    quantize_weight,
+    quantize_weight_grouped,
+)
 from gsm_jax.params import ModelParams
 
 __all__ = [
@@ -142,7 +146,7 @@ def _fp8(w: Any, block: tuple[int, int] = FP8_BLOCK,
 
 
 def _q(w: Any, scheme: str, hadamard: int = 0,
-       fp8: tuple[tuple[int, int], int] = (FP8_BLOCK, ACT_BLOCK)
+       fp8: tuple[tuple[int, int], int] = (FP8_BLOCK, ACT_BLOCK), group: int = 0
        ) -> QuantizedWeight | BlockQuantWeight:
     if scheme == "fp8":
         return _fp8(w, *fp8)
@@ -151,14 +155,42 @@ def _q(w: Any, scheme: str, hadamard: int = 0,
     w = jnp.asarray(w, jnp.float32)
     if hadamard:  # y = (x H)(H W): store H W, rotate x online (H is its own inverse)
         w = hadamard_rotate(w, hadamard, axis=-2)
+    if group:
+        values, scale, zero = quantize_weight_grouped(w, group)
+        return QuantizedWeight(values, scale, scheme, hadamard, zero)
     values, scale = quantize_weight(w)
     return QuantizedWeight(values, scale, scheme, hadamard)
 
 
-def _fake_quant_rows(w: jax.Array) -> jax.Array:
-    """Round [V, D] (one scale per vocabulary row) to the int8 grid, keep it float."""
-    values, scale = quantize_weight(jnp.asarray(w, jnp.float32).T)
-    return dequantize_weight(values, scale).T.astype(w.dtype)
+def _fake_quant_rows(w: jax.Array, group: int = 0) -> jax.Array:
+    """Round [V, D] (one scale per vocabulary row, or per row and `group` columns) to the
+    int8 grid of the head `_q` makes of w.T, keep it float."""
+    return _q(jnp.asarray(w, jnp.float32).T, "w8a16", group=group).dequantize().T.astype(
+        w.dtype)
+
+
+MAX_GROUP = int8_matvec_cpu.MAX_GROUP
+
+
+def _check_group(group_size: Any, scheme: str, family: str, shapes: dict[str, tuple]) -> int:
+    """The w8a16 group size, refused by name unless it is an even number from 2 to
+    `MAX_GROUP` dividing the input width of every weight it applies to (`shapes`)."""
+    if group_size is None:
+        return 0
+    if scheme != "w8a16":
+        raise InvalidInputError(f"group_size goes with the w8a16 scheme only, not {scheme!r}")
+    if family not in DENSE_FAMILIES:
+        raise UnsupportedModelError(f"group_size is implemented for the {_dense_titles()} "
+                                    f"families only, not {family!r}")
+    if (isinstance(group_size, bool) or not isinstance(group_size, int | np.integer)
+            or group_size < 2 or group_size > MAX_GROUP or group_size % 2):
+        raise InvalidInputError(f"group_size={group_size!r} must be an even integer from 2 to "
+                                f"{MAX_GROUP}")
+    for name, shape in shapes.items():
+        if shape[-2] % group_size:
+            raise InvalidInputError(f"group_size={group_size} does not divide the input width "
+                                    f"{shape[-2]} of weight {name!r}")
+    return int(group_size)
 
 
 def _dense_titles() -> str:
@@ -185,7 +217,8 @@ def _in_layout(weights: dict, per_layer: bool, family: str) -> dict:
 
 
 def quantize(params: ModelParams, scheme: str = "w8a8", *, head: bool = False,
-             routed_experts: bool = False, hadamard_down: int = 0) -> ModelParams:
+             routed_experts: bool = False, hadamard_down: int = 0,
+             group_size: int | None = None) -> ModelParams:
     """Return params with the family's linear layers as int8 `QuantizedWeight`s.
 
     scheme: "w8a16" (weight-only), "w8a8" (plus per-token int8 activations) or "fp8"
@@ -198,6 +231,11 @@ def quantize(params: ModelParams, scheme: str = "w8a8", *, head: bool = False,
     gsm_jax's default do not apply).
     head: the LM head as an int8 weight-only `QuantizedWeight` too (dense families).
     routed_experts: DeepSeek-V4 only, quantize the routed experts too.
+    group_size: w8a16 with an asymmetric float16 scale and offset per `group_size`
+    (even, at most 512) consecutive input channels and output channel instead of one
+    scale per output channel (Llama and Gemma 3; the head too with head=True). 32 costs
+    1/8 byte per weight more and, on a model that came from a 4-bit GGUF (Q4_1, Q4_K:
+    16 equally spaced levels per 32 weights), keeps its weights to float16 rounding.
     hadamard_down: > 0 (a power of two dividing d_ff): rotate the down
     projection's input online by a block-diagonal Hadamard matrix of that block
     size before it is quantized (the QuaRot-style baseline; dense families only).
@@ -224,15 +262,20 @@ def quantize(params: ModelParams, scheme: str = "w8a8", *, head: bool = False,
     if family in DENSE_FAMILIES:
         w, per_layer = stacked_weights(params)
         layers = dict(w["layers"])
+        shapes = {name: tuple(layers[name].shape) for name in LLAMA_LINEARS}
+        if head:
+            shapes["lm_head"] = (w["embed"].shape[-1], w["embed"].shape[0])
+        group = _check_group(group_size, scheme, family, shapes)
         for name in LLAMA_LINEARS:
             block = hadamard_down if name == "down" else 0
             if block and (block & (block - 1) or layers[name].shape[-2] % block):
                 raise InvalidInputError(
                     f"hadamard_down={block} must be a power of two dividing "
                     f"intermediate_size={layers[name].shape[-2]}")
-            layers[name] = _q(layers[name], scheme, block)
+            layers[name] = _q(layers[name], scheme, block, group=group)
         w = _in_layout({**w, "layers": layers}, per_layer, family)
     elif hasattr(fam, "quantize_weights"):  # the family says which of its weights
+        _check_group(group_size, scheme, family, {})
         if hadamard_down:
             raise UnsupportedModelError(f"hadamard_down is implemented for the "
                                         f"{_dense_titles()} families only")
@@ -248,12 +291,14 @@ def quantize(params: ModelParams, scheme: str = "w8a8", *, head: bool = False,
         # reads one row), so the embedding and the head stay one matrix
         tied = "lm_head" not in w
         table = jnp.asarray(w["embed"], jnp.float32).T if tied else w["lm_head"]
-        w["lm_head"] = _q(table, "w8a16")
+        w["lm_head"] = _q(table, "w8a16", group=group)
         if tied:
-            w["embed"] = _fake_quant_rows(w["embed"])
+            w["embed"] = _fake_quant_rows(w["embed"], group)
     extra = {**dict(params.extra), "quantization": scheme}
     if head:
         extra["quantized_head"] = True
+    if family in DENSE_FAMILIES and group:
+        extra["group_size"] = group
     if scheme == "fp8":
         extra["fp8_activation_block"] = fp8[1]
     if routed_experts and family not in DENSE_FAMILIES:  # quantized by quantize_weights
@@ -472,18 +517,25 @@ def restore_quantized(params: ModelParams) -> ModelParams:
         return params
     hadamard = int(dict(params.extra).get("hadamard_down", 0))
 
+    def stored(x):  # orbax's form: {"values", "scale"} (+ "zero": grouped, maybe None)
+        return isinstance(x, dict) and {"values", "scale"} <= set(x) <= {"values", "scale",
+                                                                          "zero"}
+
     def is_q(x):
-        return isinstance(x, QuantizedWeight) or (
-            isinstance(x, dict) and set(x) == {"values", "scale"})
+        return isinstance(x, QuantizedWeight) or stored(x)
 
     def rebuild(path, x):
         if isinstance(x, QuantizedWeight):
             return x
-        if isinstance(x, dict) and set(x) == {"values", "scale"}:
+        if stored(x):
             name = path[-1].key if hasattr(path[-1], "key") else ""
+            zero = x.get("zero")
+            grouped = zero is not None
             return QuantizedWeight(jnp.asarray(x["values"], jnp.int8),
-                                   jnp.asarray(x["scale"], jnp.float32), scheme,
-                                   hadamard if name == "down" else 0)
+                                   jnp.asarray(x["scale"],
+                                               jnp.float16 if grouped else jnp.float32),
+                                   scheme, hadamard if name == "down" else 0,
+                                   jnp.asarray(zero, jnp.float16) if grouped else None)
         return x
 
     weights = jax.tree_util.tree_map_with_path(rebuild, params.weights, is_leaf=is_q)
@@ -509,8 +561,8 @@ def apply_quantize_option(params: ModelParams, scheme: str | None, **kwargs: Any
 
 
 def add_quantize_argument(parser: Any) -> None:
-    """``--quantize {none,w8a16,w8a8}`` and ``--quantize-head`` for an argparse (sub)parser
-    (read back by `quantize_option_kwargs`)."""
+    """``--quantize {none,w8a16,w8a8}``, ``--quantize-head`` and ``--quantize-group-size``
+    for an argparse (sub)parser (read back by `quantize_option_kwargs`)."""
     parser.add_argument("--quantize", choices=QUANTIZE_CHOICES, default="none",
                         help="run on int8-quantized params: w8a16 (weight-only; on CPU the "
                              "int8 matrix-vector kernel at decode) or w8a8 (plus per-token "
@@ -519,12 +571,27 @@ def add_quantize_argument(parser: Any) -> None:
     parser.add_argument("--quantize-head", action="store_true",
                         help="with --quantize: the LM head int8 weight-only too "
                              "(quantize(..., head=True); Llama and Gemma 3 families)")
+    parser.add_argument("--quantize-group-size", type=int, default=None, metavar="N",
+                        help="with --quantize w8a16: a float16 scale and offset per N input "
+                             "channels (even, at most 512; 32 keeps a 4-bit GGUF's weights) "
+                             "instead of one scale per output channel")
 
 
 def quantize_option_kwargs(args: Any) -> dict:
     """`apply_quantize_option`'s keyword arguments from `add_quantize_argument`'s options;
-    --quantize-head without --quantize is refused by name."""
+    --quantize-head or --quantize-group-size without the --quantize they need, or a group
+    size out of range, is refused by name (before any model loads)."""
+    scheme = getattr(args, "quantize", "none")
     head = bool(getattr(args, "quantize_head", False))
-    if head and getattr(args, "quantize", "none") in (None, "none"):
+    group = getattr(args, "quantize_group_size", None)
+    if head and scheme in (None, "none"):
         raise InvalidInputError("--quantize-head needs --quantize w8a16 or w8a8")
-    return {"head": True} if head else {}
+    out: dict = {"head": True} if head else {}
+    if group is not None:
+        if scheme != "w8a16":
+            raise InvalidInputError("--quantize-group-size needs --quantize w8a16")
+        if group < 2 or group > MAX_GROUP or group % 2:
+            raise InvalidInputError(f"--quantize-group-size {group} must be even, from 2 to "
+                                    f"{MAX_GROUP}")
+        out["group_size"] = int(group)
+    return out

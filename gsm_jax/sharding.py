@@ -30,8 +30,9 @@ placements). Everything else lives in device memory.
 
 Everything else (norms, routers, compressors, the indexer, hyper-connections, V4's
 single K=V head and low-rank q_a) is replicated: small, and needed whole by every
-device. Quantized weights shard with their scales: int8 (`QuantizedWeight`) along its
-output channels, FP8 / FP4 (`BlockQuantWeight`, stored [out, in]) along whole blocks.
+device. Quantized weights shard with their scales: int8 (`QuantizedWeight`) as its float
+weight would, a grouped one's input axis along whole groups, FP8 / FP4
+(`BlockQuantWeight`, stored [out, in]) along whole blocks.
 
 Routed experts are not left to GSPMD (which would all-gather every chosen expert's
 weights to every device): under a mesh that splits them, `models/moe.py` runs them
@@ -216,6 +217,11 @@ def leaf_shardings(family: str, path: tuple, leaf: Any, mesh: Mesh,
         return leaf.replace(values=spec, scale=spec)
     if isinstance(leaf, QuantizedWeight):
         axes = logical_axes(family, path, leaf.values.ndim)
+        if leaf.zero is not None:  # grouped: values, scales and offsets split alike, along
+            # whole groups of the input axis (too few groups: that axis stays whole)
+            blocks = (*leaf.values.shape[:-2], *leaf.scale.shape[-2:])
+            spec = NamedSharding(mesh, _mesh_spec(axes, leaf.values.shape, mesh, what, blocks))
+            return leaf.replace(values=spec, scale=spec, zero=spec)
         spec = _mesh_spec(axes, leaf.values.shape, mesh, what)
         return leaf.replace(values=NamedSharding(mesh, spec),
                             scale=NamedSharding(mesh, PartitionSpec(*spec[:-2], spec[-1])))
@@ -293,7 +299,9 @@ def place_tree(family: str, tree: Any, mesh: Mesh, prefix: tuple = (),
     def put(path, a):
         s = leaf_shardings(family, prefix + path, a, mesh, host)
         if _is_container(a):
-            return a.replace(values=place(a.values, s.values), scale=place(a.scale, s.scale))
+            zero = getattr(a, "zero", None)
+            return a.replace(values=place(a.values, s.values), scale=place(a.scale, s.scale),
+                             **({} if zero is None else {"zero": place(zero, s.zero)}))
         return place(a, s)
 
     return jax.tree_util.tree_map_with_path(put, tree, is_leaf=_is_container)

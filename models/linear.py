@@ -10,8 +10,10 @@ given.
 - float weight: x @ w in x's dtype.
 - "w8a16" (weight-only): activations stay float; y = (x @ values) * scale, the
   per-channel scale applied after the product (exact refactoring of
-  x @ dequant(w)). Decode-sized products on CPU run on the int8 matrix-vector kernel
-  (`pallas_kernels/int8_matvec_cpu.py`), activations rounded to int16 per row.
+  x @ dequant(w)); or, grouped, a float16 scale and offset per 32 (`group`) input
+  channels and output channel (`quantize(..., group_size=32)`). Decode-sized products
+  on CPU run on the int8 matrix-vector kernel (`pallas_kernels/int8_matvec_cpu.py`),
+  activations rounded to int16 per row.
 - "w8a8": x is quantized per token (dynamic symmetric int8, absmax over the
   channels), the product runs int8 x int8 -> int32 (`lax.dot_general` with
   preferred_element_type=int32, exact integer arithmetic), then it is rescaled
@@ -37,7 +39,12 @@ from flax import struct
 
 from gsm_jax.models.block_quant import BlockQuantWeight, quantize_activation_e4m3
 from gsm_jax.pallas_kernels import int8_matvec_cpu
-from gsm_jax.pallas_kernels.quant_reference import int8_dot, quantize_rows, quantize_with_scale
+from gsm_jax.pallas_kernels.quant_reference import (
+    dequantize_weight_grouped,
+    int8_dot,
+    quantize_rows,
+    quantize_with_scale,
+)
 
 SCHEMES = ("w8a16", "w8a8")
 DIGIT_RATIO = 128.0  # scale ratio of successive int8 digits (see `_int8_digits`)
@@ -54,12 +61,24 @@ W8A16_KERNEL_MAX_ROWS = 16
 class QuantizedWeight:
     """An int8 weight: values [..., in, out] (stacked layers keep their leading axis),
     scale float32 [..., out]. `values` comes first, so Flax's parameter shape check
-    (which compares the first leaf) sees the [in, out] shape it expects."""
+    (which compares the first leaf) sees the [in, out] shape it expects.
+
+    Grouped (w8a16 only, `zero` set): groups of `group` consecutive input channels have
+    their own float16 scale and offset per output channel, scale and zero [..., in /
+    group, out], weight = scale * values + zero (`quantize_weight_grouped`)."""
 
     values: jax.Array
     scale: jax.Array
     scheme: str = struct.field(pytree_node=False, default="w8a8")
     hadamard: int = struct.field(pytree_node=False, default=0)
+    zero: jax.Array | None = None
+
+    @property
+    def group(self) -> int:
+        """Input channels per scale (0: one scale per output channel)."""
+        if self.zero is None:
+            return 0
+        return self.values.shape[-2] // self.scale.shape[-2]
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -79,7 +98,8 @@ class QuantizedWeight:
 
     def __getitem__(self, index) -> QuantizedWeight:
         """Index the leading (layer or expert) axes: w[e] is expert e's weight."""
-        return self.replace(values=self.values[index], scale=self.scale[index])
+        zero = None if self.zero is None else self.zero[index]
+        return self.replace(values=self.values[index], scale=self.scale[index], zero=zero)
 
     def astype(self, dtype) -> jax.Array:
         """The dequantized float weight: code that multiplies `w.astype(x.dtype)` itself
@@ -87,7 +107,10 @@ class QuantizedWeight:
         return self.dequantize(dtype)
 
     def dequantize(self, dtype=jnp.float32) -> jax.Array:
-        w = self.values.astype(jnp.float32) * self.scale[..., None, :]
+        if self.zero is not None:
+            w = dequantize_weight_grouped(self.values, self.scale, self.zero)
+        else:
+            w = self.values.astype(jnp.float32) * self.scale[..., None, :]
         if self.hadamard:
             w = hadamard_rotate(w, self.hadamard, axis=-2)
         return w.astype(dtype)
@@ -206,6 +229,9 @@ def _w8a16_matmul(x: jax.Array, w: QuantizedWeight) -> jax.Array:
     1/65534 of the row's largest element: 16-bit activations, as the scheme's name says).
     docs/performance_notes.md, "w8a16 on CPU: the int8 weight read once".
 
+    A grouped weight (`w.zero` set) takes the kernel's grouped form there, and otherwise
+    the product with its dequantized weight (no digit form).
+
     Without the kernel (no C++ compiler, GSM_JAX_CPU_KERNELS=0), up to
     `W8A16_DIGIT_MAX_ROWS` rows (also DeepSeek-V4's per-expert blocks of routed tokens
     when those are quantized): x is expanded into `W8A16_DIGITS` int8 digits with
@@ -220,8 +246,14 @@ def _w8a16_matmul(x: jax.Array, w: QuantizedWeight) -> jax.Array:
     rows = int(np.prod(x.shape[:-1], dtype=np.int64))
     if (0 < rows <= W8A16_KERNEL_MAX_ROWS and w.values.ndim == 2 and x.shape[-1] > 0
             and jax.default_backend() == "cpu" and int8_matvec_cpu.available()):
-        y = int8_matvec_cpu.int8_matvec(x.reshape(rows, x.shape[-1]), w.values, w.scale)
+        x2 = x.reshape(rows, x.shape[-1])
+        if w.zero is not None:
+            y = int8_matvec_cpu.int8_matvec_grouped(x2, w.values, w.scale, w.zero)
+        else:
+            y = int8_matvec_cpu.int8_matvec(x2, w.values, w.scale)
         return y.reshape(x.shape[:-1] + (y.shape[-1],)).astype(x.dtype)
+    if w.zero is not None:  # grouped: the dequantized weight, its convert tied to x
+        return x @ dequantize_weight_grouped(_after(x, w.values), w.scale, w.zero, x.dtype)
     if rows <= W8A16_DIGIT_MAX_ROWS and jax.default_backend() == "cpu":
         q, s = _int8_digits(x.reshape(rows, x.shape[-1]))
         acc = int8_dot(q.reshape(-1, x.shape[-1]), w.values).astype(jnp.float32)

@@ -1,6 +1,9 @@
 """A few float32 rows times an int8 weight on CPU, as one XLA custom call (jax.ffi).
 
     y[r, n] = scale[n] * sum_k x[r, k] * values[k, n]
+or, for a grouped weight (groups of g consecutive k with a float16 scale and offset per
+column, `int8_matvec_grouped`),
+    y[r, n] = sum_k x[r, k] * (scale[k // g, n] * values[k, n] + zero[k // g, n])
 
 This is w8a16's decode product on CPU (`models/linear.py`). XLA:CPU has no fast form
 of it: its one-row product with an int8 (or bf16) weight widens the whole weight first,
@@ -9,15 +12,15 @@ and its int8 GEMM reads int8 no faster than its matrix-vector product reads floa
 the int8 weight read once"). `int8_matvec_cpu.cc` reads the int8 weight once, as stored,
 widens it in registers and splits the columns across XLA's intra-op thread pool.
 
-It needs AVX-512 (F and BW; VNNI when present). The C++ source is compiled at first use
+It needs AVX-512 (F, BW and VL; VNNI when present). The C++ source is compiled at first use
 with the host's C++ compiler (`$CXX`, else `g++`, `-O3 -march=native`: it runs on the
 machine that built it) into ``$XDG_CACHE_HOME/gsm-jax/kernels`` (``~/.cache/...``),
 keyed by the source, the compiler, the CPU and jaxlib, and registered as the CPU FFI
-target ``gsm_int8_matvec``. On a CPU without AVX-512, without a compiler, or with
-``GSM_JAX_CPU_KERNELS=0``, `available()` is False and callers keep their XLA form (a
-failed build says so once, as a RuntimeWarning).
-`int8_matvec_reference` is the plain jnp definition the kernel is tested against
-(tests/test_int8_matvec_cpu.py).
+targets ``gsm_int8_matvec`` and ``gsm_int8_matvec_grouped``. On a CPU without AVX-512,
+without a compiler, or with ``GSM_JAX_CPU_KERNELS=0``, `available()` is False and callers
+keep their XLA form (a failed build says so once, as a RuntimeWarning).
+`int8_matvec_reference` and `int8_matvec_grouped_reference` are the plain jnp definitions
+the kernel is tested against (tests/test_int8_matvec_cpu.py).
 """
 
 from __future__ import annotations
@@ -38,9 +41,12 @@ import jax
 import jax.numpy as jnp
 
 TARGET = "gsm_int8_matvec"
+TARGET_GROUPED = "gsm_int8_matvec_grouped"  # begins with TARGET (ensure_registered's test)
+MAX_GROUP = 512  # the kernel's integer sums run per group: exact in int32 up to 512 k
 SOURCE = Path(__file__).with_name("int8_matvec_cpu.cc")
 ENV_SWITCH = "GSM_JAX_CPU_KERNELS"
-REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw")  # /proc/cpuinfo names; VNNI is used if present
+# /proc/cpuinfo names; VNNI is used if present
+REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl")
 
 _lock = threading.Lock()
 _state: dict = {}  # "ok": bool, "error": str, "library": path
@@ -69,6 +75,20 @@ def int8_matvec_reference(xq: jax.Array, x_scale: jax.Array, values: jax.Array,
     acc = jax.lax.dot_general(xq.astype(jnp.int32), values.astype(jnp.int32),
                               (((1,), (0,)), ((), ())), preferred_element_type=jnp.int32)
     return acc.astype(jnp.float32) * x_scale[:, None] * scale.astype(jnp.float32)
+
+
+def int8_matvec_grouped_reference(xq: jax.Array, x_scale: jax.Array, values: jax.Array,
+                                  scale: jax.Array, zero: jax.Array) -> jax.Array:
+    """The grouped product: per group g, (xq_g @ values_g) * scale_g + sum(xq_g) * zero_g
+    (integer sums exact in int32), summed over groups in float32, times x_scale."""
+    rows, k = xq.shape
+    groups, n = scale.shape
+    xg = xq.astype(jnp.int32).reshape(rows, groups, k // groups)
+    wg = values.astype(jnp.int32).reshape(groups, k // groups, n)
+    acc = jnp.einsum("rgk,gkn->rgn", xg, wg, preferred_element_type=jnp.int32)
+    y = (acc.astype(jnp.float32) * scale.astype(jnp.float32)
+         + xg.sum(-1).astype(jnp.float32)[..., None] * zero.astype(jnp.float32)).sum(1)
+    return y * x_scale[:, None]
 
 
 @functools.lru_cache(maxsize=1)
@@ -125,7 +145,7 @@ def _build() -> Path:
 
 def available() -> bool:
     """True when the kernel is built and registered (building it on the first call);
-    False on a CPU without AVX-512 (F, BW), without a C++ compiler, or with
+    False on a CPU without AVX-512 (F, BW, VL), without a C++ compiler, or with
     GSM_JAX_CPU_KERNELS=0."""
     if os.environ.get(ENV_SWITCH, "1") == "0":
         return False
@@ -135,6 +155,9 @@ def available() -> bool:
                 path = _build()
                 lib = ctypes.cdll.LoadLibrary(str(path))
                 jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.GsmInt8Matvec),
+                                            platform="cpu")
+                jax.ffi.register_ffi_target(TARGET_GROUPED,
+                                            jax.ffi.pycapsule(lib.GsmInt8MatvecGrouped),
                                             platform="cpu")
                 _state.update(ok=True, library=str(path))
             except (OSError, RuntimeError, AttributeError) as e:
@@ -148,7 +171,7 @@ def available() -> bool:
 
 def possible() -> bool:
     """Whether `available()` can be True here, without building: the switch is on, the CPU
-    has AVX-512 (F, BW) and a C++ compiler is on the PATH (or the kernel is already
+    has AVX-512 (F, BW, VL) and a C++ compiler is on the PATH (or the kernel is already
     registered). Part of a saved program's key (`gsm_jax.compile_cache`): a program traced
     with the kernel and one traced without are different programs."""
     if os.environ.get(ENV_SWITCH, "1") == "0":
@@ -189,3 +212,25 @@ def int8_matvec(x: jax.Array, values: jax.Array, scale: jax.Array) -> jax.Array:
                                                          jnp.float32),
                             vmap_method="sequential")
     return call(xq, x_scale, values, scale.astype(jnp.float32))
+
+
+def int8_matvec_grouped(x: jax.Array, values: jax.Array, scale: jax.Array,
+                        zero: jax.Array) -> jax.Array:
+    """x [rows, K] float @ the grouped weight scale[k // g] * values[k] + zero[k // g]
+    (values int8 [K, N]; scale, zero float16 [G, N], g = K / G even and at most 512)
+    -> [rows, N] float32 on the custom call (check `available()` first). x is rounded to
+    int16 per row first, as in `int8_matvec`."""
+    if x.ndim != 2 or values.ndim != 2 or scale.ndim != 2 or zero.shape != scale.shape:
+        raise ValueError(f"int8_matvec_grouped: x [rows, K], values [K, N], scale and zero "
+                         f"[G, N]; got {x.shape}, {values.shape}, {scale.shape}, {zero.shape}")
+    k, n = values.shape
+    groups = scale.shape[0]
+    if (values.dtype != jnp.int8 or x.shape[1] != k or scale.shape[1] != n or groups < 1
+            or k % groups or (k // groups) % 2 or k // groups > MAX_GROUP):
+        raise ValueError(f"int8_matvec_grouped: shapes {x.shape} @ {values.shape} "
+                         f"({values.dtype}) with scales {scale.shape} do not form a product "
+                         f"(the group K / G must be even, at most {MAX_GROUP}, and divide K)")
+    xq, x_scale = quantize_rows_int16(x)
+    call = jax.ffi.ffi_call(TARGET_GROUPED, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32),
+                            vmap_method="sequential")
+    return call(xq, x_scale, values, scale.astype(jnp.float16), zero.astype(jnp.float16))

@@ -71,6 +71,56 @@ def quantize_weight(w: jax.Array) -> tuple[jax.Array, jax.Array]:
     return quantize_with_scale(w, scale[..., None, :]), scale
 
 
+def quantize_weight_grouped(w: jax.Array, group: int
+                            ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """int8 per `group` consecutive input channels and output channel, with an offset.
+
+    w [..., in, out] -> (q int8 [..., in, out], scale float16 [..., in / group, out],
+    zero float16 [..., in / group, out]) with w ~= scale * q + zero per group. Of two
+    grids, each group keeps the one with the smaller largest error:
+    - asymmetric: 256 levels spanning the group's [min, max] (zero = min + 128 * (max -
+      min) / 255 in float16, then scale = the smallest float16 reaching both ends from it);
+      a group made of 4-bit levels (a Q4_1 or Q4_K GGUF: 16 equally spaced values per 32)
+      lands on it to within float16 rounding, 255 / 15 = 17 int8 steps per 4-bit step;
+    - symmetric: zero = 0, scale = max |w| / 127 in float16; a Q8_0 group (int8 times a
+      float16 scale per 32) is kept exactly.
+    Either way q never clips past half a step: |w - (scale * q + zero)| <= scale / 2."""
+    w = w.astype(jnp.float32)
+    k, n = w.shape[-2], w.shape[-1]
+    g = w.reshape(w.shape[:-2] + (k // group, group, n))
+    lo, hi = jnp.min(g, axis=-2), jnp.max(g, axis=-2)
+
+    def grid(scale, zero):
+        s, z = scale.astype(jnp.float32)[..., None, :], zero.astype(jnp.float32)[..., None, :]
+        q = jnp.where(s > 0, jnp.round((g - z) / jnp.where(s > 0, s, 1.0)), 0.0)
+        q = jnp.clip(q, -128, 127)
+        return q, jnp.max(jnp.abs(q * s + z - g), axis=-2)
+
+    zero = (lo + 128.0 * ((hi - lo) / 255.0)).astype(jnp.float16)
+    z = zero.astype(jnp.float32)
+    need = jnp.maximum((hi - z) / 127.0, (z - lo) / 128.0)
+    scale = need.astype(jnp.float16)
+    scale = jnp.where(scale.astype(jnp.float32) < need,
+                      jnp.nextafter(scale, jnp.float16(jnp.inf)), scale)
+    sym_scale = (jnp.maximum(jnp.abs(lo), jnp.abs(hi)) / 127.0).astype(jnp.float16)
+    q_a, err_a = grid(scale, zero)
+    q_s, err_s = grid(sym_scale, jnp.zeros_like(zero))
+    use_sym = err_s < err_a
+    q = jnp.where(use_sym[..., None, :], q_s, q_a).astype(jnp.int8).reshape(w.shape)
+    return (q, jnp.where(use_sym, sym_scale, scale),
+            jnp.where(use_sym, jnp.zeros_like(zero), zero))
+
+
+def dequantize_weight_grouped(q: jax.Array, scale: jax.Array, zero: jax.Array,
+                              dtype=jnp.float32) -> jax.Array:
+    """scale * q + zero per group: q [..., in, out], scale and zero [..., in / group, out]."""
+    k, n = q.shape[-2], q.shape[-1]
+    groups = scale.shape[-2]
+    g = q.astype(jnp.float32).reshape(q.shape[:-2] + (groups, k // groups, n))
+    w = g * scale.astype(jnp.float32)[..., None, :] + zero.astype(jnp.float32)[..., None, :]
+    return w.reshape(q.shape).astype(dtype)
+
+
 def dequantize_rows(q: jax.Array, scale: jax.Array, dtype=jnp.float32) -> jax.Array:
     return (q.astype(jnp.float32) * scale[..., None]).astype(dtype)
 

@@ -115,6 +115,85 @@ def test_kernel_under_vmap_and_refused_shapes():
         kmod.int8_matvec(jnp.asarray(x[0]), jnp.asarray(values), jnp.asarray(scale))
 
 
+# ----------------------------------------------------------------------------- grouped
+
+
+def _exact_grouped(x, values, scale, zero):
+    """The grouped product in int64 / float64, and a bound on the kernel's float32 error:
+    it adds G group terms (each an exact integer sum times a float16 factor), so its
+    recursive float32 sum is within (G + 2) * 2**-24 * sum |terms| of the exact one."""
+    xq, xs = (np.asarray(a) for a in kmod.quantize_rows_int16(jnp.asarray(x)))
+    rows, k = xq.shape
+    groups, n = scale.shape
+    xg = xq.astype(np.int64).reshape(rows, groups, k // groups)
+    acc = np.einsum("rgk,gkn->rgn", xg, values.astype(np.int64).reshape(groups, -1, n))
+    terms = (acc * scale.astype(np.float64)
+             + xg.sum(-1)[..., None] * zero.astype(np.float64)) * xs[:, None, None]
+    bound = (groups + 2) * 2.0**-24 * (np.abs(acc * scale.astype(np.float64))
+                                       + np.abs(xg.sum(-1)[..., None] * zero.astype(np.float64))
+                                       ).sum(1) * xs[:, None]
+    return terms.sum(1), bound
+
+
+def _grouped_case(rng, rows, k, n, group):
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    values = rng.integers(-128, 128, (k, n)).astype(np.int8)
+    scale = rng.uniform(0.01, 2.0, (k // group, n)).astype(np.float16)
+    zero = rng.uniform(-3.0, 3.0, (k // group, n)).astype(np.float16)
+    return x, values, scale, zero
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows,k,n,group", [
+    (1, 2, 1, 2), (1, 64, 63, 32), (1, 96, 65, 32),         # tails of a 64-column block
+    (1, 576, 2049, 32), (2, 1024, 300, 512),                # a span boundary; the largest group
+    (3, 1536, 100, 64), (4, 64, 257, 2), (5, 96, 77, 32),   # 3-5 rows; the smallest group
+    (16, 576, 1536, 32),                                    # SmolLM2's gate/up at batch 16
+])
+def test_grouped_kernel_equals_the_exact_product(rows, k, n, group):
+    rng = np.random.default_rng(rows * 1000 + k + n + group)
+    x, values, scale, zero = _grouped_case(rng, rows, k, n, group)
+    args = [jnp.asarray(a) for a in (x, values, scale, zero)]
+    y = np.asarray(jax.jit(kmod.int8_matvec_grouped)(*args), np.float64)
+    ref, bound = _exact_grouped(x, values, scale, zero)
+    assert y.shape == (rows, n)
+    assert np.all(np.abs(y - ref) <= bound + 1e-30)
+    jref = np.asarray(kmod.int8_matvec_grouped_reference(
+        *kmod.quantize_rows_int16(args[0]), *args[1:]), np.float64)
+    assert np.all(np.abs(jref - ref) <= bound + 1e-30)
+
+
+@needs_kernel
+def test_grouped_kernel_largest_group_sums_do_not_overflow():
+    """|x| = 32767 and q = -128 over a group of 512: 512 * 32767 * 128 < 2**31, the bound
+    the kernel's per-group int32 sums rely on."""
+    k, n = 1024, 40
+    x = np.ones((1, k), np.float32)
+    values = np.full((k, n), -128, np.int8)
+    scale = np.ones((2, n), np.float16)
+    zero = np.zeros((2, n), np.float16)
+    y = np.asarray(kmod.int8_matvec_grouped(*(jnp.asarray(a) for a in (x, values, scale,
+                                                                       zero))), np.float64)
+    ref, _ = _exact_grouped(x, values, scale, zero)
+    np.testing.assert_allclose(y, ref, rtol=1e-6)
+    assert abs(ref[0, 0]) / 2 / (1 / 32767) > 2**30  # each group's sum is near 2**31
+
+
+@needs_kernel
+def test_grouped_kernel_refused_shapes():
+    rng = np.random.default_rng(5)
+    x, values, scale, zero = (jnp.asarray(a) for a in _grouped_case(rng, 2, 96, 40, 32))
+    with pytest.raises(ValueError, match="must be even"):  # groups of 3
+        kmod.int8_matvec_grouped(x, values, jnp.ones((32, 40)), jnp.ones((32, 40)))
+    with pytest.raises(ValueError, match="must be even"):  # a group of 1024 > 512
+        kmod.int8_matvec_grouped(jnp.ones((1, 1024)), jnp.ones((1024, 4), jnp.int8),
+                                 jnp.ones((1, 4)), jnp.ones((1, 4)))
+    with pytest.raises(ValueError, match="scale and zero"):
+        kmod.int8_matvec_grouped(x, values, scale, zero[:, :39])
+    empty = kmod.int8_matvec_grouped(jnp.zeros((0, 96)), values, scale, zero)
+    assert empty.shape == (0, 40)
+
+
 def test_switch_and_missing_compiler_leave_the_xla_form(monkeypatch, tmp_path):
     """GSM_JAX_CPU_KERNELS=0, or no C++ compiler: `available()` is False and says why;
     `linear` then keeps its XLA form (the digit products), with the same result bound."""
@@ -148,19 +227,35 @@ def test_switch_and_missing_compiler_leave_the_xla_form(monkeypatch, tmp_path):
     np.testing.assert_allclose(np.asarray(y), ref, rtol=1e-5, atol=1e-5)
     hlo = fresh.lower(x, w).as_text()
     assert kmod.TARGET not in hlo
+    # a grouped weight: the product with its dequantized weight
+    from gsm_jax.pallas_kernels.quant_reference import quantize_weight_grouped
+
+    values, scale, zero = quantize_weight_grouped(
+        jnp.asarray(rng.standard_normal((32, 24)), jnp.float32), 8)
+    wg = QuantizedWeight(values, scale, "w8a16", zero=zero)
+    fresh = jax.jit(lambda a, b: linear(a, b))
+    ref = np.asarray(x, np.float64) @ np.asarray(wg.dequantize(), np.float64)
+    np.testing.assert_allclose(np.asarray(fresh(x, wg)), ref, rtol=1e-5, atol=1e-5)
+    assert kmod.TARGET not in fresh.lower(x, wg).as_text()
 
 
 @needs_kernel
 def test_w8a16_decode_product_is_the_custom_call():
     """Decode-sized w8a16 products on CPU lower to the kernel; prefill-sized ones do not."""
     from gsm_jax.models.linear import W8A16_KERNEL_MAX_ROWS, linear
-    from gsm_jax.pallas_kernels.quant_reference import quantize_weight
+    from gsm_jax.pallas_kernels.quant_reference import quantize_weight, quantize_weight_grouped
 
     w = QuantizedWeight(*quantize_weight(jnp.ones((32, 24), jnp.float32)), "w8a16")
     fresh = jax.jit(lambda a, b: linear(a, b))
     small = fresh.lower(jnp.ones((W8A16_KERNEL_MAX_ROWS, 32)), w).as_text()
     large = fresh.lower(jnp.ones((W8A16_KERNEL_MAX_ROWS + 1, 32)), w).as_text()
     assert kmod.TARGET in small and kmod.TARGET not in large
+    assert kmod.TARGET_GROUPED not in small
+    values, scale, zero = quantize_weight_grouped(jnp.ones((32, 24), jnp.float32), 16)
+    wg = QuantizedWeight(values, scale, "w8a16", zero=zero)
+    small = fresh.lower(jnp.ones((1, 32)), wg).as_text()
+    large = fresh.lower(jnp.ones((W8A16_KERNEL_MAX_ROWS + 1, 32)), wg).as_text()
+    assert kmod.TARGET_GROUPED in small and kmod.TARGET not in large
 
 
 # ----------------------------------------------------------------------------- int8 head

@@ -320,19 +320,19 @@ def test_cli_generate_on_a_saved_directory(saved, name, capsys):
 
 
 def test_cli_generate_quantized_with_int8_head(saved, capsys):
-    """`gsm-jax generate --quantize w8a16 --quantize-head`: the text of
-    gsm_jax.generate on quantize(params, "w8a16", head=True)."""
+    """`gsm-jax generate --quantize w8a16 --quantize-head --quantize-group-size 16`: the
+    text of gsm_jax.generate on quantize(params, "w8a16", head=True, group_size=16)."""
     from gsm_jax.cli import main
     from gsm_jax.quant import quantize
 
     path = saved("llama_llama3")[0]
     assert main(["generate", "--model", str(path), "--max-new-tokens", "6", "--quantize",
-                 "w8a16", "--quantize-head", "The capital of France is"],
-                compile_cache=False) == 0
+                 "w8a16", "--quantize-head", "--quantize-group-size", "16",
+                 "The capital of France is"], compile_cache=False) == 0
     out = capsys.readouterr().out
-    q = quantize(gsm_jax.load(path), "w8a16", head=True)
+    q = quantize(gsm_jax.load(path), "w8a16", head=True, group_size=16)
     expected = gsm_jax.generate(q, ["The capital of France is"], max_new_tokens=6)[0]
-    assert "[gsm-jax] quantized: w8a16 (LM head too)" in out
+    assert "[gsm-jax] quantized: w8a16, groups of 16 (LM head too)" in out
     assert f">>> The capital of France is\n{expected}\n" in out, out
 
 

@@ -3,6 +3,8 @@ quantized params, orbax round trip."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,7 +12,7 @@ import pytest
 from tiny_models import tiny_dsv4
 
 import gsm_jax
-from gsm_jax.errors import InvalidInputError
+from gsm_jax.errors import InvalidInputError, UnsupportedModelError
 from gsm_jax.models import llama
 from gsm_jax.models.linear import (
     QuantizedActivation,
@@ -24,9 +26,11 @@ from gsm_jax.models.llama import LlamaConfig, init_weights
 from gsm_jax.pallas_kernels.quant_reference import (
     dequantize_rows,
     dequantize_weight,
+    dequantize_weight_grouped,
     int8_dot,
     quantize_rows,
     quantize_weight,
+    quantize_weight_grouped,
 )
 from gsm_jax.params import ModelParams
 from gsm_jax.quant import (
@@ -257,6 +261,118 @@ def test_quantize_refuses_bad_input():
         quantize(p, "w8a8", hadamard_down=48)
 
 
+# ----------------------------------------------------------------------------- grouped w8a16
+
+
+def test_grouped_weight_quantization_bounds():
+    """quantize_weight_grouped: |w - (scale * q + zero)| <= scale / 2 in every group, the
+    256 levels spanning the group's [min, max]; an all-zero group stays exactly zero and a
+    constant one within float16 rounding of its value."""
+    rng = np.random.default_rng(21)
+    w = _spiky(rng, (3, 96, 40))
+    w[0, :32, 0] = 0.0            # an all-zero group
+    w[1, 32:64, 1] = 0.7          # a constant group
+    q, scale, zero = quantize_weight_grouped(jnp.asarray(w), 32)
+    assert q.dtype == jnp.int8 and scale.dtype == zero.dtype == jnp.float16
+    assert scale.shape == zero.shape == (3, 3, 40)
+    back = np.asarray(dequantize_weight_grouped(q, scale, zero))
+    step = np.repeat(np.asarray(scale, np.float32), 32, axis=-2)
+    err = np.abs(back - w)
+    assert np.all(err <= step / 2 * (1 + 1e-3) + 1e-7)
+    assert np.all(back[0, :32, 0] == 0.0)
+    assert abs(back[1, 32:64, 1] - 0.7).max() <= 0.7 * 2.0**-11
+    # the levels reach both ends of each group: an asymmetric group's q spans [-128, 127],
+    # a symmetric one's (zero 0) reaches +-127 on its larger side; flat groups aside
+    qg = np.asarray(q).reshape(3, 3, 32, 40)
+    spread = np.ptp(w.reshape(3, 3, 32, 40), axis=2) > 0
+    asym = np.asarray(zero) != 0
+    assert np.all((qg.min(2) <= -127)[spread & asym]) and np.all((qg.max(2) >= 126)[spread & asym])
+    assert np.all((np.abs(qg).max(2) >= 126)[spread & ~asym])
+    assert asym[spread].mean() > 0.5  # spiky random groups: mostly the asymmetric grid
+
+
+def test_grouped_int8_keeps_gguf_groups():
+    """Weights that came from 4-bit groups of 32 (a Q4_1 / Q4_K GGUF: 16 equally spaced
+    levels, float16 step and minimum) land on the int8 grid (17 int8 steps per 4-bit step)
+    to within float16 rounding of the offset and scale (here under 5% of a 4-bit step),
+    where per-channel int8 is off by up to half its own step (here ~40% of a 4-bit step).
+    Q8_0 groups are kept exactly."""
+    rng = np.random.default_rng(22)
+    d = rng.uniform(0.01, 0.1, (4, 1, 64)).astype(np.float16).astype(np.float32)
+    m = rng.uniform(-1.0, 0.0, (4, 1, 64)).astype(np.float16).astype(np.float32)
+    levels = rng.integers(0, 16, (4, 32, 64))
+    levels[:, 0], levels[:, 1] = 0, 15  # both ends used, as Q4_1's quantizer makes them
+    w = (levels * d + m).reshape(128, 64).astype(np.float32)
+    q, scale, zero = quantize_weight_grouped(jnp.asarray(w), 32)
+    back = np.asarray(dequantize_weight_grouped(q, scale, zero))
+    # the offset is rounded to float16 (dz <= |zero| * 2**-11), the scale computed from that
+    # offset (which moves it by up to dz / 127) and rounded up (one ulp, scale * 2**-10):
+    # 128 levels from the offset, |error| <= 2 dz + 128 * scale * 2**-10
+    bound = (np.abs(np.asarray(zero, np.float32)) + 128 * np.asarray(scale, np.float32)) \
+        * 2.0**-10
+    assert np.all(np.abs(back - w) <= np.repeat(bound, 32, axis=0) * (1 + 1e-3))
+    step4 = np.repeat(d.reshape(4, 64), 32, axis=0)
+    assert (np.abs(back - w) / step4).max() < 0.05
+    per_channel = np.asarray(dequantize_weight(*quantize_weight(jnp.asarray(w))))
+    assert (np.abs(per_channel - w) / step4).max() > 0.1
+    # Q8_0 groups (int8 times a float16 scale per 32; the largest at +-127): exact, on
+    # the symmetric grid
+    d8 = rng.uniform(1e-3, 1e-2, (4, 1, 64)).astype(np.float16).astype(np.float32)
+    q8 = rng.integers(-127, 128, (4, 32, 64))
+    q8[:, 0] = np.where(rng.random((4, 64)) < 0.5, 127, -127)
+    w8 = (q8 * d8).reshape(128, 64).astype(np.float32)
+    q, scale, zero = quantize_weight_grouped(jnp.asarray(w8), 32)
+    assert np.all(np.asarray(zero) == 0)
+    np.testing.assert_array_equal(np.asarray(dequantize_weight_grouped(q, scale, zero)), w8)
+
+
+def test_quantize_group_size_model():
+    """quantize(..., "w8a16", group_size=16): every linear and the head grouped; prefill
+    and decode (the kernel's grouped form on CPU) equal the dequantized float model, GSM
+    on; a tied model's lookup table is rounded to the head's grid."""
+    p = _tiny_params()
+    q = quantize(p, "w8a16", group_size=16, head=True)
+    assert q.extra["group_size"] == 16 and q.extra["quantized_head"] is True
+    for name in ("qkv", "o", "gate_up", "down"):
+        w = q.weights["layers"][name]
+        k, n = p.weights["layers"][name].shape[-2:]
+        assert w.group == 16 and w.scale.shape == w.zero.shape == (TINY.num_layers, k // 16, n)
+    head = q.weights["lm_head"]
+    assert head.group == 16 and head.values.shape == (TINY.hidden_size, TINY.vocab_size)
+    tied = dataclasses.replace(p, config=dataclasses.replace(p.config, tie_word_embeddings=True),
+                               weights={k: v for k, v in p.weights.items() if k != "lm_head"})
+    qt = quantize(tied, "w8a16", group_size=16, head=True)  # the table is the head's grid
+    np.testing.assert_array_equal(np.asarray(qt.weights["embed"]),
+                                  np.asarray(qt.weights["lm_head"].dequantize().T))
+    deq = dequantize(q)
+    ids = np.random.default_rng(12).integers(2, TINY.vocab_size, (2, 10))
+    np.testing.assert_allclose(np.asarray(gsm_jax.forward(q, ids)),
+                               np.asarray(gsm_jax.forward(deq, ids)), rtol=1e-4, atol=1e-4)
+    gsm = gsm_jax.GSMConfig(window_size=4, smooth_strength=0.2, target_layers="all")
+    rows = [list(ids[0, :6]), list(ids[1, :3])]
+    got, got_logits = gsm_jax.generate_tokens(q, rows, max_new_tokens=5, eos_ids=[], gsm=gsm,
+                                              return_logits=True)
+    ref, ref_logits = gsm_jax.generate_tokens(deq, rows, max_new_tokens=5, eos_ids=[],
+                                              gsm=gsm, return_logits=True)
+    for a, b in zip(got_logits, ref_logits, strict=True):  # int16 decode rows: 1/65534
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-3, atol=1e-3)
+    for a, b in zip(got, ref, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_quantize_group_size_refusals():
+    p = _tiny_params()
+    with pytest.raises(InvalidInputError, match="w8a16 scheme only"):
+        quantize(p, "w8a8", group_size=32)
+    for bad in (1, 3, 1024, True, 32.0):
+        with pytest.raises(InvalidInputError, match="must be an even integer"):
+            quantize(p, "w8a16", group_size=bad)
+    with pytest.raises(InvalidInputError, match=r"input width 64 of weight 'qkv'"):
+        quantize(p, "w8a16", group_size=48)
+    with pytest.raises(UnsupportedModelError, match="group_size"):
+        quantize(tiny_dsv4(), "w8a16", group_size=32)
+
+
 def test_apply_quantize_option():
     p = _tiny_params()
     assert apply_quantize_option(p, None) is p and apply_quantize_option(p, "none") is p
@@ -307,9 +423,9 @@ def test_hadamard_down_is_float_exact():
 def test_orbax_round_trip(tmp_path):
     p = _tiny_params()
     ids = np.random.default_rng(11).integers(2, TINY.vocab_size, (2, 9))
-    for scheme in ("w8a16", "w8a8"):
-        q = quantize(p, scheme, hadamard_down=32 if scheme == "w8a8" else 0)
-        path = gsm_jax.save(q, tmp_path / scheme)
+    for scheme, group in (("w8a16", None), ("w8a8", None), ("w8a16", 32)):
+        q = quantize(p, scheme, hadamard_down=32 if scheme == "w8a8" else 0, group_size=group)
+        path = gsm_jax.save(q, tmp_path / f"{scheme}_{group}")
         back = restore_quantized(gsm_jax.load(path))
         assert back.extra == q.extra
         # saved stacked, loaded as per-layer arrays (the run-time layout)
@@ -324,6 +440,7 @@ def test_orbax_round_trip(tmp_path):
             w = lw["down"]
             assert isinstance(w, QuantizedWeight) and w.scheme == scheme
             assert w.values.ndim == 2 and w.hadamard == q.weights["layers"]["down"].hadamard
+            assert w.group == (group or 0)
         np.testing.assert_allclose(np.asarray(gsm_jax.forward(back, ids)),
                                    np.asarray(gsm_jax.forward(q, ids)), rtol=0, atol=1e-5)
         again = restore_quantized(back).weights["layers"][0]["o"]  # idempotent

@@ -53,3 +53,13 @@ def test_quantize_head_alone_is_refused_before_load(setup, capsys):
                      *cmd[1:]]) == 2
         err = capsys.readouterr().err
         assert "--quantize-head needs --quantize" in err and "no-such-model" not in err
+    # --quantize-group-size: only with w8a16, even, 2 to 512; named before the load too
+    for flags, said in ((["--quantize-group-size", "32"], "needs --quantize w8a16"),
+                        (["--quantize", "w8a8", "--quantize-group-size", "32"],
+                         "needs --quantize w8a16"),
+                        (["--quantize", "w8a16", "--quantize-group-size", "33"], "must be even"),
+                        (["--quantize", "w8a16", "--quantize-group-size", "1024"],
+                         "must be even")):
+        assert main(["generate", "--model", str(root / "no-such-model"), *flags, "hi"]) == 2
+        err = capsys.readouterr().err
+        assert said in err and "no-such-model" not in err

@@ -728,12 +728,15 @@ def test_quantize_flags_reach_the_engine(monkeypatch, capsys, params):
 
     seen = []
     monkeypatch.setattr(app, "serve", lambda options, **k: seen.append(
-        (options.quantize, options.quantize_head)))
+        (options.quantize, options.quantize_head, options.quantize_group_size)))
     assert main(["serve"]) == 0
     assert main(["serve", "--quantize", "w8a16", "--quantize-head"]) == 0
-    assert seen == [(None, False), ("w8a16", True)]
+    assert main(["serve", "--quantize", "w8a16", "--quantize-group-size", "32"]) == 0
+    assert seen == [(None, False, None), ("w8a16", True, None), ("w8a16", False, 32)]
     assert main(["serve", "--quantize-head"]) == 2
     assert "--quantize-head needs --quantize" in capsys.readouterr().err
+    assert main(["serve", "--quantize", "w8a8", "--quantize-group-size", "32"]) == 2
+    assert "--quantize-group-size needs --quantize w8a16" in capsys.readouterr().err
 
     built = []
 
@@ -742,8 +745,10 @@ def test_quantize_flags_reach_the_engine(monkeypatch, capsys, params):
         raise RuntimeError("stub engine: start-up stops here")
 
     monkeypatch.setattr(app, "Engine", engine)
-    server = app.GSMServer(app.ServerOptions(quantize="w8a16", quantize_head=True), params)
+    server = app.GSMServer(app.ServerOptions(quantize="w8a16", quantize_head=True,
+                                             quantize_group_size=32), params)
     server.load()
     assert server.status == "failed" and "stub engine" in server.error
     (q,) = built
     assert quantization_of(q) == "w8a16" and isinstance(q.weights["lm_head"], QuantizedWeight)
+    assert q.weights["lm_head"].group == 32 and q.extra["group_size"] == 32

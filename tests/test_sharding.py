@@ -206,10 +206,14 @@ gsm = gsm_jax.GSMConfig(window_size=8, smooth_strength=0.1, target_layers="all",
 # each mesh shape once (each compiles its own programs): both axes with GSM, model only
 # with W8A8 (a batch split of 4 with GSM on: test_workflow_tools_accept_sharded_params;
 # this test is one of the family contract's SHARDED_ELSEWHERE, so keep its GSM mesh here)
+# grouped w8a16 (a scale and offset per 32 input channels): o's 576 inputs are 18 groups,
+# not split 8 ways (that axis stays whole); down's 1536 are 48, split along whole groups
 result = dict(gsm=compare(params, rows, [(2, 4)], gsm=gsm),
-              w8a8=compare(gsm_jax.quantize(params, "w8a8"), rows, [(1, 8)]))
+              w8a8=compare(gsm_jax.quantize(params, "w8a8"), rows, [(1, 8)]),
+              w8a16g=compare(gsm_jax.quantize(params, "w8a16", group_size=32), rows, [(1, 8)]))
 """, optimize=True)  # the real model runs many steps; and see the W8A8 note below
     _check(res["gsm"], {"2x4": 4})
+    _check(res["w8a16g"], {"1x8": 8})
     # W8A8 rounds every activation to int8 per token (scale max|x| / 127): a sum that the
     # sharded program adds in another order differs in its last ulp, and a value on a
     # rounding midpoint then moves a whole int8 step; over 30 layers the logits drift (5.7%

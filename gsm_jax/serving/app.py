@@ -120,9 +120,11 @@ class ServerOptions:
     # scheduling): the host's streaming overlaps the model; the same outputs
     async_scheduling: bool = True
     # int8 weights (gsm_jax.quant): "w8a16" (on CPU the int8 kernel at decode) or "w8a8";
-    # quantize_head: the LM head int8 weight-only too
+    # quantize_head: the LM head int8 weight-only too; quantize_group_size: w8a16 with a
+    # scale and offset per that many input channels (quantize(..., group_size=...))
     quantize: str | None = None
     quantize_head: bool = False
+    quantize_group_size: int | None = None
 
 
 class HTTPError(Exception):
@@ -262,10 +264,13 @@ class GSMServer:
             if o.quantize not in (None, "none"):
                 from gsm_jax.quant import apply_quantize_option
 
-                self.params = apply_quantize_option(
-                    self.params, o.quantize, **({"head": True} if o.quantize_head else {}))
-                log.info("gsm-jax serve: weights quantized: %s%s", o.quantize,
-                         " (LM head too)" if o.quantize_head else "")
+                kwargs = {**({"head": True} if o.quantize_head else {}),
+                          **({"group_size": o.quantize_group_size}
+                             if o.quantize_group_size else {})}
+                self.params = apply_quantize_option(self.params, o.quantize, **kwargs)
+                log.info("gsm-jax serve: weights quantized: %s%s%s", o.quantize,
+                         f", groups of {o.quantize_group_size}" if o.quantize_group_size
+                         else "", " (LM head too)" if o.quantize_head else "")
             if self.params.tokenizer is None:
                 raise InvalidInputError(f"{o.model}: no tokenizer; the server takes text")
             initial = None

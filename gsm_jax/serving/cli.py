@@ -22,7 +22,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    "DeepSeek checkpoint keeps its FP8 / FP4 weights as stored)")
     from gsm_jax.quant import add_quantize_argument
 
-    add_quantize_argument(p)  # --quantize {none,w8a16,w8a8,fp8}, --quantize-head
+    add_quantize_argument(p)  # --quantize {none,w8a16,w8a8,fp8}, --quantize-head, -group-size
     p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
     p.add_argument("--port", type=int, default=8000, help="TCP port")
     p.add_argument("--max-batch", type=int, default=16, help="decode slots")
@@ -90,7 +90,7 @@ def run_serve(args: argparse.Namespace) -> int:
         raise InvalidInputError("--no-gsm and --gsm exclude each other")
     from gsm_jax.quant import quantize_option_kwargs
 
-    quant_head = bool(quantize_option_kwargs(args))  # --quantize-head alone: named here
+    quant = quantize_option_kwargs(args)  # --quantize-head alone etc.: named here
     try:
         warm = tuple(int(x) for x in str(args.warmup_lengths).split(",") if x.strip())
     except ValueError as e:
@@ -117,7 +117,8 @@ def run_serve(args: argparse.Namespace) -> int:
         gsm_ring=args.gsm_ring,
         kv_cache_dtype=None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype,
         prefix_cache_bytes=prefix_bytes, async_scheduling=args.async_scheduling,
-        quantize=None if args.quantize == "none" else args.quantize, quantize_head=quant_head)
+        quantize=None if args.quantize == "none" else args.quantize,
+        quantize_head=bool(quant.get("head")), quantize_group_size=quant.get("group_size"))
     serve(options, host=args.host, port=args.port, log_level=args.log_level)
     return 0
 
