@@ -6,7 +6,9 @@
 Schemes (GSM_SPEC.md section 7, question 3):
 
 - ``w8a16``: int8 weights, symmetric, one float32 scale per output channel;
-  activations stay float. Moves a quarter of the fp32 weight bytes.
+  activations stay float. Moves a quarter of the fp32 weight bytes. With
+  ``group_size=32``: a float16 scale and offset per 32 input channels and output
+  channel instead (1/8 byte per weight more; a 4-bit or Q8_0 GGUF's weights are kept).
 - ``w8a8``: the same weights, plus per-token dynamic symmetric int8
   activations; the product runs int8 x int8 -> int32 and is rescaled after.
 
@@ -231,11 +233,13 @@ def quantize(params: ModelParams, scheme: str = "w8a8", *, head: bool = False,
     gsm_jax's default do not apply).
     head: the LM head as an int8 weight-only `QuantizedWeight` too (dense families).
     routed_experts: DeepSeek-V4 only, quantize the routed experts too.
-    group_size: w8a16 with an asymmetric float16 scale and offset per `group_size`
-    (even, at most 512) consecutive input channels and output channel instead of one
-    scale per output channel (Llama and Gemma 3; the head too with head=True). 32 costs
-    1/8 byte per weight more and, on a model that came from a 4-bit GGUF (Q4_1, Q4_K:
-    16 equally spaced levels per 32 weights), keeps its weights to float16 rounding.
+    group_size: w8a16 with a float16 scale and offset per `group_size` (even, at most
+    512) consecutive input channels and output channel instead of one scale per output
+    channel (Llama and Gemma 3; the head too with head=True): each group the closer of
+    an asymmetric grid over its [min, max] and a symmetric one
+    (`quantize_weight_grouped`). 32 costs 1/8 byte per weight more and keeps a model
+    read from a 4-bit GGUF (Q4_1, Q4_K: 16 equally spaced levels per 32 weights) to
+    float16 rounding, and Q8_0 groups exactly.
     hadamard_down: > 0 (a power of two dividing d_ff): rotate the down
     projection's input online by a block-diagonal Hadamard matrix of that block
     size before it is quantized (the QuaRot-style baseline; dense families only).

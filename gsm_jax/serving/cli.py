@@ -22,7 +22,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    "DeepSeek checkpoint keeps its FP8 / FP4 weights as stored)")
     from gsm_jax.quant import add_quantize_argument
 
-    add_quantize_argument(p)  # --quantize {none,w8a16,w8a8,fp8}, --quantize-head, -group-size
+    add_quantize_argument(p)  # --quantize, --quantize-head, --quantize-group-size
     p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
     p.add_argument("--port", type=int, default=8000, help="TCP port")
     p.add_argument("--max-batch", type=int, default=16, help="decode slots")
