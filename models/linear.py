@@ -149,7 +149,8 @@ def is_quantized(w) -> bool:
 def wants_int8_input(w) -> bool:
     """True when `linear(x, w)` quantizes x per token itself, so a GSM site may hand
     it an already quantized activation (the fused smooth + quantize kernel)."""
-    return isinstance(w, QuantizedWeight) and w.scheme == "w8a8" and not w.hadamard
+    return (isinstance(w, QuantizedWeight) and w.scheme == "w8a8" and not w.hadamard
+            and w.zero is None)
 
 
 # ----------------------------------------------------------------------------- Hadamard
@@ -362,6 +363,9 @@ def linear(x, w) -> jax.Array:
             x = hadamard_rotate(x, w.hadamard)
         return _w8a16_matmul(x, w)
     if w.scheme == "w8a8":
+        if w.zero is not None:
+            raise ValueError("a grouped QuantizedWeight (zero set) is w8a16 only; its "
+                             "scheme says w8a8")
         if w.hadamard:
             x = hadamard_rotate(x, w.hadamard)
         return _w8a8_matmul(quantize_activation(x), w)

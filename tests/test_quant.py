@@ -371,6 +371,10 @@ def test_quantize_group_size_refusals():
         quantize(p, "w8a16", group_size=48)
     with pytest.raises(UnsupportedModelError, match="group_size"):
         quantize(tiny_dsv4(), "w8a16", group_size=32)
+    # a grouped container marked w8a8 by hand is refused, not multiplied without its offsets
+    values, scale, zero = quantize_weight_grouped(jnp.ones((32, 8), jnp.float32), 16)
+    with pytest.raises(ValueError, match="w8a16 only"):
+        linear(jnp.ones((1, 32)), QuantizedWeight(values, scale, "w8a8", zero=zero))
 
 
 def test_apply_quantize_option():
