@@ -19,7 +19,9 @@ fi
 # shellcheck disable=SC1091
 . "$VENV/bin/activate"
 STAMP="$VENV/.gsm_jax_installed"
-HASH="$(sha256sum "$ROOT/pyproject.toml" | cut -c1-16)"
+# the checkout is part of the stamp: the editable install points at one checkout's files, so
+# an environment reused from another clone would otherwise test that clone's code
+HASH="$( (cat "$ROOT/pyproject.toml"; echo "$ROOT") | sha256sum | cut -c1-16)"
 HAVE=""
 if [ -f "$STAMP" ]; then HAVE="$(cat "$STAMP")"; fi
 # The stamp reads HASH-EXTRAS; EXTRAS is empty for a generation-only environment.

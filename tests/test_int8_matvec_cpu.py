@@ -5,7 +5,8 @@ The kernel's arithmetic is integer: x rounded to int16 per row, times the int8 w
 summed exactly in int32 (in chunks of 512 k, each added in float32), then scaled. So it
 is compared with the same integer product done in int64 by numpy: the only differences
 allowed are float32 roundings of the chunk sums and the final two multiplies
-(relative 1e-6 of the row's largest output)."""
+(relative 1e-6 of the row's largest output). The grouped form (a float16 scale and offset
+per group of k) likewise, with the bound of float32 recursive summation over its groups."""
 
 from __future__ import annotations
 
