@@ -174,6 +174,15 @@ def _fake_quant_rows(w: jax.Array, group: int = 0) -> jax.Array:
 MAX_GROUP = int8_matvec_cpu.MAX_GROUP
 
 
+def _check_group_value(group_size: Any, label: str) -> None:
+    """InvalidInputError unless `group_size` is an even integer from 2 to `MAX_GROUP` (the
+    kernel sums each group exactly in int32, two k at a time); `label` names the option."""
+    if (isinstance(group_size, bool) or not isinstance(group_size, int | np.integer)
+            or group_size < 2 or group_size > MAX_GROUP or group_size % 2):
+        raise InvalidInputError(f"{label}{group_size!r} must be an even integer from 2 to "
+                                f"{MAX_GROUP}")
+
+
 def _check_group(group_size: Any, scheme: str, family: str, shapes: dict[str, tuple]) -> int:
     """The w8a16 group size, refused by name unless it is an even number from 2 to
     `MAX_GROUP` dividing the input width of every weight it applies to (`shapes`)."""
@@ -184,10 +193,7 @@ def _check_group(group_size: Any, scheme: str, family: str, shapes: dict[str, tu
     if family not in DENSE_FAMILIES:
         raise UnsupportedModelError(f"group_size is implemented for the {_dense_titles()} "
                                     f"families only, not {family!r}")
-    if (isinstance(group_size, bool) or not isinstance(group_size, int | np.integer)
-            or group_size < 2 or group_size > MAX_GROUP or group_size % 2):
-        raise InvalidInputError(f"group_size={group_size!r} must be an even integer from 2 to "
-                                f"{MAX_GROUP}")
+    _check_group_value(group_size, "group_size=")
     for name, shape in shapes.items():
         if shape[-2] % group_size:
             raise InvalidInputError(f"group_size={group_size} does not divide the input width "
@@ -594,8 +600,6 @@ def quantize_option_kwargs(args: Any) -> dict:
     if group is not None:
         if scheme != "w8a16":
             raise InvalidInputError("--quantize-group-size needs --quantize w8a16")
-        if group < 2 or group > MAX_GROUP or group % 2:
-            raise InvalidInputError(f"--quantize-group-size {group} must be even, from 2 to "
-                                    f"{MAX_GROUP}")
+        _check_group_value(group, "--quantize-group-size ")
         out["group_size"] = int(group)
     return out

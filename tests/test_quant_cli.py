@@ -57,9 +57,10 @@ def test_quantize_head_alone_is_refused_before_load(setup, capsys):
     for flags, said in ((["--quantize-group-size", "32"], "needs --quantize w8a16"),
                         (["--quantize", "w8a8", "--quantize-group-size", "32"],
                          "needs --quantize w8a16"),
-                        (["--quantize", "w8a16", "--quantize-group-size", "33"], "must be even"),
+                        (["--quantize", "w8a16", "--quantize-group-size", "33"],
+                         "must be an even integer"),
                         (["--quantize", "w8a16", "--quantize-group-size", "1024"],
-                         "must be even")):
+                         "must be an even integer")):
         assert main(["generate", "--model", str(root / "no-such-model"), *flags, "hi"]) == 2
         err = capsys.readouterr().err
         assert said in err and "no-such-model" not in err
